@@ -1,0 +1,2 @@
+"""Capability declarations of the built-in backends: pure functions of
+(platform, installed library versions), no kernel import."""

@@ -1,0 +1,71 @@
+"""Declaration of ``flash_attn_cute`` (flash-attn-4, the CuTe DSL FlashAttention).
+
+Facts (shared/gpu/README.md, SEEDS.md): on sm90 varlen MHA (192/128, 128/128)
+is correct and capturable; the absorbed ``qv`` path (head_dim 64 + qv 512) is
+Blackwell-only and has no split-KV variant, so under capture it runs one split.
+"""
+
+from __future__ import annotations
+
+from attnreg.registry import (
+    Capabilities,
+    CaptureSupport,
+    DeclarationContext,
+    ForwardMethod,
+    GraphMode,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    SplitKV,
+    Vendor,
+)
+
+from ._common import FLASH_ATTN_CUTE, HALF, MHA_DIMS, MLA_DIMS, TORCH
+
+SUPPORTED_SM = (90, 100, 103)
+QV_MIN_SM = 100
+QV_PAGE_SIZES = (16, 32, 64)
+
+
+def capabilities(ctx: DeclarationContext) -> Capabilities:
+    plat = ctx.platform
+    reason = ""
+    if plat.vendor is not Vendor.CUDA:
+        reason = f"flash-attn-4 is CUDA-only (sm90/sm100); this is {plat}"
+    elif plat.sm is not None and plat.sm not in SUPPORTED_SM:
+        reason = f"flash-attn-4 kernels exist for sm90, sm100, sm103; this is {plat}"
+    kernels: list[KernelConstraints] = []
+    unavailable: tuple[tuple[str, str], ...] = ()
+    has_qv = plat.is_cuda_at_least(QV_MIN_SM)
+    if not reason:
+        kernels.append(KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS,
+                                         HALF, HALF, max_heads=128,
+                                         kernel="flash_attn_varlen_func"))
+        if has_qv:
+            kernels.append(KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}),
+                                             MLA_DIMS, HALF, HALF, page_sizes=QV_PAGE_SIZES,
+                                             max_heads=128,
+                                             kernel="flash_attn_varlen_func(qv=...)",
+                                             split_kv=SplitKV.SINGLE))
+        else:
+            unavailable = (("flash_attn_varlen_func(qv=...)",
+                            f"the absorbed qv path is Blackwell-only (sm100+); this is {plat}"),)
+    if has_qv:
+        breakable = GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
+                                     pinned_method=ForwardMethod.MLA, split_kv=SplitKV.SINGLE)
+    else:
+        # Without the absorbed path nothing can be pinned: the MHA companion is
+        # what gets captured, so prefix batches must run eagerly.
+        breakable = GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
+                                     pinned_method=None)
+    modes = (
+        breakable,
+        GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
+                         CaptureSupport.native("attention runs eagerly between pieces")),
+    )
+    return Capabilities(
+        backend="flash_attn_cute", platform=plat, vendors=frozenset({Vendor.CUDA}),
+        kernels=tuple(kernels), graph_modes=modes, requires=(TORCH, FLASH_ATTN_CUTE),
+        platform_reason=reason, unavailable_kernels=unavailable, priority=25,
+        notes=("prefill only: pair it with a decode backend",),
+    )

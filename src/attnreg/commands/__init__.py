@@ -1,0 +1,1 @@
+"""Subcommands of the ``attnreg`` CLI, one module each (see ``attnreg.cli``)."""

@@ -1,0 +1,57 @@
+"""The registry: capability model, hookspecs and plugin manager.
+
+Pure data and pluggy only; importing this package never imports torch or a
+kernel library.
+"""
+
+from .capabilities import (
+    CAPTURE_GRAPH_MODES,
+    METHOD_HEAD_DIMS,
+    VALID_GRAPH_MODES,
+    Capabilities,
+    CaptureMemory,
+    CaptureSupport,
+    Cost,
+    DType,
+    ForwardMethod,
+    ForwardMode,
+    GraphMode,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    Requirement,
+    SplitKV,
+    SupportKind,
+)
+from .errors import (
+    AttnregError,
+    BackendUnavailableError,
+    DuplicateBackendError,
+    GraphPolicyError,
+    PluginError,
+    UnknownBackendError,
+    UnsupportedError,
+)
+from .hookspecs import hookimpl, hookspec
+from .manager import (
+    ENTRY_POINT_GROUP,
+    Availability,
+    BackendRegistry,
+    PluginInfo,
+    get_registry,
+    load_registry,
+)
+from .platform import Platform, Vendor
+from .spec import BackendSpec, DeclarationContext
+from .validation import validate_capabilities, validate_spec
+
+__all__ = [
+    "CAPTURE_GRAPH_MODES", "METHOD_HEAD_DIMS", "VALID_GRAPH_MODES", "Capabilities",
+    "CaptureMemory", "CaptureSupport", "Cost", "DType", "ForwardMethod", "ForwardMode",
+    "GraphMode", "GraphModeSupport", "KernelConstraints", "Phase", "Requirement", "SplitKV",
+    "SupportKind", "AttnregError", "BackendUnavailableError", "DuplicateBackendError",
+    "GraphPolicyError", "PluginError", "UnknownBackendError", "UnsupportedError", "hookimpl",
+    "hookspec", "ENTRY_POINT_GROUP", "Availability", "BackendRegistry", "PluginInfo",
+    "get_registry", "load_registry", "Platform", "Vendor", "BackendSpec", "DeclarationContext",
+    "validate_capabilities", "validate_spec",
+]

@@ -1,0 +1,115 @@
+"""Errors of attnreg.  Each says what was wrong, why, and what to do."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Sequence
+
+__all__ = [
+    "AttnregError",
+    "UnknownBackendError",
+    "PluginError",
+    "DuplicateBackendError",
+    "BackendUnavailableError",
+    "UnsupportedError",
+    "GraphPolicyError",
+    "closest_names",
+]
+
+
+class AttnregError(Exception):
+    """Base class of every error attnreg raises on purpose."""
+
+
+def closest_names(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    return difflib.get_close_matches(name, sorted(candidates), n=n, cutoff=0.5)
+
+
+class UnknownBackendError(AttnregError, KeyError):
+    """A backend name that no loaded plugin registered."""
+
+    def __init__(self, name: str, known: Iterable[str]):
+        self.name = name
+        self.known = sorted(known)
+        self.suggestions = closest_names(name, self.known)
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        hint = f" Did you mean: {', '.join(self.suggestions)}?" if self.suggestions else ""
+        known = ", ".join(self.known) or "none"
+        return (f"unknown attention backend {self.name!r}.{hint} Registered backends: {known}. "
+                "Run `attnreg backends` to list them, or `attnreg doctor` for plugin errors.")
+
+
+class PluginError(AttnregError):
+    """A plugin failed to import, raised in its hook, or declared something invalid."""
+
+    def __init__(self, plugin: str, cause: str, *, backend: str | None = None,
+                 kind: str = "error", traceback_text: str = ""):
+        self.plugin = plugin
+        self.cause = cause
+        self.backend = backend
+        self.kind = kind
+        self.traceback_text = traceback_text
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        what = f"backend {self.backend!r} from plugin {self.plugin!r}" if self.backend \
+            else f"plugin {self.plugin!r}"
+        return (f"{what}: {self.kind}: {self.cause}. Fix or upgrade the plugin, or skip it with "
+                f"`--disable {self.plugin}` / ATTNREG_DISABLE={self.plugin}.")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"plugin": self.plugin, "backend": self.backend, "kind": self.kind,
+                "cause": self.cause}
+
+
+class DuplicateBackendError(PluginError):
+    """Two plugins registered the same backend name."""
+
+    def __init__(self, name: str, first_plugin: str, second_plugin: str):
+        self.first_plugin = first_plugin
+        super().__init__(
+            second_plugin,
+            f"backend name {name!r} is already registered by plugin {first_plugin!r}; "
+            f"names must be unique (rename one, or disable one of {first_plugin!r} and "
+            f"{second_plugin!r})",
+            backend=name, kind="duplicate",
+        )
+
+
+class BackendUnavailableError(AttnregError):
+    """A registered backend that cannot run here (missing library, wrong platform)."""
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+        super().__init__(f"backend {name!r} is unavailable: {reason}")
+
+
+class UnsupportedError(AttnregError, ValueError):
+    """A request outside a backend's declaration, refused before any kernel launch."""
+
+    def __init__(self, backend: str, what: str, reasons: Sequence[str] | str,
+                 hint: str = ""):
+        self.backend = backend
+        self.what = what
+        self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
+        self.hint = hint or ("see `attnreg backends --json` for what this backend declares, "
+                             "or choose another backend")
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return (f"{self.backend}: unsupported {self.what}: " + "; ".join(self.reasons)
+                + f". {self.hint}")
+
+
+class GraphPolicyError(AttnregError):
+    """A locked graph configuration violates hard incompatibilities."""
+
+    def __init__(self, reasons: Sequence[str]):
+        self.reasons = list(reasons)
+        body = "\n".join(f"  - {r}" for r in self.reasons)
+        super().__init__(
+            "the requested graph configuration cannot run:\n" + body +
+            "\nUnlock the mode (drop the explicit flag) or choose a backend that supports it.")

@@ -1,0 +1,122 @@
+"""Validation of declarations: a list of reasons, empty when valid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .capabilities import (
+    VALID_GRAPH_MODES,
+    Capabilities,
+    CaptureSupport,
+    ForwardMethod,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    SplitKV,
+)
+from .spec import NAME_RE, BackendSpec
+
+__all__ = ["validate_spec", "validate_capabilities"]
+
+
+def validate_spec(spec: Any) -> list[str]:
+    """Reasons a registered object is not a usable :class:`BackendSpec`."""
+    if not isinstance(spec, BackendSpec):
+        return [f"register() takes a BackendSpec, got {type(spec).__name__}"]
+    reasons = []
+    if not isinstance(spec.name, str) or not NAME_RE.match(spec.name):
+        reasons.append(f"backend name {spec.name!r} must match {NAME_RE.pattern}")
+    if not callable(spec.capabilities):
+        reasons.append("capabilities must be a callable (DeclarationContext) -> Capabilities")
+    module, sep, attr = (spec.runtime or "").partition(":")
+    if not (module and sep and attr):
+        reasons.append(f"runtime {spec.runtime!r} must be 'package.module:ClassName'")
+    if not spec.summary:
+        reasons.append("summary is empty; give one line for listings")
+    return reasons
+
+
+def _validate_capture(entry: GraphModeSupport, backend: str) -> list[str]:
+    cap: CaptureSupport = entry.capture
+    where = f"{entry.phase}/{entry.mode}"
+    reasons = []
+    if cap.is_fallback and (not cap.fallback_to or cap.fallback_to == backend):
+        reasons.append(f"{where}: FALLBACK must name another backend, got {cap.fallback_to!r}")
+    if cap.is_fallback and not cap.reason:
+        reasons.append(f"{where}: FALLBACK needs a reason (why the native path cannot capture)")
+    if cap.is_unsupported and not cap.reason:
+        reasons.append(f"{where}: UNSUPPORTED needs a reason")
+    if cap.is_unsupported and entry.pinned_method is not None:
+        reasons.append(f"{where}: an UNSUPPORTED mode cannot pin a forward method")
+    mem = entry.capture_memory
+    if mem.fixed_bytes < 0 or mem.per_batch_slot_bytes < 0:
+        reasons.append(f"{where}: capture memory estimate is negative")
+    return reasons
+
+
+def _validate_kernel(k: KernelConstraints) -> list[str]:
+    where = f"kernel {k.kernel or k.method}"
+    reasons = []
+    if not k.phases:
+        reasons.append(f"{where}: no phase")
+    if not k.head_dims:
+        reasons.append(f"{where}: no head dims")
+    for pair in k.head_dims:
+        if len(pair) != 2 or min(pair) <= 0:
+            reasons.append(f"{where}: head dims {pair} are not two positive ints")
+        elif k.method is ForwardMethod.MLA and tuple(pair) != (576, 512):
+            reasons.append(f"{where}: absorbed MLA is (576, 512), got {tuple(pair)}")
+    if not k.q_dtypes or not k.kv_dtypes:
+        reasons.append(f"{where}: q and kv dtypes must be non-empty")
+    for p in k.page_sizes:
+        if p <= 0 or p & (p - 1):
+            reasons.append(f"{where}: page size {p} is not a positive power of two")
+    if k.method is ForwardMethod.MLA and not k.page_sizes:
+        reasons.append(f"{where}: absorbed MLA reads the paged latent cache; list page sizes")
+    if k.max_heads < 1 or any(h < 1 or h > k.max_heads for h in k.head_counts):
+        reasons.append(f"{where}: head counts must be within 1..max_heads")
+    if Phase.DECODE in k.phases and k.method is not ForwardMethod.MLA:
+        reasons.append(f"{where}: decode of an MLA model runs absorbed MLA, not {k.method}")
+    return reasons
+
+
+def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[str]:
+    """Reasons a declaration is invalid (empty list = valid)."""
+    if not isinstance(caps, Capabilities):
+        return [f"capability function must return Capabilities, got {type(caps).__name__}"]
+    reasons: list[str] = []
+    if expected_name is not None and caps.backend != expected_name:
+        reasons.append(f"declaration names backend {caps.backend!r}, spec says {expected_name!r}")
+    if not caps.kernels and not caps.platform_reason:
+        reasons.append("declares no kernel on this platform but gives no platform_reason")
+    for k in caps.kernels:
+        reasons.extend(_validate_kernel(k))
+    seen: set[tuple[Phase, object]] = set()
+    for entry in caps.graph_modes:
+        key = (entry.phase, entry.mode)
+        if entry.mode not in VALID_GRAPH_MODES[entry.phase]:
+            reasons.append(f"{entry.phase} has no graph mode {entry.mode} "
+                           f"(valid: {[m.value for m in VALID_GRAPH_MODES[entry.phase]]})")
+        if key in seen:
+            reasons.append(f"{entry.phase}/{entry.mode} declared twice")
+        seen.add(key)
+        reasons.extend(_validate_capture(entry, caps.backend))
+        if entry.capture.is_native and entry.pinned_method is not None and caps.kernels \
+                and not caps.kernels_for(entry.pinned_method, entry.phase):
+            reasons.append(f"{entry.phase}/{entry.mode} pins {entry.pinned_method} but no "
+                           f"{entry.pinned_method} kernel serves {entry.phase}")
+        if entry.capture.is_native and entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED) \
+                and caps.kernels and \
+                not any(k.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED) for k in caps.kernels
+                        if entry.phase in k.phases):
+            reasons.append(f"{entry.phase}/{entry.mode} claims dynamic split-KV under capture "
+                           "but no kernel of that phase declares split-KV")
+    if caps.kernels:
+        for phase, modes in VALID_GRAPH_MODES.items():
+            if not caps.serves(phase):
+                continue
+            for mode in modes:
+                if (phase, mode) not in seen:
+                    reasons.append(f"{phase}/{mode} is not declared (say NATIVE, FALLBACK or "
+                                   "UNSUPPORTED with a reason)")
+    return reasons
