@@ -19,6 +19,7 @@ from .registry.errors import AttnregError
 COMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("attnreg.commands.backends", "list backends and what each declares"),
     "doctor": ("attnreg.commands.doctor", "installed libraries, platform, plugins, errors"),
+    "demo": ("attnreg.commands.demo", "compatibility report: this machine + simulated H200/B200"),
 }
 
 

@@ -7,7 +7,12 @@ asks torch lazily (only if it is installed) and falls back to ``cpu``.
 from __future__ import annotations
 
 import enum
+import glob
+import os
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 
 __all__ = ["Vendor", "Platform"]
@@ -56,12 +61,33 @@ class Platform:
             raise ValueError(f"cannot parse architecture {arch!r} in {text!r}; "
                              "expected e.g. sm90, sm100, gfx942")
         if vendor is Vendor.CUDA and arch and not arch.startswith("sm"):
-            raise ValueError(f"a cuda platform needs an sm arch, got {arch!r} in {text!r}")
+            raise ValueError(f"a cuda platform needs an sm arch, got {arch!r} in {text!r}; "
+                             "expected e.g. cuda:sm90")
         return cls(vendor, arch)
 
     @classmethod
     def detect(cls) -> "Platform":
-        """Detect the current device through torch, imported lazily; ``cpu`` without it."""
+        """Detect the current device, cheaply.
+
+        Order: ``ATTNREG_PLATFORM`` (e.g. ``cuda:sm100``) if set; torch if it is
+        already imported; ``cpu`` when the machine has no GPU device nodes (no
+        torch import); ``nvidia-smi``'s compute capability; finally torch,
+        imported lazily.  Startup queries therefore never pay for torch on a
+        CPU-only machine.
+        """
+        override = os.environ.get("ATTNREG_PLATFORM")
+        if override:
+            return cls.parse(override)
+        if "torch" not in sys.modules and not _has_gpu_device_nodes():
+            return cls(Vendor.CPU)
+        if "torch" not in sys.modules:
+            found = _nvidia_smi_platform()
+            if found is not None:
+                return found
+        return cls._detect_with_torch()
+
+    @classmethod
+    def _detect_with_torch(cls) -> "Platform":
         try:
             import torch  # noqa: PLC0415 - lazy on purpose: startup must not need torch
         except ImportError:
@@ -96,3 +122,24 @@ class Platform:
 
     def __str__(self) -> str:
         return f"{self.vendor.value}:{self.arch}" if self.arch else self.vendor.value
+
+
+def _has_gpu_device_nodes() -> bool:
+    """NVIDIA (/dev/nvidia0...) or AMD (/dev/kfd) device nodes exist."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
+def _nvidia_smi_platform() -> "Platform | None":
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    major, _, minor = first.strip().partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    return Platform(Vendor.CUDA, f"sm{int(major)}{int(minor)}")

@@ -1,0 +1,45 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - venv, install, and the compatibility report (this machine + simulated H200/B200)
+#   make test   - venv, install with test extras, the whole CPU test suite
+#
+# TORCH_SPEC pins the torch build installed first: this CPU machine's local
+# wheel by default.  On a GPU box use e.g. `make test TORCH_SPEC=torch`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+ATTNREG := $(VENV)/bin/attnreg
+
+.PHONY: demo test venv install-demo install-test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Stamps re-run an install only when pyproject.toml changes.
+$(VENV)/.demo-installed: pyproject.toml | $(PY)
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[torch]"
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(PY)
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test,bench]" ruff
+	touch $@ $(VENV)/.demo-installed
+
+venv: $(PY)
+install-demo: $(VENV)/.demo-installed
+install-test: $(VENV)/.test-installed
+
+demo: $(VENV)/.demo-installed
+	$(PY) -m attnreg demo
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

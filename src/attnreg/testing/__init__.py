@@ -1,0 +1,1 @@
+"""The conformance suite, shipped in the wheel (see attnreg.testing.plugin)."""
