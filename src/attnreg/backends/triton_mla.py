@@ -1,0 +1,143 @@
+"""The ``triton`` backend: attnreg's own Triton MLA kernels behind the runtime interface.
+
+* decode: ``mla_decode``, split-KV over a static grid of ``max_splits`` with
+  per-sequence split counts computed on the device, so a graph captured once
+  replays correctly for any lengths up to the capture bound;
+* extend, MLA: ``mla_extend`` over the paged pool (causal within the new tokens);
+* extend, MHA: ``mha_prefill`` over ragged k / v (bottom-right causal).
+
+Under capture the split count and the decode workspace are fixed in
+``init_cuda_graph_state``; the captured region then allocates nothing of its
+own and reads no host value (lengths are read by the kernels on the device).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnreg.registry import ForwardMethod, Phase
+
+from ._triton_kernels import (
+    MLADecodeWorkspace,
+    default_max_splits,
+    mha_prefill,
+    mla_decode,
+    mla_extend,
+)
+from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
+from .kv_pool import MLAKVPool
+
+__all__ = ["TritonMLABackend"]
+
+
+class TritonMLABackend(AttentionBackend):
+    """MLA decode / extend and MHA prefill with the Triton kernels of ``_triton_kernels``.
+
+    Parameters
+    ----------
+    config : MLAConfig
+    capabilities : Capabilities
+    num_sms : int, optional
+        Multiprocessors the split heuristic fills (default: the device's count;
+        8 on cpu, where the kernels run in the Triton interpreter).
+    max_kv_splits : int, optional
+        Cap on the static split count of decode launches (default: the
+        heuristic ``default_max_splits``).
+    force_kv_splits : int, optional
+        Use exactly this many splits for every sequence (tests, tuning).
+    """
+
+    def __init__(self, config: MLAConfig, *, capabilities: Any, num_sms: int | None = None,
+                 max_kv_splits: int | None = None, force_kv_splits: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(config, capabilities=capabilities, **kwargs)
+        if num_sms is None:
+            if self.device.type == "cuda":
+                num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            else:
+                num_sms = 8
+        for opt, value in (("num_sms", num_sms), ("max_kv_splits", max_kv_splits),
+                           ("force_kv_splits", force_kv_splits)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{opt} must be a positive int, got {value!r}")
+        self.num_sms = int(num_sms)
+        self.max_kv_splits = max_kv_splits
+        self.force_kv_splits = force_kv_splits
+
+    # -- planning ----------------------------------------------------------------------
+    def _splits_for(self, batch_size: int, max_seq_len: int) -> int:
+        if self.force_kv_splits is not None:
+            return self.force_kv_splits
+        splits = default_max_splits(batch_size, self.config.num_heads, max_seq_len,
+                                    self.num_sms)
+        if self.max_kv_splits is not None:
+            splits = min(splits, self.max_kv_splits)
+        return max(1, splits)
+
+    def _init_metadata_impl(self, md: ForwardMetadata) -> None:
+        if md.phase is Phase.DECODE:
+            # Eager: the kernel allocates the workspace itself when it splits.
+            md.extras["max_splits"] = self._splits_for(md.batch_size, md.max_seq_len)
+            md.extras["workspace"] = None
+
+    def _init_graph_state_impl(self, state: GraphState) -> None:
+        # One flat fp32 buffer serves every captured batch size: a launch for bs
+        # sequences with S splits views its first bs * S * H * 512 floats.  bs * S
+        # stays near num_sms / head blocks for small bs and is bs for large bs, so the
+        # buffer is far smaller than [max_bs, max_splits(bs=1), H, 512].
+        heads, latent = self.config.num_heads, self.config.kv_lora_rank
+        most = max(bs * self._splits_for(bs, state.max_seq_len)
+                   for bs in range(1, state.max_bs + 1))
+        state.extras["partial_out"] = torch.empty(most * heads * latent, dtype=torch.float32,
+                                                  device=self.device)
+        state.extras["partial_lse"] = torch.empty(most * heads, dtype=torch.float32,
+                                                  device=self.device)
+
+    def _init_capture_impl(self, md: ForwardMetadata) -> None:
+        if md.phase is not Phase.DECODE:
+            return
+        state = self.graph_state
+        assert state is not None
+        bs, heads, latent = md.batch_size, self.config.num_heads, self.config.kv_lora_rank
+        splits = self._splits_for(bs, state.max_seq_len)
+        md.extras["max_splits"] = splits
+        if splits > 1:
+            po = state.extras["partial_out"][:bs * splits * heads * latent]
+            pl = state.extras["partial_lse"][:bs * splits * heads]
+            md.extras["workspace"] = MLADecodeWorkspace(po.view(bs, splits, heads, latent),
+                                                        pl.view(bs, splits, heads))
+        else:
+            md.extras["workspace"] = None
+
+    # -- forward -----------------------------------------------------------------------
+    def _kv_scale(self, pool: MLAKVPool) -> float | torch.Tensor:
+        # A device tensor keeps a captured launch reading the pool's current scale.
+        return pool.scale_tensor if pool.is_fp8 else 1.0
+
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
+                             out: torch.Tensor) -> None:
+        splits = int(md.extras["max_splits"])
+        with self.kernel_errors("decode inputs"):
+            mla_decode(q, pool.buffer, md.page_table, md.seq_lens, out,
+                       sm_scale=self.config.softmax_scale, kv_scale=self._kv_scale(pool),
+                       max_splits=splits, workspace=md.extras.get("workspace"),
+                       force_num_splits=splits if self.force_kv_splits is not None else None)
+
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
+                             md: ForwardMetadata, out: torch.Tensor, *,
+                             method: ForwardMethod, k: torch.Tensor | None,
+                             v: torch.Tensor | None) -> None:
+        if method is ForwardMethod.MLA:
+            assert pool is not None
+            with self.kernel_errors("MLA extend inputs"):
+                mla_extend(q, pool.buffer, md.page_table, md.seq_lens, md.prefix_lens,
+                           md.qo_indptr, out, sm_scale=self.config.softmax_scale,
+                           kv_scale=self._kv_scale(pool), max_extend_len=md.max_extend_len)
+        else:
+            assert k is not None and v is not None
+            with self.kernel_errors("MHA prefill inputs"):
+                mha_prefill(q, k, v, md.qo_indptr, md.kv_indptr, out,
+                            sm_scale=self.config.softmax_scale, causal=True,
+                            max_q_len=md.max_extend_len)

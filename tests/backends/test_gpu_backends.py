@@ -1,0 +1,182 @@
+"""Triton backend vs the reference on a real GPU, bigger shapes, and real CUDA graph
+capture / replay (torch.cuda.CUDAGraph) with other lengths and contents per replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnreg.backends.base import MLAConfig
+from attnreg.graph_policy.capture import capturing
+from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
+
+from ._scenarios import FP8_SCALE, make_scenario
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def backends(cfg: MLAConfig, **options: object):
+    reg = get_registry()
+    return reg.create("triton", cfg, **options), reg.create("reference", cfg)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = 2e-2) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= atol, f"max abs error {err} > {atol}"
+
+
+def q_dtype_for(kv_dtype: str) -> torch.dtype:
+    return DTYPES.get(kv_dtype, torch.bfloat16)
+
+
+DECODE_CASES = [(16, ps, kv) for ps in (1, 16, 32, 64) for kv in ("bf16", "fp8_e4m3")] + [
+    (128, 16, "fp16"), (128, 64, "fp8_e4m3"), (128, 1, "bf16")]
+
+
+@pytest.mark.parametrize("heads,page_size,kv_dtype", DECODE_CASES)
+def test_decode_matches_reference(heads: int, page_size: int, kv_dtype: str) -> None:
+    cfg = MLAConfig(num_heads=heads, page_size=page_size, kv_dtype=kv_dtype, device="cuda")
+    tri, ref = backends(cfg)
+    prefix = [0, 1, 255, 256, 1000, 3071]  # around the 256-token split chunk
+    sc = make_scenario(cfg, prefix, [1] * len(prefix), decode=True, seed=heads + page_size,
+                       q_dtype=q_dtype_for(kv_dtype))
+    got = tri.forward_decode(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
+    assert tri.forward_metadata is not None and tri.forward_metadata.extras["max_splits"] > 1
+    want = ref.forward_decode(sc.q, None, None, sc.pool, sc.batch)
+    assert_close(got, want)
+
+
+EXTEND_CASES = [(16, ps, kv) for ps in (1, 64) for kv in ("bf16", "fp8_e4m3")] + [
+    (128, 16, "bf16"), (16, 32, "fp16")]
+
+
+@pytest.mark.parametrize("heads,page_size,kv_dtype", EXTEND_CASES)
+@pytest.mark.parametrize("prefix", [[0, 0, 0], [700, 0, 33]], ids=["no_prefix", "prefix"])
+def test_mla_extend_matches_reference(heads: int, page_size: int, kv_dtype: str,
+                                      prefix: list[int]) -> None:
+    cfg = MLAConfig(num_heads=heads, page_size=page_size, kv_dtype=kv_dtype, device="cuda")
+    tri, ref = backends(cfg)
+    sc = make_scenario(cfg, prefix, [129, 300, 1], seed=7, q_dtype=q_dtype_for(kv_dtype))
+    got = tri.forward_extend(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
+    want = ref.forward_extend(sc.q, None, None, sc.pool, sc.batch)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("prefix", [[0, 0], [500, 37]], ids=["no_prefix", "prefix"])
+def test_mha_extend_matches_reference(dtype: str, prefix: list[int]) -> None:
+    cfg = MLAConfig(num_heads=16, page_size=16, device="cuda", kv_dtype=dtype, q_dtype=dtype)
+    tri, ref = backends(cfg)
+    sc = make_scenario(cfg, prefix, [200, 63], mha=True, seed=8, q_dtype=DTYPES[dtype])
+    got = tri.forward_extend(sc.q, None, None, None, sc.batch, method="mha", k=sc.k, v=sc.v)
+    want = ref.forward_extend(sc.q, None, None, None, sc.batch, method="mha", k=sc.k, v=sc.v)
+    assert_close(got, want)
+
+
+def _churn() -> None:
+    """Allocate and free memory between replays: a graph that recorded freed storage
+    would now read or write reused memory."""
+    junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]
+    del junk
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("heads,page_size,kv_dtype", [(16, 16, "fp8_e4m3"), (128, 1, "bf16")])
+def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_size: int,
+                                                               kv_dtype: str) -> None:
+    cfg = MLAConfig(num_heads=heads, page_size=page_size, kv_dtype=kv_dtype, device="cuda")
+    tri, ref = backends(cfg)
+    bs, max_seq = 6, 4096
+    pool = cfg.make_pool(4 * (max_seq // page_size) * 6 + 8,
+                         scale=FP8_SCALE if kv_dtype == "fp8_e4m3" else 1.0)
+    pool.fill_canary()
+    tri.init_cuda_graph_state(max_bs=8, max_num_tokens=8, max_seq_len=max_seq)
+    tri.init_forward_metadata_capture(bs, bs)
+    assert tri.forward_metadata is not None
+    assert tri.forward_metadata.extras["max_splits"] > 1, "split-KV must survive capture"
+    static_q = torch.zeros(bs, heads, 576, dtype=torch.bfloat16, device="cuda")
+    static_lat = torch.zeros(bs, 512, dtype=torch.bfloat16, device="cuda")
+    static_rope = torch.zeros(bs, 64, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with capturing(GraphMode.FULL):
+        tri.forward_decode(static_q, static_lat, static_rope, pool)  # warm-up / compile
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_out = tri.forward_decode(static_q, static_lat, static_rope, pool)
+    written: list[int] = []
+    replays = [[0, 5, 300, 4095, 17, 1], [2000, 3], [255, 256, 257, 1023, 1024, 3000],
+               [4000, 0, 0, 0]]
+    for step, prefix in enumerate(replays):
+        sc = make_scenario(cfg, prefix, [1] * len(prefix), decode=True, seed=step, pool=pool)
+        b = sc.batch.batch_size
+        tri.init_forward_metadata_replay(bs, bs, sc.batch)
+        static_q.zero_()
+        static_q[:b] = sc.q
+        static_lat[:b] = sc.latent_new
+        static_rope[:b] = sc.rope_new
+        _churn()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.forward_decode(sc.q, None, None, pool, sc.batch)
+        assert_close(static_out[:b], want)
+        assert torch.count_nonzero(static_out[b:].float()) == 0, "padded rows must be 0"
+        written += sc.batch.out_cache_loc.tolist()
+        for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
+            written += pool.slots(pages_b, range(p))
+        assert pool.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
+        pool.free([p for row in sc.batch.page_table.tolist() for p in row if p])
+
+
+def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None:
+    cfg = MLAConfig(num_heads=16, page_size=16, kv_dtype="bf16", device="cuda")
+    tri, ref = backends(cfg)
+    bs, tokens = 4, 256
+    pool = cfg.make_pool(600)
+    pool.fill_canary()
+    tri.init_cuda_graph_state(max_bs=4, max_num_tokens=tokens, max_seq_len=2048,
+                              graph_modes={"prefill": "breakable"})
+    tri.init_forward_metadata_capture(bs, tokens, forward_mode="extend")
+    static_q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16, device="cuda")
+    static_lat = torch.zeros(tokens, 512, dtype=torch.bfloat16, device="cuda")
+    static_rope = torch.zeros(tokens, 64, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with capturing(GraphMode.BREAKABLE):
+        tri.forward_extend(static_q, static_lat, static_rope, pool, method=ForwardMethod.MLA)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_out = tri.forward_extend(static_q, static_lat, static_rope, pool,
+                                            method=ForwardMethod.MLA)
+    written: list[int] = []
+    replays = [([0, 100, 1500, 7], [64, 64, 64, 64]), ([1000], [256]),
+               ([0, 0, 3], [1, 200, 2])]
+    for step, (prefix, extend) in enumerate(replays):
+        sc = make_scenario(cfg, prefix, extend, seed=10 + step, pool=pool)
+        t = sc.batch.num_tokens
+        tri.init_forward_metadata_replay(bs, tokens, sc.batch)
+        static_q[:t] = sc.q
+        static_lat[:t] = sc.latent_new
+        static_rope[:t] = sc.rope_new
+        _churn()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.forward_extend(sc.q, None, None, pool, sc.batch)
+        assert_close(static_out[:t], want)
+        written += sc.batch.out_cache_loc.tolist()
+        for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
+            written += pool.slots(pages_b, range(p))
+        assert pool.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
+        pool.free([p for row in sc.batch.page_table.tolist() for p in row if p])
+
+
+def test_reference_refuses_a_real_capture_without_a_capture_context() -> None:
+    """A stream that is capturing counts as capture even with no capturing() context."""
+    cfg = MLAConfig(num_heads=16, page_size=16, device="cuda")
+    _, ref = backends(cfg)
+    sc = make_scenario(cfg, [10], [1], decode=True)
+    ref.init_forward_metadata(sc.batch)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(UnsupportedError, match="decode under full graph capture"), \
+            torch.cuda.graph(graph):
+        ref.forward_decode(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
