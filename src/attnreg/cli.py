@@ -19,6 +19,9 @@ from .registry.errors import AttnregError
 COMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("attnreg.commands.backends", "list backends and what each declares"),
     "doctor": ("attnreg.commands.doctor", "installed libraries, platform, plugins, errors"),
+    "conformance": ("attnreg.commands.conformance",
+                    "prove each declared capability of a backend on this device"),
+    "compat": ("attnreg.commands.compat", "graph plan and decision trace for a platform/model"),
     "demo": ("attnreg.commands.demo", "compatibility report: this machine + simulated H200/B200"),
 }
 

@@ -1,0 +1,130 @@
+"""ReplayGate: every eligibility rule of seed 000's can_replay_locally."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnreg.graph_policy import (
+    GATE_RULES,
+    MODEL_PRESETS,
+    GraphConfig,
+    HiddenCapture,
+    ReplayBatch,
+    ReplayGate,
+    ServerFeatures,
+)
+from attnreg.registry import ForwardMode, GraphMode
+
+from ._helpers import sim
+
+TEXT_MLA = MODEL_PRESETS["deepseek-v3"]
+CONFIG = GraphConfig(decode_batch_sizes=(1, 2, 4, 8), prefill_num_tokens=(64, 128, 256),
+                     prefill_max_requests=4)
+
+
+def gate(features: ServerFeatures | None = None, config: GraphConfig = CONFIG,
+         **kwargs: object) -> ReplayGate:
+    plan = sim("cuda:sm90", TEXT_MLA, "flashinfer_mla", config, features)
+    return ReplayGate(plan, **kwargs)  # type: ignore[arg-type]
+
+
+def extend(**kwargs: object) -> ReplayBatch:
+    base: dict[str, object] = {"forward_mode": ForwardMode.EXTEND, "batch_size": 2,
+                               "num_tokens": 100}
+    base.update(kwargs)
+    return ReplayBatch(**base)  # type: ignore[arg-type]
+
+
+def rule_of(g: ReplayGate, batch: ReplayBatch) -> str:
+    ok, reason = g.can_replay(batch)
+    assert ok == (reason.rule == "gate.ok")
+    assert reason.rule in GATE_RULES
+    return reason.rule
+
+
+def test_plain_batches_replay() -> None:
+    g = gate()
+    assert rule_of(g, extend()) == "gate.ok"
+    assert rule_of(g, ReplayBatch(ForwardMode.DECODE, 8)) == "gate.ok"
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND])
+def test_speculative_forward_modes_run_eagerly(mode: ForwardMode) -> None:
+    assert rule_of(gate(), ReplayBatch(mode, 1, 4)) == "gate.spec_forward_mode"
+
+
+def test_disabled_phase_never_replays() -> None:
+    g = gate(config=GraphConfig.from_user(prefill="disabled"))
+    assert rule_of(g, extend()) == "gate.phase_disabled"
+    assert rule_of(g, ReplayBatch(ForwardMode.DECODE, 1)) == "gate.ok"
+
+
+def test_batch_slots_above_the_captured_maximum_run_eagerly() -> None:
+    g = gate()
+    assert rule_of(g, ReplayBatch(ForwardMode.DECODE, 9)) == "gate.batch_slots"
+    assert rule_of(g, extend(batch_size=5)) == "gate.batch_slots"
+    assert rule_of(g, extend(batch_size=4)) == "gate.ok"
+
+
+def test_lora_batches_replay_only_when_lora_was_captured_and_not_under_dp_attention() -> None:
+    lora = extend(lora=True)
+    assert rule_of(gate(), lora) == "gate.lora"
+    assert rule_of(gate(ServerFeatures(lora=True)), lora) == "gate.ok"
+    both = ServerFeatures(lora=True, dp_attention=True)
+    assert rule_of(gate(both), lora) == "gate.lora"
+    assert rule_of(gate(both), ReplayBatch(ForwardMode.DECODE, 2, lora=True)) == "gate.ok"
+
+
+def test_embeddings_outside_the_graph_run_eagerly() -> None:
+    g = gate()
+    assert rule_of(g, extend(has_input_embeds=True)) == "gate.input_embeds"
+    assert rule_of(g, extend(has_replace_embeds=True)) == "gate.replace_embeds"
+
+
+def test_hidden_state_capture_must_not_exceed_what_was_captured() -> None:
+    assert rule_of(gate(), extend(capture_hidden=HiddenCapture.LAST)) == "gate.hidden_capture"
+    g = gate(captured_hidden=HiddenCapture.FULL)
+    assert rule_of(g, extend(capture_hidden=HiddenCapture.LAST)) == "gate.ok"
+
+
+def test_prefill_logprobs_need_an_eager_tail() -> None:
+    assert rule_of(gate(), extend(return_logprob=True)) == "gate.logprob_without_eager_tail"
+    assert rule_of(gate(eager_logprob_tail=True), extend(return_logprob=True)) == "gate.ok"
+    decode = ReplayBatch(ForwardMode.DECODE, 2, return_logprob=True)
+    assert rule_of(gate(), decode) == "gate.ok"
+
+
+def test_token_buckets_and_padding_waste() -> None:
+    g = gate()
+    assert rule_of(g, extend(num_tokens=257)) == "gate.num_tokens_above_max"
+    assert rule_of(g, extend(num_tokens=256)) == "gate.ok"
+    assert rule_of(g, extend(num_tokens=31)) == "gate.padding_waste"  # 64 > 2 x 31
+    assert rule_of(g, extend(num_tokens=32)) == "gate.ok"             # 64 == 2 x 32
+    assert rule_of(g, extend(num_tokens=None)) == "gate.ok"           # schedule time
+    strict = gate(config=GraphConfig(prefill_num_tokens=(64, 128), padding_waste_factor=1.0))
+    assert rule_of(strict, extend(num_tokens=63)) == "gate.padding_waste"
+
+
+def test_prefix_rule_applies_only_to_breakable_prefill() -> None:
+    # flash_attn_cute on sm90 pins nothing: under tc_piecewise attention runs
+    # eagerly between pieces, so a prefix batch still replays.
+    plan = sim("cuda:sm90", TEXT_MLA, {"prefill": "flash_attn_cute", "decode": "triton"},
+               GraphConfig.from_user(prefill="tc_piecewise"))
+    assert plan.prefill.mode is GraphMode.TC_PIECEWISE
+    ok, _ = ReplayGate(plan).can_replay(extend(prefix_lens=(5, 0)))
+    assert ok
+
+
+def test_gate_is_deterministic_and_first_rule_wins() -> None:
+    g = gate()
+    batch = extend(batch_size=9, lora=True, has_input_embeds=True, return_logprob=True)
+    answers = {g.can_replay(batch) for _ in range(20)}
+    assert len(answers) == 1
+    (ok, reason), = answers
+    assert not ok and reason.rule == "gate.batch_slots"
+    assert str(reason).startswith("gate.batch_slots: ")
+
+
+def test_gate_rules_list_is_in_evaluation_order() -> None:
+    assert GATE_RULES[0] == "gate.spec_forward_mode" and GATE_RULES[-1] == "gate.ok"
+    assert len(set(GATE_RULES)) == len(GATE_RULES)
