@@ -1,0 +1,143 @@
+"""Backends as the benchmarks see them: through the registry, like an engine would.
+
+A :class:`Variant` is one row of a table: a registry backend plus the options it
+is created with (flashinfer's fa3 / fa2 kernels are two variants of
+``flashinfer_mla``).  :func:`available_variants` asks the registry which of
+them can run here and keeps the reason for the others, so a table always says
+why a backend is missing from it.
+
+Also: random KV pools (never zeros: METHOD.md) and a float32 reference for
+spot checks of the outputs that are timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._harness import RunContext
+
+__all__ = [
+    "DECODE_VARIANTS",
+    "PREFILL_VARIANTS",
+    "Variant",
+    "available_variants",
+    "create_backend",
+    "declared_reasons",
+    "random_pool",
+    "reference_decode",
+    "rel_error",
+]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A backend row: registry name, a label for tables and the create options."""
+
+    label: str
+    backend: str
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+#: Decode rows of P1.  flashinfer on sm90 defaults to fa3; fa2 is its other kernel.
+DECODE_VARIANTS: tuple[Variant, ...] = (
+    Variant("triton", "triton"),
+    Variant("flashinfer_mla/fa3", "flashinfer_mla", {"mla_backend": "fa3"}),
+    Variant("flashinfer_mla/fa2", "flashinfer_mla", {"mla_backend": "fa2"}),
+    Variant("trtllm_mla", "trtllm_mla"),
+    Variant("flash_attn_cute", "flash_attn_cute"),
+)
+
+#: Backends of the prefill and P4 comparisons (each with its default kernels).
+PREFILL_VARIANTS: tuple[Variant, ...] = (
+    Variant("triton", "triton"),
+    Variant("flashinfer_mla", "flashinfer_mla"),
+    Variant("trtllm_mla", "trtllm_mla"),
+    Variant("flash_attn_cute", "flash_attn_cute"),
+)
+
+
+def _registry() -> Any:
+    from attnreg.registry import get_registry
+    return get_registry()
+
+
+def available_variants(ctx: RunContext, variants: tuple[Variant, ...] | list[Variant]
+                       ) -> tuple[list[Variant], dict[str, str]]:
+    """Variants whose backend the registry says can run here, and why the others cannot.
+
+    In a dry run on a CPU machine only backends available on ``cpu`` are kept
+    (the Triton kernels under the interpreter, the torch reference).
+    """
+    reg = _registry()
+    runnable: list[Variant] = []
+    skipped: dict[str, str] = {}
+    for v in variants:
+        try:
+            avail = reg.availability(v.backend)
+        except Exception as exc:  # noqa: BLE001 - an unknown/broken plugin is a row, not a crash
+            skipped[v.label] = f"{type(exc).__name__}: {exc}"
+            continue
+        if avail.available:
+            runnable.append(v)
+        else:
+            skipped[v.label] = avail.reason or "not available here"
+    return runnable, skipped
+
+
+def declared_reasons(ctx: RunContext, variant: Variant, method: str, phase: str, *,
+                     heads: int, head_dims: tuple[int, int], page_size: int | None = 1,
+                     dtype: str = "bf16") -> list[str]:
+    """Why the backend's declaration refuses this request here (empty: it is declared).
+
+    Asked before a backend runs, so an undeclared combination (flash_attn_cute's
+    absorbed decode on sm90, say) is a "not declared" cell with the declaration's
+    own words rather than an error.
+    """
+    reg = _registry()
+    from attnreg.registry import Platform
+    caps = reg.declaration(variant.backend, Platform.detect())
+    return list(caps.check_request(method, phase, head_dims=head_dims, q_dtype=dtype,
+                                   kv_dtype=dtype, page_size=page_size, num_heads=heads))
+
+
+def create_backend(ctx: RunContext, variant: Variant, **config: Any) -> Any:
+    """``get_registry().create(variant.backend, MLAConfig(**config), **variant.options)``."""
+    from attnreg.backends.base import MLAConfig
+    config.setdefault("device", ctx.device)
+    return _registry().create(variant.backend, MLAConfig(**config), **variant.options)
+
+
+def random_pool(ctx: RunContext, config: Any, tokens: int, *, seed: int = 0) -> Any:
+    """An :class:`MLAKVPool` for ``tokens`` tokens (plus the padding page), random rows."""
+    torch = ctx.torch
+    pages = -(-tokens // config.page_size) + 2
+    pool = config.make_pool(pages)
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    # normal_ with a generator on a bf16 buffer: values ~N(0, 1), never zeros.
+    pool.buffer.normal_(generator=gen)
+    return pool
+
+
+def reference_decode(ctx: RunContext, q: Any, pool: Any, page_table: Any, seq_lens: list[int],
+                     sm_scale: float, rows: int = 4) -> Any:
+    """float32 absorbed decode of the first ``rows`` sequences: ``[rows, H, 512]``."""
+    torch = ctx.torch
+    ps = pool.page_size
+    outs = []
+    for b in range(min(rows, q.shape[0])):
+        length = int(seq_lens[b])
+        t = torch.arange(length, device=q.device)
+        kv = pool.buffer[page_table[b, t // ps].long(), t % ps].float()
+        scores = (q[b].float() @ kv.T) * sm_scale
+        outs.append(torch.softmax(scores, -1) @ kv[:, :512])
+    return torch.stack(outs)
+
+
+def rel_error(ctx: RunContext, out: Any, ref: Any) -> float:
+    """``||out - ref|| / ||ref||`` in float32; inf when ``out`` holds a NaN or inf."""
+    torch = ctx.torch
+    o = out.float()
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    return float(torch.linalg.vector_norm(o - ref) / torch.linalg.vector_norm(ref))

@@ -1,0 +1,240 @@
+"""P1 and P2: absorbed MLA decode of every available backend, against copy bandwidth.
+
+P1 times ``forward_decode`` of each backend, created through the registry, on
+seven (B, L, H) shapes at bf16 and page size 1.  Each backend's decode is
+captured in a CUDA graph the way an engine runs decode (FULL graph mode; the
+host planning of ``init_forward_metadata_replay`` runs once, outside the timed
+replays) and the replay is timed with the L2 flushed before each call.  Where
+capture fails the eager call is timed instead and the row says so.
+
+Bytes per call = KV rows (latent 512 + rope 64) read once + q written once +
+out written once (:func:`benchmarks.metrics.decode_bytes`); TB/s is that over
+the median time and is set against the device copy bandwidth of the same run.
+
+Every timed output is checked first against a float32 reference on four
+sequences (rel. error, NaN-poisoned outputs), so a fast wrong kernel shows up
+as wrong, not as fast.
+
+P2 takes the best correct backend at (128, 4096, 16) from P1 (or measures that
+shape alone when P1 did not run) as a share of the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._backends import (
+    DECODE_VARIANTS,
+    Variant,
+    available_variants,
+    create_backend,
+    declared_reasons,
+    random_pool,
+    reference_decode,
+    rel_error,
+)
+from ._harness import RunContext, SkipSection
+from .ceilings import copy_gbps
+from .metrics import decode_bytes, evaluate, geomean
+
+SHAPES: tuple[tuple[int, int, int], ...] = (
+    (128, 4096, 128), (128, 4096, 16), (32, 8192, 16), (1, 32768, 16), (1, 32768, 128),
+    (8, 1024, 128), (64, 2048, 64))
+DRY_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 64, 16), (1, 80, 16))
+P2_SHAPE = (128, 4096, 16)
+P2_DRY_SHAPE = DRY_SHAPES[0]
+#: A bf16 kernel lands between 1e-3 and 1e-2 of a float32 reference (METHOD.md).
+MAX_REL_ERR = 2e-2
+REF_ROWS = 4
+PAGE_SIZE = 1
+TRITON = "triton"
+FA3 = "flashinfer_mla/fa3"
+
+
+def run_p1(ctx: RunContext, data: dict[str, Any]) -> None:
+    shapes = ctx.pick(SHAPES, SHAPES, DRY_SHAPES)
+    variants, skipped = available_variants(ctx, DECODE_VARIANTS)
+    if not variants:
+        raise SkipSection(f"no decode backend can run here: {skipped}")
+    copy = copy_gbps(ctx)
+    data.update(dtype="bf16", page_size=PAGE_SIZE, page_order="shuffled (seeded)",
+                copy_GBps=copy, variants=[v.label for v in variants],
+                skipped_variants=skipped, rows=[],
+                timing="CUDA graph replay of forward_decode, L2 flushed before each call")
+    for shape in shapes:
+        if ctx.out_of_time():
+            data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
+                                 "skipped": "time budget used up"})
+            continue
+        try:
+            data["rows"].append(measure_shape(ctx, shape, variants, copy))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
+            data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
+                                 "error": f"{type(exc).__name__}: {exc}"})
+            ctx.log(f"P1 {shape}: {data['rows'][-1]['error']}")
+        ctx.save()
+    data["summary"] = summarize_p1(data)
+    data["checks"] = [c.to_dict() for c in p1_checks(data)]
+
+
+def run_p2(ctx: RunContext, data: dict[str, Any]) -> None:
+    shape = ctx.pick(P2_SHAPE, P2_SHAPE, P2_DRY_SHAPE)
+    copy = copy_gbps(ctx)
+    row = None
+    p1 = ctx.section_data("P1")
+    if p1:
+        row = next((r for r in p1.get("rows", []) if (r.get("B"), r.get("L"), r.get("H"))
+                    == shape and r.get("results")), None)
+    source = "the P1 row of this run"
+    if row is None:
+        variants, skipped = available_variants(ctx, DECODE_VARIANTS)
+        if not variants:
+            raise SkipSection(f"no decode backend can run here: {skipped}")
+        row = measure_shape(ctx, shape, variants, copy)
+        source = "measured by P2 (P1 did not run)"
+    data.update(p2_from_row(row, copy))
+    data["source"] = source
+
+
+def measure_shape(ctx: RunContext, shape: tuple[int, int, int], variants: list[Variant],
+                  copy: float | None) -> dict[str, Any]:
+    """Time every variant on one (B, L, H) shape; one pool and query shared by all."""
+    from attnreg.backends.base import MLAConfig
+    from attnreg.backends.batch import decode_batch
+
+    torch = ctx.torch
+    B, L, H = shape
+    torch.manual_seed(B * 1_000_003 + L * 7 + H)
+    cfg = MLAConfig(num_heads=H, page_size=PAGE_SIZE, device=ctx.device, max_context_len=L)
+    pool = random_pool(ctx, cfg, B * L, seed=L + H)
+    pages = pool.allocate([L] * B, shuffle=B + L + H)
+    batch = decode_batch(pool, [L] * B, pages=pages)
+    q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=ctx.device)
+    ref = reference_decode(ctx, q, pool, batch.page_table, [L] * B, cfg.softmax_scale,
+                           rows=REF_ROWS)
+    nbytes = decode_bytes(B, L, H)
+    row: dict[str, Any] = {"B": B, "L": L, "H": H, "bytes": nbytes, "results": {}}
+    for v in variants:
+        reasons = declared_reasons(ctx, v, "mla", "decode", heads=H, head_dims=(576, 512),
+                                   page_size=PAGE_SIZE)
+        if reasons:
+            row["results"][v.label] = {"not_declared": "; ".join(reasons)}
+            continue
+        try:
+            res = measure_variant(ctx, v, H, L, pool, batch, q, ref)
+        except Exception as exc:  # noqa: BLE001 - one backend must not lose the row
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        if "us" in res:
+            res["GBps"] = nbytes / (res["us"] * 1e3)
+            if copy:
+                res["copy_share"] = res["GBps"] / copy
+        row["results"][v.label] = res
+        ctx.log(f"P1 {shape} {v.label}: " + _describe(res))
+    return row
+
+
+def _describe(res: dict[str, Any]) -> str:
+    if "us" not in res:
+        return res.get("error", "no time")
+    share = f", {res['copy_share']:.0%} of copy" if "copy_share" in res else ""
+    return (f"{res['us']:.1f} us, {res['GBps'] / 1e3:.2f} TB/s{share}, "
+            f"rel.err {res.get('rel_err', float('nan')):.1e} ({res['mode']})")
+
+
+def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int, pool: Any,
+                    batch: Any, q: Any, ref: Any) -> dict[str, Any]:
+    """Check one backend's decode against ``ref`` and time it (graph replay, else eager)."""
+    from attnreg.registry import GraphMode
+
+    torch = ctx.torch
+    B = batch.batch_size
+    be = create_backend(ctx, variant, num_heads=heads, page_size=PAGE_SIZE,
+                        max_context_len=max_len)
+    out = torch.full((B, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
+    be.init_forward_metadata(batch)
+    be.forward_decode(q, None, None, pool, batch, out=out)
+    ctx.sync()
+    res: dict[str, Any] = {"rel_err_eager": rel_error(ctx, out[:REF_ROWS], ref)}
+    splits = be.forward_metadata.extras.get("max_splits") if be.forward_metadata else None
+    if splits is not None:
+        res["max_splits"] = int(splits)
+    try:
+        be.init_cuda_graph_state(B, B, max_seq_len=max_len, graph_modes={"decode": "full"})
+        be.init_forward_metadata_capture(B, B, batch)
+        gout = torch.full_like(out, float("nan"))
+        graph = ctx.capture(lambda: be.forward_decode(q, None, None, pool, None, out=gout),
+                            GraphMode.FULL)
+        be.init_forward_metadata_replay(B, B, batch)
+        gout.fill_(float("nan"))
+        graph.replay()
+        ctx.sync()
+        res["rel_err"] = rel_error(ctx, gout[:REF_ROWS], ref)
+        timing = ctx.time(graph.replay)
+        res["mode"] = "graph"
+    except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
+        res["graph_error"] = f"{type(exc).__name__}: {exc}"
+        res["rel_err"] = res["rel_err_eager"]
+        be.init_forward_metadata(batch)
+        timing = ctx.time(lambda: be.forward_decode(q, None, None, pool, batch, out=out))
+        res["mode"] = "eager"
+    res["timing"] = timing
+    res["us"] = timing["median_us"]
+    res["correct"] = bool(res["rel_err"] <= MAX_REL_ERR and res["rel_err_eager"] <= MAX_REL_ERR)
+    return res
+
+
+# ----------------------------------------------------------------------------------------
+# Derived figures (pure: also used by the renderer's tests)
+# ----------------------------------------------------------------------------------------
+
+def _us(row: dict[str, Any], label: str) -> float | None:
+    res = row.get("results", {}).get(label) or {}
+    if "us" in res and res.get("correct", True):
+        return float(res["us"])
+    return None
+
+
+def summarize_p1(data: dict[str, Any]) -> dict[str, Any]:
+    """Per-shape triton / fa3 ratio and best backend; the geo-mean over shapes with both."""
+    ratios = []
+    per_shape = []
+    for row in data.get("rows", []):
+        if not row.get("results"):
+            continue
+        t, f = _us(row, TRITON), _us(row, FA3)
+        ratio = t / f if t and f else None
+        if ratio:
+            ratios.append(ratio)
+        timed = {k: r["us"] for k, r in row["results"].items()
+                 if "us" in r and r.get("correct", True)}
+        best = min(timed, key=timed.get) if timed else None  # type: ignore[arg-type]
+        per_shape.append({"shape": [row["B"], row["L"], row["H"]], "triton_over_fa3": ratio,
+                          "best": best})
+    return {"per_shape": per_shape, "triton_over_fa3_geomean": geomean(ratios) if ratios
+            else None, "shapes_with_both": len(ratios),
+            "shapes_total": len(data.get("rows", []))}
+
+
+def p1_checks(data: dict[str, Any]) -> list[Any]:
+    s = data.get("summary") or summarize_p1(data)
+    n, total = s["shapes_with_both"], s["shapes_total"]
+    return [evaluate("P1", "triton / flashinfer fa3 decode time, geo-mean over shapes",
+                     s["triton_over_fa3_geomean"], "x", "<=", target=1.25, goal=1.0,
+                     detail=f"over {n} of {total} shapes")]
+
+
+def p2_from_row(row: dict[str, Any], copy: float | None) -> dict[str, Any]:
+    """Best correct backend of one P1 row as a share of the copy bandwidth."""
+    shares = {}
+    for label, res in row.get("results", {}).items():
+        if "us" in res and res.get("correct", True) and copy:
+            shares[label] = row["bytes"] / (res["us"] * 1e3) / copy
+    best = max(shares, key=shares.get) if shares else None  # type: ignore[arg-type]
+    share = shares[best] if best else None
+    check = evaluate("P2", f"best decode backend at {tuple(P2_SHAPE)} as a share of copy "
+                     "bandwidth", share, "of copy", ">=", goal=0.90,
+                     detail=f"best: {best}" if best else "no correct backend timed")
+    return {"shape": [row.get("B"), row.get("L"), row.get("H")], "copy_GBps": copy,
+            "shares": shares, "best": best, "best_share": share,
+            "best_GBps": share * copy if share and copy else None,
+            "checks": [check.to_dict()]}

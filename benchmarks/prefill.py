@@ -1,0 +1,207 @@
+"""Prefill: absorbed MLA extend against non-absorbed MHA ragged prefill, per backend.
+
+Pinning MLA under BREAKABLE capture (seed 000) means prefix batches run the
+*absorbed* form (576/512-wide heads over the latent pool) instead of the MHA
+companion (192/128-wide heads after decompressing the latent with kv_b_proj).
+This section measures what that costs, one sequence (B=1), 128 heads, at
+prefix lengths {0, 4k, 32k} and extend lengths {512, 4k}:
+
+* absorbed: ``q_nope @ W_UK`` -> ``forward_extend(method=MLA)`` -> ``@ W_UV``;
+* MHA: gather the latent rows of prefix + new tokens, ``kv_b_proj`` them into
+  per-head K_nope and V, append the shared rope key, ``forward_extend(method=MHA)``.
+
+Both produce the ``[E, H, 128]`` value-projected output and are checked
+against each other.  Each path is timed whole and attention-only (the
+``forward_extend`` call alone), eagerly (prefill attention is not replayed
+from a graph in the MHA form), with the L2 flushed before each call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._backends import (
+    PREFILL_VARIANTS,
+    Variant,
+    available_variants,
+    create_backend,
+    declared_reasons,
+    random_pool,
+    rel_error,
+)
+from ._harness import RunContext, SkipSection
+from .ceilings import gemm_tflops
+from .metrics import D_LATENT, D_ROPE, D_ROW, extend_attention_flops
+
+PREFIXES = (0, 4096, 32768)
+EXTENDS = (512, 4096)
+QUICK_PREFIXES = (0, 32768)
+DRY_PREFIXES = (0, 40)
+DRY_EXTENDS = (16,)
+HEADS = 128
+DRY_HEADS = 16
+NOPE = 128
+V_DIM = 128
+#: The two paths compute the same function in different orders (bf16 inputs).
+MAX_REL_DIFF = 3e-2
+
+
+def run(ctx: RunContext, data: dict[str, Any]) -> None:
+    variants, skipped = available_variants(ctx, PREFILL_VARIANTS)
+    if not variants:
+        raise SkipSection(f"no prefill backend can run here: {skipped}")
+    torch = ctx.torch
+    heads = ctx.pick(HEADS, HEADS, DRY_HEADS)
+    prefixes = ctx.pick(PREFIXES, QUICK_PREFIXES, DRY_PREFIXES)
+    extends = ctx.pick(EXTENDS, EXTENDS, DRY_EXTENDS)
+    gen = torch.Generator(device=ctx.device).manual_seed(5)
+
+    def weight(*dims: int, fan_in: int) -> Any:
+        w = torch.empty(*dims, dtype=torch.bfloat16, device=ctx.device)
+        return w.normal_(0.0, fan_in ** -0.5, generator=gen)
+
+    # kv_b_proj [H * (nope + v), 512]; its per-head blocks are W_UK and W_UV.
+    kv_b = weight(heads * (NOPE + V_DIM), D_LATENT, fan_in=D_LATENT)
+    per_head = kv_b.view(heads, NOPE + V_DIM, D_LATENT)
+    w_uk = per_head[:, :NOPE, :].contiguous()                  # [H, 128, 512]
+    w_uv = per_head[:, NOPE:, :].transpose(1, 2).contiguous()  # [H, 512, 128]
+    weights = {"kv_b": kv_b, "w_uk": w_uk, "w_uv": w_uv}
+    data.update(batch=1, heads=heads, prefixes=list(prefixes), extends=list(extends),
+                variants=[v.label for v in variants], skipped_variants=skipped,
+                gemm_TFLOPs=gemm_tflops(ctx), rows=[],
+                timing="eager, CUDA events per call, L2 flushed")
+    for prefix in prefixes:
+        for extend in extends:
+            if ctx.out_of_time():
+                data["rows"].append({"prefix": prefix, "extend": extend,
+                                     "skipped": "time budget used up"})
+                continue
+            try:
+                data["rows"].append(_point(ctx, variants, heads, prefix, extend, weights))
+            except Exception as exc:  # noqa: BLE001 - keep the other points
+                data["rows"].append({"prefix": prefix, "extend": extend,
+                                     "error": f"{type(exc).__name__}: {exc}"})
+                ctx.log(f"prefill P={prefix} E={extend}: {data['rows'][-1]['error']}")
+            ctx.save()
+    data["summary"] = summarize(data)
+
+
+def _point(ctx: RunContext, variants: list[Variant], heads: int, prefix: int, extend: int,
+           w: dict[str, Any]) -> dict[str, Any]:
+    from attnreg.backends.base import MLAConfig
+    from attnreg.backends.batch import extend_batch
+
+    torch = ctx.torch
+    tokens = prefix + extend
+    torch.manual_seed(tokens + heads)
+    cfg = MLAConfig(num_heads=heads, page_size=1, device=ctx.device, max_context_len=tokens)
+    pool = random_pool(ctx, cfg, tokens, seed=tokens)
+    pages = pool.allocate([tokens], shuffle=tokens)
+    batch = extend_batch(pool, [prefix], [extend], pages=pages)
+    slots = torch.tensor(pool.slots(pages[0], range(tokens)), dtype=torch.long,
+                         device=ctx.device)
+    q_nope = torch.randn(extend, heads, NOPE, dtype=torch.bfloat16, device=ctx.device)
+    q_pe = torch.randn(extend, heads, D_ROPE, dtype=torch.bfloat16, device=ctx.device)
+    flops = {
+        "absorbed_attention": extend_attention_flops(prefix, extend, heads, D_ROW, D_LATENT),
+        "mha_attention": extend_attention_flops(prefix, extend, heads, NOPE + D_ROPE, V_DIM),
+        "absorption": 2 * 2 * extend * heads * NOPE * D_LATENT,
+        "decompression": 2 * tokens * D_LATENT * heads * (NOPE + V_DIM),
+    }
+    row: dict[str, Any] = {"prefix": prefix, "extend": extend, "flops": flops, "results": {}}
+    inputs = {"pool": pool, "batch": batch, "slots": slots, "q_nope": q_nope, "q_pe": q_pe}
+    for v in variants:
+        reasons = (declared_reasons(ctx, v, "mla", "prefill", heads=heads, head_dims=(576, 512))
+                   + declared_reasons(ctx, v, "mha", "prefill", heads=heads,
+                                      head_dims=(NOPE + D_ROPE, V_DIM), page_size=None))
+        if reasons:
+            row["results"][v.label] = {"not_declared": "; ".join(reasons)}
+            continue
+        try:
+            res = _measure_variant(ctx, v, heads, tokens, inputs, w, flops)
+            ctx.log(f"prefill P={prefix} E={extend} {v.label}: absorbed "
+                    f"{res['absorbed']['us'] / 1e3:.2f} ms, MHA+decompress "
+                    f"{res['mha']['us'] / 1e3:.2f} ms ({res['absorbed_over_mha']:.2f}x), "
+                    f"attention {res['absorbed_attention']['TFLOPs']:.0f} / "
+                    f"{res['mha_attention']['TFLOPs']:.0f} TFLOP/s, "
+                    f"rel.diff {res['rel_diff_absorbed_vs_mha']:.1e}")
+        except Exception as exc:  # noqa: BLE001 - one backend must not lose the row
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+            ctx.log(f"prefill P={prefix} E={extend} {v.label}: {res['error']}")
+        row["results"][v.label] = res
+    return row
+
+
+def _measure_variant(ctx: RunContext, v: Variant, heads: int, tokens: int,
+                     inputs: dict[str, Any], w: dict[str, Any],
+                     flops: dict[str, int]) -> dict[str, Any]:
+    """Both paths of one backend: check they agree, then time each whole and attention-only."""
+    from attnreg.registry import ForwardMethod
+
+    torch = ctx.torch
+    F = torch.nn.functional
+    pool, batch, slots = inputs["pool"], inputs["batch"], inputs["slots"]
+    q_nope, q_pe = inputs["q_nope"], inputs["q_pe"]
+    be = create_backend(ctx, v, num_heads=heads, page_size=1, max_context_len=tokens)
+    be.init_forward_metadata(batch)
+
+    def absorbed_inputs() -> Any:
+        q_abs = torch.bmm(q_nope.transpose(0, 1), w["w_uk"]).transpose(0, 1)
+        return torch.cat([q_abs, q_pe], dim=-1)
+
+    def absorbed_attention(q: Any) -> Any:
+        return be.forward_extend(q, None, None, pool, batch, method=ForwardMethod.MLA)
+
+    def absorbed() -> Any:
+        attn = absorbed_attention(absorbed_inputs())
+        return torch.bmm(attn.transpose(0, 1), w["w_uv"]).transpose(0, 1)
+
+    def mha_inputs() -> tuple[Any, Any, Any]:
+        rows = pool.buffer.view(-1, D_ROW)[slots]
+        kv = F.linear(rows[:, :D_LATENT], w["kv_b"]).view(tokens, heads, NOPE + V_DIM)
+        k_nope, v_part = kv.split([NOPE, V_DIM], dim=-1)
+        k_pe = rows[:, None, D_LATENT:].expand(tokens, heads, D_ROPE)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        return torch.cat([q_nope, q_pe], dim=-1), k, v_part.contiguous()
+
+    def mha_attention(q: Any, k: Any, v_part: Any) -> Any:
+        return be.forward_extend(q, None, None, pool, batch, method=ForwardMethod.MHA,
+                                 k=k, v=v_part)
+
+    def mha() -> Any:
+        return mha_attention(*mha_inputs())
+
+    res: dict[str, Any] = {}
+    out_abs, out_mha = absorbed(), mha()
+    ctx.sync()
+    res["rel_diff_absorbed_vs_mha"] = rel_error(ctx, out_abs, out_mha.float())
+    res["agree"] = res["rel_diff_absorbed_vs_mha"] <= MAX_REL_DIFF
+    q_abs_in, mha_in = absorbed_inputs(), mha_inputs()
+    timed = {"absorbed": absorbed,
+             "absorbed_attention": lambda: absorbed_attention(q_abs_in),
+             "mha": mha,
+             "mha_attention": lambda: mha_attention(*mha_in)}
+    for name, fn in timed.items():
+        t = ctx.time(fn)
+        res[name] = {"us": t["median_us"], "timing": t}
+    res["absorbed_over_mha"] = res["absorbed"]["us"] / res["mha"]["us"]
+    for name in ("absorbed_attention", "mha_attention"):
+        res[name]["TFLOPs"] = flops[name] / (res[name]["us"] * 1e6)
+    return res
+
+
+def summarize(data: dict[str, Any]) -> dict[str, Any]:
+    """Per backend: where absorbed costs the most relative to MHA + decompression."""
+    out: dict[str, Any] = {}
+    for label in data.get("variants", []):
+        pts = [(r["prefix"], r["extend"], r["results"][label]["absorbed_over_mha"])
+               for r in data.get("rows", [])
+               if "absorbed_over_mha" in r.get("results", {}).get(label, {})]
+        if not pts:
+            continue
+        worst = max(pts, key=lambda p: p[2])
+        best = min(pts, key=lambda p: p[2])
+        out[label] = {"points": len(pts),
+                      "worst": {"prefix": worst[0], "extend": worst[1], "ratio": worst[2]},
+                      "best": {"prefix": best[0], "extend": best[1], "ratio": best[2]}}
+    return out

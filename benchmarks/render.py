@@ -1,0 +1,892 @@
+"""Render benchmark results (JSON) into docs/benchmarks.md and PNG plots.
+
+``python -m benchmarks.render [FILES ...]`` (default: ``benchmarks/results/*.json``,
+device results first) writes ``docs/benchmarks.md`` and ``docs/img/*.png``.
+Every number in the page comes from a results file, next to the command,
+date, device and library versions that produced it; a section no file has
+measured says "not measured" and how to measure it.  Missed targets get the
+reason the data shows and the next step.
+
+Dry-run results (tiny shapes, CPU wall clock) are refused for docs/ and
+accepted only for a preview (``python -m benchmarks`` renders one into its
+output folder, with a banner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._harness import SCHEMA, SECTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+DOCS_MD = ROOT / "docs" / "benchmarks.md"
+DOCS_IMG = ROOT / "docs" / "img"
+NOTES = RESULTS_DIR / "notes.md"
+
+DEVICE_COMMAND = ("source .gpu/setup.sh && pip install --no-deps --no-build-isolation -e . -q "
+                  "&& python3 -m benchmarks --out $OUT/bench")
+HOST_COMMAND = ("python -m benchmarks --only P5 --out /tmp/p5 && "
+                "cp /tmp/p5/results.json benchmarks/results/cpu-startup.json")
+
+
+@dataclass
+class ResultsFile:
+    path: Path
+    doc: dict[str, Any]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.doc.get("meta", {})
+
+    @property
+    def dry_run(self) -> bool:
+        return bool(self.meta.get("dry_run"))
+
+
+# ----------------------------------------------------------------------------------------
+# Loading and choosing
+# ----------------------------------------------------------------------------------------
+
+def default_result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """Committed results, device runs (``h200*``) first, then the rest by name."""
+    files = sorted(results_dir.glob("*.json"))
+    return sorted(files, key=lambda p: (not p.name.startswith("h200"), p.name))
+
+
+def load(paths: list[Path]) -> list[ResultsFile]:
+    out = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"{p}: schema {doc.get('schema')!r}, expected {SCHEMA!r} "
+                             "(written by python -m benchmarks)")
+        out.append(ResultsFile(Path(p), doc))
+    return out
+
+
+def choose(files: list[ResultsFile]) -> dict[str, tuple[ResultsFile, dict[str, Any]]]:
+    """For each section: the first file where it is ok, else the first file that has it."""
+    chosen: dict[str, tuple[ResultsFile, dict[str, Any]]] = {}
+    for sec in SECTIONS:
+        fallback = None
+        for f in files:
+            rec = f.doc.get("sections", {}).get(sec.id)
+            if rec is None:
+                continue
+            if rec.get("status") == "ok":
+                chosen[sec.id] = (f, rec)
+                break
+            fallback = fallback or (f, rec)
+        else:
+            if fallback:
+                chosen[sec.id] = fallback
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------
+# Formatting helpers
+# ----------------------------------------------------------------------------------------
+
+def fmt(value: Any, spec: str = ".3g", none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and (math.isnan(value) or math.isinf(value))):
+        return none if value is None or math.isnan(value) else "inf"
+    return format(value, spec)
+
+
+def pct(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value * 100:.{digits}f}%"
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _versions(meta: dict[str, Any]) -> str:
+    v = meta.get("versions", {})
+    parts = [f"{k} {v[k]}" for k in ("torch", "triton", "flashinfer-python", "flash-attn-4")
+             if v.get(k)]
+    if v.get("torch_cuda"):
+        parts.append(f"CUDA {v['torch_cuda']}")
+    parts.append(f"python {meta.get('python', '?')}")
+    return ", ".join(parts)
+
+
+def _device(meta: dict[str, Any]) -> str:
+    d = meta.get("device", {})
+    if d.get("kind") == "cuda":
+        extra = f", driver {d['nvidia_smi.driver_version']}" \
+            if d.get("nvidia_smi.driver_version") else ""
+        return f"{d.get('name')} ({d.get('arch')}, {d.get('sms')} SMs{extra})"
+    return f"CPU: {d.get('name') or meta.get('cpu')} ({meta.get('cpu_count')} cores)"
+
+
+def provenance(f: ResultsFile, rec: dict[str, Any], root: Path = ROOT) -> str:
+    m = f.meta
+    try:
+        rel = f.path.resolve().relative_to(root)
+    except ValueError:
+        rel = f.path
+    commit = f", commit {m['git_commit']}" if m.get("git_commit") else ""
+    quick = " (--quick)" if m.get("quick") else ""
+    return (f"*Measured* {m.get('date_utc', '?')} on {_device(m)}; {_versions(m)}{commit}.  \n"
+            f"*Command:* `{m.get('command', '?')}`{quick}; section took "
+            f"{fmt(rec.get('seconds'), '.0f')} s; data: `{rel}`.")
+
+
+def _check_line(c: dict[str, Any]) -> str:
+    bounds = []
+    for key in ("target", "goal"):
+        if c.get(key) is not None:
+            bounds.append(f"{key} {c['direction']} {_fmt_unit(c[key], c['unit'])}")
+    measured = _fmt_unit(c.get("measured"), c["unit"])
+    ratio = ""
+    ref = c.get("target") if c.get("target") is not None else c.get("goal")
+    if c.get("measured") is not None and ref:
+        ratio = f"; measured / {'target' if c.get('target') is not None else 'goal'} = " \
+                f"{c['measured'] / ref:.2f}"
+    detail = f" ({c['detail']})" if c.get("detail") else ""
+    return (f"**{c['id']}** — {c['what']}: **{measured}**{detail}; {', '.join(bounds)}"
+            f"{ratio} → **{c['status']}**")
+
+
+def _fmt_unit(value: float | None, unit: str) -> str:
+    if value is None:
+        return "not measured"
+    if unit in ("of copy", "overhead"):
+        return f"{value * 100:.1f}%"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "ms":
+        return f"{value:.1f} ms"
+    if unit == "modules":
+        return f"{value:.0f}"
+    return f"{value:.3g} {unit}"
+
+
+# ----------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------
+
+class Plotter:
+    """Writes PNGs with matplotlib (Agg); ``available`` is False without matplotlib."""
+
+    def __init__(self, img_dir: Path, enabled: bool = True) -> None:
+        self.img_dir = img_dir
+        self.written: list[Path] = []
+        self.plt: Any = None
+        self.why_not = ""
+        if not enabled:
+            self.why_not = "plots disabled (--no-plots)"
+            return
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            self.plt = plt
+        except ImportError:
+            self.why_not = "matplotlib is not installed where this was rendered"
+
+    @property
+    def available(self) -> bool:
+        return self.plt is not None
+
+    def save(self, fig: Any, name: str) -> Path:
+        self.img_dir.mkdir(parents=True, exist_ok=True)
+        path = self.img_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        self.plt.close(fig)
+        self.written.append(path)
+        return path
+
+
+def _bar_groups(ax: Any, groups: list[str], series: dict[str, list[float | None]],
+                ylabel: str, *, log: bool = False) -> None:
+    n = max(1, len(series))
+    width = 0.8 / n
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        ys = [v if v is not None else 0.0 for v in vals]
+        bars = ax.bar(xs, ys, width, label=name)
+        for b, v in zip(bars, vals):
+            if v is None:
+                b.set_hatch("//")
+                b.set_alpha(0.2)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+# ----------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------
+
+def _not_run_notes(data: dict[str, Any], not_declared: dict[str, str]) -> list[str]:
+    """Why a backend has no numbers: not available here, or the request is not declared."""
+    out = []
+    skipped = data.get("skipped_variants") or {}
+    if skipped:
+        out += ["", "Not run here: " + "; ".join(f"`{k}`: {v}" for k, v in skipped.items())]
+    if not_declared:
+        out += ["", "Not declared for these requests (the backend's own declaration): "
+                + "; ".join(f"`{k}`: {v}" for k, v in not_declared.items())]
+    return out
+
+
+SectionRenderer = Callable[[dict[str, Any], Plotter, str], list[str]]
+
+
+def render_ceilings(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    copy, gemm = data.get("copy", {}), data.get("gemm_bf16", {})
+    rows = []
+    if copy:
+        rows.append(["device-to-device copy", f"{copy['bytes_copied'] / 2**30:.2f} GiB",
+                     f"{copy['timing']['median_us']:.0f} us",
+                     f"**{copy['GBps'] / 1e3:.2f} TB/s** (read + write)"])
+    if gemm:
+        rows.append([f"bf16 matmul {gemm['n']}³", f"{gemm['flops'] / 1e12:.2f} TFLOP",
+                     f"{gemm['timing']['median_us']:.0f} us",
+                     f"**{gemm['TFLOPs']:.0f} TFLOP/s**"])
+    return [md_table(["ceiling", "size", "median time", "rate"], rows)]
+
+
+def render_p1(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    labels = data.get("variants", [])
+    copy = data.get("copy_GBps")
+    header = ["(B, L, H)", "MB moved"] + [f"{v} us (TB/s, % copy)" for v in labels] + \
+        ["triton / fa3"]
+    rows = []
+    not_declared: dict[str, str] = {}
+    summary = data.get("summary", {})
+    per_shape = {tuple(p["shape"]): p for p in summary.get("per_shape", [])}
+    for r in data.get("rows", []):
+        shape = (r["B"], r["L"], r["H"])
+        if r.get("skipped") or r.get("error"):
+            why = "skipped: " + r["skipped"] if r.get("skipped") else "error: " + r["error"]
+            rows.append([str(shape), "-"] + [why[:80]] * len(labels) + ["-"])
+            continue
+        cells = [f"({r['B']}, {r['L']}, {r['H']})", f"{r['bytes'] / 1e6:.1f}"]
+        best = per_shape.get(shape, {}).get("best")
+        for v in labels:
+            res = r["results"].get(v, {})
+            if res.get("not_declared"):
+                not_declared[v] = res["not_declared"]
+                cells.append("not declared")
+                continue
+            if "us" not in res:
+                cells.append("error: " + res.get("error", "?")[:60])
+                continue
+            cell = f"{res['us']:.1f} ({res['GBps'] / 1e3:.2f}, {pct(res.get('copy_share'))})"
+            if res.get("mode") == "eager":
+                cell += " eager"
+            if not res.get("correct", True):
+                cell += f" **wrong: rel.err {res['rel_err']:.1e}**"
+            if v == best:
+                cell = f"**{cell}**"
+            cells.append(cell)
+        ratio = per_shape.get(shape, {}).get("triton_over_fa3")
+        cells.append(fmt(ratio, ".2f") + ("x" if ratio else ""))
+        rows.append(cells)
+    out = [(f"bf16, page size {data.get('page_size')}, page order {data.get('page_order')}; "
+           f"{data.get('timing')}.  Bytes = KV rows (512 + 64) read once + q + out.  Copy "
+           f"bandwidth of the same run: {fmt(copy and copy / 1e3, '.2f')} TB/s.  Bold: the "
+           "fastest correct backend of the shape."), "", md_table(header, rows)]
+    out += _not_run_notes(data, not_declared)
+    errs = [f"{r['B'], r['L'], r['H']} {v}: {res.get('graph_error')}"
+            for r in data.get("rows", []) for v, res in r.get("results", {}).items()
+            if res.get("graph_error")]
+    if errs:
+        out += ["", "Timed eagerly because capture failed: " + "; ".join(errs)]
+    if plot.available and data.get("rows"):
+        timed = [r for r in data["rows"] if r.get("results")]
+        groups = [f"{r['B']},{r['L']},{r['H']}" for r in timed]
+        series = {v: [(r["results"].get(v, {}).get("GBps") or 0) / 1e3 or None for r in timed]
+                  for v in labels}
+        fig, (ax1, ax2) = plot.plt.subplots(1, 2, figsize=(13, 4.2),
+                                            gridspec_kw={"width_ratios": [3, 1.4]})
+        _bar_groups(ax1, groups, series, "achieved TB/s (min. bytes / median time)")
+        if copy:
+            ax1.axhline(copy / 1e3, color="k", ls="--", lw=1)
+            ax1.text(len(groups) - 0.5, copy / 1e3 * 1.01, f"copy {copy / 1e3:.2f} TB/s",
+                     fontsize=8, ha="right", va="bottom")
+        ax1.set_xlabel("(B, L, H)")
+        ax1.set_title("MLA decode bandwidth per backend")
+        ratios = [per_shape.get((r["B"], r["L"], r["H"]), {}).get("triton_over_fa3")
+                  for r in timed]
+        bars = ax2.bar(range(len(groups)), [x or 0 for x in ratios], color="tab:blue")
+        for bar, x in zip(bars, ratios):
+            if x:
+                ax2.text(bar.get_x() + bar.get_width() / 2, x, f"{x:.2f}", ha="center",
+                         va="bottom", fontsize=7)
+        ax2.axhline(1.25, color="tab:red", ls="--", lw=1, label="target 1.25")
+        ax2.axhline(1.0, color="tab:green", ls=":", lw=1, label="goal 1.0")
+        ax2.set_xticks(range(len(groups)))
+        ax2.set_xticklabels(groups, rotation=45, fontsize=7)
+        ax2.set_title("triton / flashinfer fa3 time")
+        ax2.legend(fontsize=7)
+        plot.save(fig, "p1_decode.png")
+        out += ["", f"![P1 decode bandwidth and triton/fa3 ratio]({img_rel}/p1_decode.png)"]
+    return out
+
+
+def render_p2(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    shares = data.get("shares", {})
+    rows = [[k, f"{v * data['copy_GBps'] / 1e3:.2f} TB/s", pct(v, 1)]
+            for k, v in sorted(shares.items(), key=lambda kv: -kv[1])]
+    return [(f"Shape {tuple(data.get('shape', []))}; source: {data.get('source')}; copy "
+            f"bandwidth {fmt((data.get('copy_GBps') or 0) / 1e3, '.2f')} TB/s."), "",
+            md_table(["backend", "achieved", "share of copy"], rows)]
+
+
+def render_p3(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    labels = data.get("variants", [])
+    header = ["H", "L"] + [f"{k}: {v} us" for k in ("decode", "extend") for v in labels] + \
+        ["decode one/split", "extend one/split"]
+    rows = []
+    not_declared: dict[str, str] = {}
+    for r in data.get("rows", []):
+        if r.get("skipped") or r.get("error"):
+            why = "skipped" if r.get("skipped") else "error: " + r["error"][:60]
+            rows.append([str(r["H"]), str(r["L"])] + [why] * (2 * len(labels) + 2))
+            continue
+        cells = [str(r["H"]), str(r["L"])]
+        for kind in ("decode", "extend"):
+            for v in labels:
+                res = r["results"].get(v, {})
+                k = res.get(kind, {}) if "error" not in res else {"error": res["error"]}
+                if k.get("not_declared"):
+                    not_declared[v] = k["not_declared"]
+                    cells.append("not declared")
+                    continue
+                if "us" in k:
+                    cell = f"{k['us']:.1f}"
+                    if k.get("max_splits"):
+                        cell += f" ({k['max_splits']} splits)"
+                    if not k.get("correct", True):
+                        cell += f" **wrong {k['rel_err']:.1e}**"
+                else:
+                    cell = "error: " + str(k.get("error", "?"))[:50]
+                cells.append(cell)
+        cells += [fmt(r.get("decode_speedup"), ".1f") + "x", fmt(r.get("extend_speedup"),
+                                                                 ".1f") + "x"]
+        rows.append(cells)
+    out = [(f"B = 1, {data.get('extend_tokens')} new tokens for extend; {data.get('timing')}.  "
+           "'triton one split' is the same backend with `force_kv_splits=1`: what a backend "
+           "that must force one split under capture (seed 000, defect 2) gets."), "",
+           md_table(header, rows)]
+    out += _not_run_notes(data, not_declared)
+    if plot.available and data.get("rows"):
+        fig, axes = plot.plt.subplots(1, 2, figsize=(12, 4))
+        colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+        styles = ["-", "--", ":", "-."]
+        for ax, kind in zip(axes, ("decode", "extend")):
+            for hi, heads in enumerate(data.get("heads", [])):
+                rs = [r for r in data["rows"] if r.get("H") == heads and r.get("results")]
+                for vi, v in enumerate(labels):
+                    pts = [(r["L"], r["results"].get(v, {}).get(kind, {}).get("us"))
+                           for r in rs]
+                    pts = [(x, y) for x, y in pts if y]
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                color=colors[hi % len(colors)], ls=styles[vi % len(styles)],
+                                label=f"{v}, H={heads}")
+                for r in rs:
+                    if r.get(f"{kind}_speedup"):
+                        one = r["results"].get("triton one split", {}).get(kind, {}).get("us")
+                        if one:
+                            ax.annotate(f"{r[kind + '_speedup']:.1f}x", (r["L"], one),
+                                        textcoords="offset points", xytext=(0, 5),
+                                        ha="center", fontsize=7,
+                                        color=colors[hi % len(colors)])
+            lens = data.get("lens") or []
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lens)
+            ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 else str(x) for x in lens])
+            ax.set_yscale("log")
+            ax.set_xlabel("KV length L")
+            ax.set_ylabel("us per call (graph replay)")
+            ax.set_title(f"absorbed {kind}, B=1 (labels: one split / split-KV)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        plot.save(fig, "p3_split_kv.png")
+        out += ["", f"![P3 split-KV vs one split]({img_rel}/p3_split_kv.png)"]
+    return out
+
+
+def render_p4(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    shape = data.get("shape", {})
+    header = ["backend", "B", "eager us", "graph us", "eager / graph", "memory floor us",
+              "graph / floor", "graph vs eager rel.err"]
+    rows = []
+    for r in data.get("rows", []):
+        if "eager_us" not in r:
+            why = r.get("error") or r.get("skipped") or (
+                "not declared: " + r["not_declared"] if r.get("not_declared") else "-")
+            rows.append([r.get("variant", "?"), str(r.get("B", "-")), why, "", "", "", "", ""])
+            continue
+        floor = r.get("floor_us")
+        rows.append([r["variant"], str(r["B"]), f"{r['eager_us']:.0f}", f"{r['graph_us']:.0f}",
+                     f"**{r['speedup']:.2f}x**", fmt(floor, ".0f"),
+                     fmt(floor and r["graph_us"] / floor, ".2f"),
+                     f"{r['graph_vs_eager_rel_err']:.1e}"])
+    out = [(f"{shape.get('layers')} layers, hidden {shape.get('hidden')}, q_lora "
+           f"{shape.get('q_lora')}, kv_lora {shape.get('kv_lora')}, rope {shape.get('rope')}, "
+           f"nope {shape.get('nope')}, v {shape.get('v_dim')}, {shape.get('heads')} heads, "
+           f"bf16 random weights ({(data.get('weight_bytes') or 0) / 1e9:.2f} GB), KV length "
+           f"{data.get('seq_len')}; attention blocks only (no MoE/MLP).  {data.get('timing')}.  "
+           "Memory floor: weights + KV read once at the copy bandwidth."), "",
+           md_table(header, rows)] + _not_run_notes(data, {})
+    if plot.available and data.get("rows"):
+        ok = [r for r in data["rows"] if "eager_us" in r]
+        groups = [f"{r['variant']}\nB={r['B']}" for r in ok]
+        series = {"eager": [r["eager_us"] / 1e3 for r in ok],
+                  "CUDA graph": [r["graph_us"] / 1e3 for r in ok]}
+        fig, ax = plot.plt.subplots(figsize=(max(6, 1.3 * len(ok)), 4))
+        _bar_groups(ax, groups, series, "ms per decode step")
+        floors = [r.get("floor_us") for r in ok]
+        if any(floors):
+            ax.scatter(range(len(ok)), [(f or 0) / 1e3 for f in floors], marker="_", s=600,
+                       color="k", label="memory floor", zorder=3)
+            ax.legend(fontsize=8)
+        for i, r in enumerate(ok):
+            ax.text(i, r["eager_us"] / 1e3, f"{r['speedup']:.1f}x", ha="center", va="bottom",
+                    fontsize=8)
+        ax.set_ylim(0, max(r["eager_us"] for r in ok) / 1e3 * 1.25)
+        ax.legend(fontsize=8, loc="upper left", ncol=3)
+        ax.set_title("8-layer MLA decode step: eager vs CUDA graph (labels: eager / graph)")
+        plot.save(fig, "p4_graphs.png")
+        out += ["", f"![P4 eager vs graph]({img_rel}/p4_graphs.png)"]
+    return out
+
+
+def render_prefill(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    labels = data.get("variants", [])
+    header = ["prefix", "extend", "backend", "absorbed ms", "MHA + decompress ms",
+              "absorbed / MHA", "attention ms (absorbed / MHA)",
+              "attention TFLOP/s (absorbed / MHA)", "rel.diff"]
+    rows = []
+    not_declared: dict[str, str] = {}
+    for r in data.get("rows", []):
+        if r.get("skipped") or r.get("error"):
+            why = "skipped: " + r["skipped"] if r.get("skipped") else "error: " + r["error"]
+            rows.append([str(r["prefix"]), str(r["extend"]), "-", why[:100]] + [""] * 5)
+            continue
+        for v in labels:
+            res = r["results"].get(v, {})
+            if res.get("not_declared"):
+                not_declared[v] = res["not_declared"]
+                rows.append([str(r["prefix"]), str(r["extend"]), v, "not declared"] + [""] * 5)
+                continue
+            if "absorbed" not in res:
+                rows.append([str(r["prefix"]), str(r["extend"]), v,
+                             "error: " + res.get("error", "?")[:80]] + [""] * 5)
+                continue
+            rows.append([
+                str(r["prefix"]), str(r["extend"]), v, f"{res['absorbed']['us'] / 1e3:.3f}",
+                f"{res['mha']['us'] / 1e3:.3f}", f"**{res['absorbed_over_mha']:.2f}x**",
+                (f"{res['absorbed_attention']['us'] / 1e3:.3f} / "
+                f"{res['mha_attention']['us'] / 1e3:.3f}"),
+                (f"{res['absorbed_attention']['TFLOPs']:.0f} / "
+                f"{res['mha_attention']['TFLOPs']:.0f}"),
+                f"{res['rel_diff_absorbed_vs_mha']:.1e}" + ("" if res.get("agree", True)
+                                                             else " **disagree**")])
+    out = [(f"B = {data.get('batch')}, {data.get('heads')} heads, bf16, page size 1; "
+           f"{data.get('timing')}.  Absorbed = q·W_UK, extend over the latent pool "
+           "(576/512), ·W_UV.  MHA = gather latent rows, kv_b_proj (prefix + new tokens), "
+           "ragged prefill (192/128).  rel.diff compares the two outputs."), "",
+           md_table(header, rows)]
+    out += _not_run_notes(data, not_declared)
+    summary = data.get("summary", {})
+    for label, s in summary.items():
+        out += ["", (f"- `{label}`: absorbed costs at most **{s['worst']['ratio']:.2f}x** the "
+                    f"MHA path (prefix {s['worst']['prefix']}, extend {s['worst']['extend']}) "
+                    f"and at least {s['best']['ratio']:.2f}x (prefix {s['best']['prefix']}, "
+                    f"extend {s['best']['extend']}).")]
+    if summary:
+        out += ["", ("For the policy: a ratio above 1 is the price of pinning MLA (absorbed) "
+                    "for prefix batches under BREAKABLE capture; a soft rule can prefer eager "
+                    "MHA prefill where the ratio is large and the launch savings of the "
+                    "graph (P4) are small against a prefill this long.")]
+    ok_rows = [r for r in data.get("rows", []) if r.get("results")]
+    plotted = [v for v in labels if any("absorbed" in r["results"].get(v, {}) for r in ok_rows)]
+    if plot.available and plotted:
+        fig, axes = plot.plt.subplots(1, len(plotted), figsize=(6 * len(plotted), 4),
+                                      squeeze=False)
+        for ax, v in zip(axes[0], plotted):
+            groups = [f"P={r['prefix']}\nE={r['extend']}" for r in ok_rows]
+            series = {
+                "absorbed (MLA)": [r["results"].get(v, {}).get("absorbed", {}).get("us")
+                                   for r in ok_rows],
+                "MHA + kv_b_proj": [r["results"].get(v, {}).get("mha", {}).get("us")
+                                    for r in ok_rows]}
+            series = {k: [x / 1e3 if x else None for x in vals] for k, vals in series.items()}
+            _bar_groups(ax, groups, series, "ms", log=True)
+            ax.set_title(f"prefill, {v}")
+        plot.save(fig, "prefill.png")
+        out += ["", f"![Prefill absorbed vs MHA]({img_rel}/prefill.png)"]
+    return out
+
+
+def render_p5(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    results = data.get("results", {})
+    rows = [[f"`{k}`", f"{r['median_ms']:.1f}", f"{r['p20_ms']:.1f} – {r['p80_ms']:.1f}",
+             f"{r['min_ms']:.1f} – {r['max_ms']:.1f}", str(r["runs"]),
+             f"+{r['above_python_ms']:.1f}"] for k, r in results.items()]
+    imports = data.get("imports", {})
+    load = data.get("load_average") or {}
+    load_txt = (f"  Load average (1/5/15 min) before / after: {load.get('before')} / "
+                f"{load.get('after')}.") if load else ""
+    out = [f"Tool: {data.get('tool')}.  Each run is a new process.{load_txt}", "",
+           md_table(["command", "median ms", "p20 – p80 ms", "min – max ms", "runs",
+                     "above python -c pass (ms)"], rows), "",
+           (f"Imports (`{imports.get('command')}`): {imports.get('count')} modules, "
+           f"{len(imports.get('attnreg_modules', []))} of them attnreg's; torch / kernel "
+           f"libraries: **{', '.join(imports.get('heavy', [])) or 'none'}**.")]
+    if plot.available and results:
+        fig, ax = plot.plt.subplots(figsize=(9, 3.2))
+        names = list(results)
+        data_ms = [results[n]["times_ms"] for n in names]
+        try:  # matplotlib >= 3.10 names it orientation; vert= is deprecated there
+            ax.boxplot(data_ms, orientation="horizontal", widths=0.5)
+        except TypeError:
+            ax.boxplot(data_ms, vert=False, widths=0.5)
+        ax.set_yticks(range(1, len(names) + 1))
+        ax.set_yticklabels(names, fontsize=8)
+        goal = next((c.get("goal") for c in data.get("checks", []) if c.get("id") == "P5"), None)
+        base = results.get("python -c pass", {}).get("median_ms")
+        if goal is not None and base is not None:
+            ax.axvline(base + goal, color="tab:red", ls="--", lw=1,
+                       label=f"goal: python -c pass + {goal:.0f} ms")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_xlabel("ms per process (cold start)")
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title("attnreg compat start-up vs python -c pass")
+        plot.save(fig, "p5_startup.png")
+        out += ["", f"![P5 start-up]({img_rel}/p5_startup.png)"]
+    return out
+
+
+def render_p6(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[str]:
+    rows = []
+    for r in data.get("rows", []):
+        shape = f"({r['B']}, {r['L']}, {r['H']})"
+        if "overhead" not in r:
+            rows.append([r.get("variant", "?"), shape,
+                         r.get("error") or r.get("skipped", "-")] + [""] * 5)
+            continue
+        baseline = r.get("baseline", "kernel")
+        base = r[baseline]["median_us"]
+        host = r["host_us"]
+        rows.append([r.get("variant", "triton"), shape,
+                     f"{base:.1f} ({baseline.replace('_', ' ')})",
+                     f"{r['backend']['median_us']:.1f}",
+                     f"**{r['overhead'] * 100:+.1f}%**",
+                     (f"{r['backend_planned_once']['median_us']:.1f} vs "
+                     f"{r['kernel']['median_us']:.1f} "
+                     f"({r['overhead_planned_once'] * 100:+.1f}%)"),
+                     (f"{host[baseline]:.1f} / {host['backend']:.1f} / "
+                     f"{host['backend_planned_once']:.1f}"),
+                     fmt(r.get("max_splits"), "d")])
+    out = [(f"{data.get('timing')}.  Direct: Triton's `mla_decode` with a preallocated "
+           "workspace; flashinfer's wrapper driven by hand (`plan` + `run` per call when "
+           "metadata is included, `run` of a wrapper planned once otherwise).  Backend: "
+           "created by the registry, `init_forward_metadata` + `forward_decode` per call; "
+           "planned once: `forward_decode` only."), "",
+           md_table(["backend", "(B, L, H)", "direct us/call", "backend us/call",
+                     "overhead", "planned once vs run only, us/call",
+                     "host us to issue (direct / backend / planned once)", "splits"], rows)]
+    out += _not_run_notes(data, {})
+    ok = [r for r in data.get("rows", []) if "overhead" in r]
+    if plot.available and ok:
+        fig, ax = plot.plt.subplots(figsize=(max(7, 1.2 * len(ok)), 3.8))
+        groups = [f"{r.get('variant', '')}\n{r['B']},{r['L']},{r['H']}" for r in ok]
+        _bar_groups(ax, groups, {"metadata + forward": [r["overhead"] * 100 for r in ok],
+                                 "forward, planned once": [r["overhead_planned_once"] * 100
+                                                           for r in ok]},
+                    "% over the direct kernel call")
+        ax.axhline(2.0, color="tab:red", ls="--", lw=1)
+        ax.set_title("per-call overhead of the backend interface (goal <= 2%)")
+        plot.save(fig, "p6_overhead.png")
+        out += ["", f"![P6 overhead]({img_rel}/p6_overhead.png)"]
+    return out
+
+
+RENDERERS: dict[str, SectionRenderer] = {
+    "ceilings": render_ceilings, "P1": render_p1, "P2": render_p2, "P3": render_p3,
+    "P4": render_p4, "prefill": render_prefill, "P5": render_p5, "P6": render_p6,
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Missed targets: the reason the data shows, and the next step
+# ----------------------------------------------------------------------------------------
+
+def explain_miss(sid: str, check: dict[str, Any], data: dict[str, Any]) -> tuple[str, str]:
+    """(reason, next step) for a missed check, from the measured data only."""
+    cid = check["id"]
+    if sid == "P1":
+        rows = [p for p in data.get("summary", {}).get("per_shape", [])
+                if p.get("triton_over_fa3")]
+        bad = sorted((p for p in rows if p["triton_over_fa3"] > 1.25),
+                     key=lambda p: -p["triton_over_fa3"])
+        where = ", ".join(f"{tuple(p['shape'])} {p['triton_over_fa3']:.2f}x" for p in bad)
+        return ((f"the Triton kernel is more than 1.25x slower than fa3 at {where or 'no shape'}"
+                f" ({len(bad)} of {len(rows)} shapes)."),
+                ("sweep the launch configuration of those shapes with "
+                "`benchmarks/triton_decode_tuning.py --sweep`, then profile the slowest one "
+                "(ncu --clock-control none: DRAM bytes read against the bytes counted here, "
+                "and achieved bandwidth) to see whether it moves more bytes or moves them "
+                "slower."))
+    if sid == "P2":
+        best = data.get("best")
+        gbps = data.get("best_GBps")
+        copy = data.get("copy_GBps")
+        gap = f"{(copy - gbps) / 1e3:.2f} TB/s" if gbps and copy else "?"
+        return ((f"the best backend ({best}) reaches {pct(data.get('best_share'), 1)} of the "
+                f"copy bandwidth, {gap} short."),
+                ("profile the best kernel at this shape (ncu --clock-control none: achieved "
+                "DRAM throughput, stall reasons) to tell whether the tail wave or the split "
+                "merge costs the remainder."))
+    if sid == "P3":
+        kind = "extend" if "extend" in cid else "decode"
+        heads = cid.rsplit("H=", 1)[-1]
+        row: dict[str, Any] = next((r for r in data.get("rows", []) if str(r.get("H")) == heads
+                                    and r.get("L") == data.get("target_len")), {})
+        split = row.get("results", {}).get("triton split-KV", {}).get(kind, {})
+        one = row.get("results", {}).get("triton one split", {}).get(kind, {})
+        if kind == "extend" and split.get("us") and one.get("us") and \
+                abs(split["us"] / one["us"] - 1) < 0.1 and \
+                not data.get("extend_kernel_split_params", ["?"]):
+            return (("the split-KV and one-split rows take the same time: the Triton extend "
+                    "kernel (`mla_extend`) has no split-KV, so at B=1 with "
+                    f"{data.get('extend_tokens')} new tokens its grid has only "
+                    "cdiv(E, BLOCK_Q) x head blocks programs for the whole KV."),
+                    ("add split-KV to `mla_extend` the way `mla_decode` has it (static grid, "
+                    "device-side split count, LSE merge), then rerun P3."))
+        return ((f"one split takes {fmt(one.get('us'), '.1f')} us and split-KV "
+                f"{fmt(split.get('us'), '.1f')} us ({fmt(split.get('max_splits'))} splits)."),
+                ("check that the split heuristic fills the device at B=1 "
+                "(`default_max_splits`) and that the merge kernel is not the bottleneck."))
+    if sid == "P4":
+        label = cid[len("P4 "):]
+        row = next((r for r in data.get("rows", []) if r.get("variant") == label
+                    and r.get("B") == 1), {})
+        if not row.get("eager_us"):
+            return ("not measured.", "see the section's error.")
+        floor = row.get("floor_us")
+        bound = row["eager_us"] / floor if floor else None
+        target = check.get("target") or 3.0
+        if bound is not None and bound < target:
+            return ((f"at B=1 the step reads {(data.get('weight_bytes') or 0) / 1e9:.2f} GB of "
+                    f"bf16 weights: its memory floor is {floor:.0f} us, the eager step takes "
+                    f"{row['eager_us']:.0f} us, so no graph could reach more than eager / floor "
+                    f"= {bound:.2f}x (the graph step takes {row['graph_us']:.0f} us); the launch "
+                    "gaps a graph removes are small next to the weight reads."),
+                    ("measure with fp8 weights (DeepSeek's checkpoints are fp8: half the floor) "
+                    "and with more layers per graph; fusing rope / norms / cat lowers eager "
+                    "time but not the floor, so the 3x target needs launch-bound eager steps."))
+        return ((f"the graph step takes {row['graph_us']:.0f} us, "
+                f"{fmt(floor and row['graph_us'] / floor, '.1f')}x its memory floor of "
+                f"{fmt(floor, '.0f')} us, and the eager step {row['eager_us']:.0f} us: the "
+                "replayed kernels themselves, not the launch gaps, keep the ratio down."),
+                ("profile one replay (torch.profiler, per-kernel device time) and compare "
+                "each projection's and attention's time with its bytes / copy bandwidth."))
+    if sid == "P5":
+        imports = data.get("imports", {})
+        return ((f"`attnreg compat` imports {imports.get('count')} modules "
+                f"({len(imports.get('attnreg_modules', []))} of attnreg)."),
+                ("`python -X importtime -m attnreg compat ...` names the slowest imports; "
+                "defer them to the code paths that need them."))
+    if sid == "P6":
+        rows = [r for r in data.get("rows", []) if "overhead" in r]
+        worst: dict[str, Any] = max(rows, key=lambda r: r["overhead"]) if rows else {}
+        if not worst:
+            return ("not measured.", "see the section's error.")
+        base = worst.get("baseline", "kernel")
+        host_b, host_k = worst["host_us"]["backend"], worst["host_us"][base]
+        dev_k = worst[base]["median_us"]
+        shape = f"{worst.get('variant', '')} ({worst['B']}, {worst['L']}, {worst['H']})"
+        if host_b > dev_k:
+            return ((f"at {shape} the host needs {host_b:.1f} us to issue one backend call "
+                    f"(metadata included) against {host_k:.1f} us for the kernel alone, while "
+                    f"the kernel runs {dev_k:.1f} us: the backend call is host-bound there."),
+                    ("make init_forward_metadata cheaper (it runs once per step for all "
+                    "layers in an engine) and keep forward_decode's per-call checks to shape "
+                    "comparisons; under a CUDA graph none of this is paid per replay."))
+        return ((f"at {shape} the host issues a backend call in {host_b:.1f} us, less than the "
+                f"kernel's {dev_k:.1f} us, yet each call costs "
+                f"{worst['backend']['median_us'] - dev_k:.1f} us more on the device: the "
+                "backend path launches work the direct call does not."),
+                ("list both paths' launches with torch.profiler (e.g. a per-call workspace "
+                "allocation or a KV-write launch) and remove the extra ones."))
+    return ("see the table.", "investigate.")
+
+
+def explain_unmeasured(check: dict[str, Any], data: dict[str, Any]) -> str:
+    """What the data says about a figure that has no value: skipped rows and errors."""
+    reasons = [f"`{k}` did not run: {v}" for k, v in (data.get("skipped_variants") or {}).items()
+               if k in check.get("what", "") or ("fa3" in k and "fa3" in check.get("what", ""))]
+    for row in data.get("rows", []):
+        if row.get("skipped"):
+            reasons.append(f"rows skipped: {row['skipped']}")
+            break
+    for row in data.get("rows", []):
+        for label, res in (row.get("results") or {}).items():
+            if isinstance(res, dict) and res.get("error"):
+                reasons.append(f"`{label}` failed: {res['error']}")
+                break
+        else:
+            if row.get("error"):
+                reasons.append(f"failed: {row['error']}")
+            continue
+        break
+    return "; ".join(reasons) or "no row of the table has the values it needs (see above)."
+
+
+# ----------------------------------------------------------------------------------------
+# The page
+# ----------------------------------------------------------------------------------------
+
+def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
+                    preview: bool = False, root: Path = ROOT) -> str:
+    chosen = choose(files)
+    used = []
+    for f, _ in chosen.values():
+        if f not in used:
+            used.append(f)
+    lines = ["# Benchmarks", ""]
+    if any(f.dry_run for f in used):
+        lines += [("> **DRY RUN preview**: tiny shapes on a CPU (Triton interpreter, wall "
+                  "clock). These numbers are not measurements and must never be published."), ""]
+    sources = ", ".join(f"`{_rel(f.path, root)}`" for f in used) or "no results file"
+    lines += [
+        "Generated by `python -m benchmarks.render` from " + sources + ". Do not edit by "
+        "hand: re-run the benchmarks and the renderer. Every number below was measured by "
+        "the command shown with it; a section that was not measured says so.", "",
+        "How to run: on the H200, in one device call, `" + DEVICE_COMMAND + "` (bring back "
+        "`$OUT/bench/results.json` as `benchmarks/results/h200.json`); on the CPU "
+        "development machine, `" + HOST_COMMAND + "`; then `python -m benchmarks.render`. "
+        "See `benchmarks/README.md`.", ""]
+    lines += ["## Summary", ""]
+    summary_rows = []
+    for sec in SECTIONS:
+        if sec.id not in chosen:
+            continue
+        f, rec = chosen[sec.id]
+        for c in rec.get("data", {}).get("checks", []):
+            bounds = [f"{k} {c['direction']} {_fmt_unit(c[k], c['unit'])}"
+                      for k in ("target", "goal") if c.get(k) is not None]
+            summary_rows.append([f"[{c['id']}](#{_anchor(sec)})", c["what"],
+                                 _fmt_unit(c.get("measured"), c["unit"]), ", ".join(bounds),
+                                 f"**{c['status']}**",
+                                 _device(f.meta).split(" (")[0]])
+    lines += [md_table(["id", "figure", "measured", "target / goal", "status", "where"],
+                       summary_rows) if summary_rows else "No figure has been measured yet.",
+              ""]
+    for sec in SECTIONS:
+        lines += [f"## {sec.id}: {sec.title}", ""]
+        if sec.id not in chosen:
+            where = HOST_COMMAND if sec.where == "host" else DEVICE_COMMAND
+            lines += [f"Not measured yet. Run `{where}`.", ""]
+            continue
+        f, rec = chosen[sec.id]
+        lines += [provenance(f, rec, root), ""]
+        status = rec.get("status")
+        if status == "skipped":
+            lines += [f"Skipped: {rec.get('reason')}.", ""]
+            continue
+        if status == "error":
+            lines += [f"**Error** (no figures): `{rec.get('error')}`", ""]
+            if not rec.get("data", {}).get("rows"):
+                continue
+            lines += ["Partial data measured before the error:", ""]
+        data = rec.get("data", {})
+        lines += RENDERERS[sec.id](data, plot, img_rel) + [""]
+        for c in data.get("checks", []):
+            lines += ["- " + _check_line(c)]
+            if c.get("status") == "missed":
+                reason, step = explain_miss(sec.id, c, data)
+                lines += [f"  - *Why it is missed (from the data):* {reason}",
+                          f"  - *Next step:* {step}"]
+            elif c.get("status") == "not measured":
+                lines += [f"  - *Why it was not measured:* {explain_unmeasured(c, data)}"]
+        lines += [""]
+    if not plot.available:
+        lines += [f"_Plots not rendered: {plot.why_not}._", ""]
+    if NOTES.exists() and not preview:
+        lines += ["## Notes", "", NOTES.read_text().strip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _anchor(sec: Any) -> str:
+    text = f"{sec.id}: {sec.title}".lower()
+    keep = [ch if ch.isalnum() or ch in " -_" else "" for ch in text]
+    return "".join(keep).replace(" ", "-")
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def render_files(paths: list[Path], md_path: Path, img_dir: Path, *, plots: bool = True,
+                 allow_dry_run: bool = False, preview: bool = False) -> Path:
+    """Render ``paths`` into ``md_path`` with plots in ``img_dir``; return ``md_path``.
+
+    Raises
+    ------
+    ValueError
+        When a dry-run results file would be rendered without ``allow_dry_run``.
+    """
+    files = load([p for p in paths if Path(p).exists()])
+    dry = [str(f.path) for f in files if f.dry_run]
+    if dry and not allow_dry_run:
+        raise ValueError(f"dry-run results {dry} are not measurements; they are rendered "
+                         "only as a preview (python -m benchmarks --dry-run --out DIR)")
+    plot = Plotter(img_dir, enabled=plots)
+    img_rel = os.path.relpath(img_dir, md_path.parent)
+    text = render_markdown(files, plot, img_rel, preview=preview)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(text)
+    return md_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.render",
+                                description="Render benchmark JSON into markdown + PNG plots.")
+    p.add_argument("files", nargs="*", type=Path,
+                   help="results files (default: benchmarks/results/*.json, h200 first)")
+    p.add_argument("--md", type=Path, default=DOCS_MD, help="markdown output "
+                   "(default docs/benchmarks.md)")
+    p.add_argument("--img-dir", type=Path, default=DOCS_IMG, help="PNG output (default docs/img)")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    files = args.files or default_result_files()
+    try:
+        out = render_files(files, args.md, args.img_dir, plots=not args.no_plots)
+    except ValueError as exc:
+        print(f"python -m benchmarks.render: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
