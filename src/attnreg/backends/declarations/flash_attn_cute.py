@@ -1,8 +1,13 @@
 """Declaration of ``flash_attn_cute`` (flash-attn-4, the CuTe DSL FlashAttention).
 
-Facts (shared/gpu/README.md, SEEDS.md): on sm90 varlen MHA (192/128, 128/128)
-is correct and capturable; the absorbed ``qv`` path (head_dim 64 + qv 512) is
-Blackwell-only and has no split-KV variant, so under capture it runs one split.
+Facts (shared/gpu/README.md, SEEDS.md, the flash-attn-4 4.0.0b36 sources): on
+sm90 varlen MHA (192/128, 128/128) is correct and capturable; the absorbed
+``qv`` path (head_dim 64 + qv 512) is Blackwell-only (on sm90 FA4 asserts
+"not supported on SM90"); its default 2-CTA kernel has no split-KV variant, so
+the backend always runs it with ``num_splits=1`` (declared SINGLE).  Paged KV
+for ``qv``: pages of 128 tokens (the kernel's key tile) load by TMA, other
+page sizes by cp.async ("paged KV at any page size" in the kernel sources);
+declared 1, 16, 32, 64, 128, not yet run on a Blackwell device here.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from attnreg.registry import (
     Capabilities,
     CaptureSupport,
     DeclarationContext,
+    DType,
     ForwardMethod,
     GraphMode,
     GraphModeSupport,
@@ -24,7 +30,7 @@ from ._common import FLASH_ATTN_CUTE, HALF, MHA_DIMS, MLA_DIMS, TORCH
 
 SUPPORTED_SM = (90, 100, 103)
 QV_MIN_SM = 100
-QV_PAGE_SIZES = (16, 32, 64)
+QV_PAGE_SIZES = (1, 16, 32, 64, 128)
 
 
 def capabilities(ctx: DeclarationContext) -> Capabilities:
@@ -42,11 +48,13 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                                          HALF, HALF, max_heads=128,
                                          kernel="flash_attn_varlen_func"))
         if has_qv:
-            kernels.append(KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}),
-                                             MLA_DIMS, HALF, HALF, page_sizes=QV_PAGE_SIZES,
-                                             max_heads=128,
-                                             kernel="flash_attn_varlen_func(qv=...)",
-                                             split_kv=SplitKV.SINGLE))
+            # FA4 asserts that q, qv and the cache share one dtype.
+            kernels.extend(
+                KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS,
+                                  frozenset({dt}), frozenset({dt}), page_sizes=QV_PAGE_SIZES,
+                                  max_heads=128, kernel="flash_attn_varlen_func(qv=...)",
+                                  split_kv=SplitKV.SINGLE)
+                for dt in (DType.BF16, DType.FP16))
         else:
             unavailable = (("flash_attn_varlen_func(qv=...)",
                             f"the absorbed qv path is Blackwell-only (sm100+); this is {plat}"),)

@@ -1,16 +1,30 @@
 """Declaration of ``trtllm_mla``: TensorRT-LLM-gen MLA kernels shipped in flashinfer.
 
-Facts (SEEDS.md): the kernels are Blackwell-only (sm100/sm103); the ragged
-prefill kernel accepts only MHA head dims (q/k 192, 128 or 256; v 128), so
-absorbed (576, 576, 512) tensors must never reach it; under any capture mode
-extend batches fall back to flashinfer's paged MLA, which converts an FP8 KV
-pool in full (the 2.8x TTFT regression of PR #32785).
+Facts (SEEDS.md, and the flashinfer 0.6.13 sources):
+
+* the kernels are Blackwell-only (sm100/sm103) and load cubins at run time;
+* ``trtllm_batch_decode_with_kv_cache_mla`` takes a concatenated 576-wide
+  query and cache, writes a **bf16** output (so the query is bf16, or fp8 for
+  an fp8 cache, which the backend casts to), pages of 32 or 64 tokens, and a
+  page table whose width is a multiple of ``128 / page_size``.  flashinfer's
+  own tests run it with 128 query heads; engines run it with 16..128 heads per
+  rank (tensor parallelism of DeepSeek / Kimi), and later flashinfer releases
+  reject 64 < heads < 128 (the Q tile is 64 heads): declared 16, 32, 64, 128;
+* ``trtllm_ragged_attention_deepseek`` accepts only the head dims
+  (q/k, v) = (192, 128), (128, 128) or (256, 256) -- it asserts otherwise --
+  so absorbed (576, 576, 512) tensors must never reach it.  Batches with a
+  cached prefix are run by flashinfer's ragged wrapper instead (bottom-right
+  causal over prefix + new tokens), as the engines this is modelled on do;
+* under any capture mode extend batches fall back to flashinfer's paged MLA,
+  which on Blackwell (fa2) has no FP8 path and so converts an FP8 KV pool to
+  bf16 in full (the 2.8x TTFT regression of sglang PR #32785).
 """
 
 from __future__ import annotations
 
 from attnreg.registry import (
     Capabilities,
+    CaptureMemory,
     CaptureSupport,
     Cost,
     DeclarationContext,
@@ -23,15 +37,25 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASHINFER, HALF, HALF_AND_FP8, MLA_DIMS, TORCH
+from ._common import FLASHINFER, MLA_DIMS, TORCH
+from .flashinfer_mla import _FIXED_BYTES as _FLASHINFER_FIXED_BYTES
+from .flashinfer_mla import _PER_SLOT_BYTES as _FLASHINFER_PER_SLOT_BYTES
 
 BLACKWELL = (100, 103)
-RAGGED_DIMS = ((192, 128), (128, 128), (256, 128))
+RAGGED_DIMS = ((192, 128), (128, 128), (256, 256))
 PAGE_SIZES = (32, 64)
+DECODE_HEAD_COUNTS = (16, 32, 64, 128)
+#: The zero-initialised trtllm-gen workspace (its multi-CTA counters live there).
+WORKSPACE_BYTES = 128 * 1024 * 1024
 
 _FALLBACK_REASON = ("under capture the forward mode is pinned to absorbed MLA, and the "
                     "trtllm ragged kernel only takes MHA head dims: extend runs flashinfer's "
-                    "paged MLA instead, which must convert an FP8 pool to bf16 in full")
+                    "paged MLA instead, which must convert an FP8 pool to bf16 in full "
+                    "(inside the graph, every replay, into a pool-sized temporary)")
+
+_BF16 = frozenset({DType.BF16})
+_NOTE = ("decode and ragged prefill kernels need sm100/sm103; absorbed extend (eager and "
+         "under capture) runs flashinfer's paged MLA")
 
 
 def _fallback() -> CaptureSupport:
@@ -54,22 +78,34 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     kernels: tuple[KernelConstraints, ...] = ()
     if not reason:
         kernels = (
-            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS, HALF,
-                              HALF_AND_FP8, page_sizes=PAGE_SIZES, max_heads=128,
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS, _BF16,
+                              frozenset({DType.BF16, DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
+                              max_heads=128, head_counts=DECODE_HEAD_COUNTS,
                               kernel="trtllm_batch_decode_with_kv_cache_mla"),
-            KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), RAGGED_DIMS, HALF,
-                              HALF, max_heads=128, kernel="trtllm_ragged_attention_deepseek"),
-            # Eager absorbed extend (prefix batches) is delegated to flashinfer's
-            # paged MLA, as in the engines this is modelled on.
-            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS, HALF,
-                              HALF_AND_FP8, page_sizes=PAGE_SIZES, max_heads=128,
+            KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), RAGGED_DIMS, _BF16,
+                              _BF16, max_heads=128,
+                              kernel="trtllm_ragged_attention_deepseek "
+                                     "(prefix batches: flashinfer ragged)"),
+            # Absorbed extend (eager and under capture) is delegated to
+            # flashinfer's paged MLA, whose q must match a 16-bit pool's dtype;
+            # an FP8 pool is converted to the q dtype first.
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS, _BF16,
+                              frozenset({DType.BF16, DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
+                              max_heads=128,
+                              kernel="flashinfer_mla (delegated; FP8 pool converted)"),
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS,
+                              frozenset({DType.FP16}), frozenset({DType.FP16, DType.FP8_E4M3}),
+                              page_sizes=PAGE_SIZES, max_heads=128,
                               kernel="flashinfer_mla (delegated; FP8 pool converted)"),
         )
+    fallback_mem = CaptureMemory(fixed_bytes=WORKSPACE_BYTES + _FLASHINFER_FIXED_BYTES,
+                                 per_batch_slot_bytes=_FLASHINFER_PER_SLOT_BYTES)
     modes = (
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
-                         pinned_method=ForwardMethod.MLA),
+                         pinned_method=ForwardMethod.MLA,
+                         capture_memory=CaptureMemory(fixed_bytes=WORKSPACE_BYTES)),
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, _fallback(),
-                         pinned_method=ForwardMethod.MLA),
+                         pinned_method=ForwardMethod.MLA, capture_memory=fallback_mem),
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, _fallback(),
                          pinned_method=ForwardMethod.MLA),
     )
@@ -77,4 +113,5 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         backend="trtllm_mla", platform=plat, vendors=frozenset({Vendor.CUDA}), kernels=kernels,
         graph_modes=modes, requires=(TORCH, FLASHINFER), platform_reason=reason,
         unavailable_kernels=unavailable, priority=40,
+        notes=(_NOTE,),
     )

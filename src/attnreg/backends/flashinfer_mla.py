@@ -1,0 +1,481 @@
+"""The ``flashinfer_mla`` backend: flashinfer's paged MLA and ragged MHA prefill.
+
+* absorbed MLA (decode and extend): ``BatchMLAPagedAttentionWrapper``
+  (``fa3`` on sm90a, ``fa2`` elsewhere, or forced with ``mla_backend=``) over
+  the pool's 512 latent + 64 rope columns, page sizes 1..64;
+* MHA prefill (192/128, 128/128): ``BatchPrefillWithRaggedKVCacheWrapper``,
+  bottom-right causal over prefix + new tokens, eager only.
+
+flashinfer plans on the host (``plan()`` reads lengths on the CPU and uploads a
+work schedule) and launches in ``run()``.  Eager batches are planned on their
+first forward (once for all layers); captured graphs get one
+``use_cuda_graph=True`` wrapper per captured shape, planned in
+``init_forward_metadata_capture`` and again in every
+``init_forward_metadata_replay`` -- never inside the captured region.
+
+Launch grid under graphs: the MLA scheduler picks a cluster size from the
+*average* packed query length (rows x heads / requests), and the grid is
+frozen into the graph at capture.  A replay whose average fell on the other
+side of the threshold would run the new schedule on the old grid.  So every
+captured plan has ``bs + 1`` requests and ``num_tokens`` query rows: the real
+sequences, zero-length padding sequences, and one filler request that owns
+the padding rows (attending over the reserved padding page).  The average --
+and the grid -- is then the same for every replay of that shape; a replay
+whose grid still differs is refused rather than run wrong.
+
+flashinfer 0.6 plans with positional arguments; the 0.7 wrapper takes
+keywords (``metadata=MLAPlanMetadata.csr(...)``).  The form is picked from the
+installed ``plan`` signature.  FP8 KV pools need ``run(..., ckv_scale=,
+kpe_scale=)`` (flashinfer >= 0.7, fa3/sm90); without it FP8 is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from attnreg.registry import BackendUnavailableError, ForwardMethod, Phase, UnsupportedError
+from attnreg.registry.spec import installed_version
+
+from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
+from .batch import ForwardBatch
+from .kv_pool import PADDING_PAGE, MLAKVPool, torch_dtype
+
+__all__ = [
+    "MLA_BACKENDS",
+    "WORKSPACE_BYTES",
+    "FlashInferMLABackend",
+    "FlashInferMLAKernels",
+    "device_sm",
+    "import_flashinfer",
+]
+
+#: The float workspace every wrapper shares (flashinfer's recommended size).
+WORKSPACE_BYTES = 128 * 1024 * 1024
+#: Values of the ``mla_backend`` option (flashinfer's ``backend=``).
+MLA_BACKENDS = ("auto", "fa3", "fa2")
+INSTALL_HINT = "install attnreg[flashinfer]"
+
+_MLA_EXTRA = "flashinfer_mla"
+_RAGGED_EXTRA = "flashinfer_ragged"
+_GRAPH_BUFFERS = "flashinfer_mla_buffers"
+
+
+def import_flashinfer(backend: str) -> ModuleType:
+    """Import flashinfer (with its ``mla``, ``prefill`` and ``decode`` modules).
+
+    Raises
+    ------
+    BackendUnavailableError
+        When it is missing or fails to import, with the install hint.
+    """
+    try:
+        fi = importlib.import_module("flashinfer")
+        for sub in ("mla", "prefill", "decode"):
+            importlib.import_module(f"flashinfer.{sub}")
+    except Exception as exc:  # ImportError, or a broken CUDA/JIT setup inside flashinfer
+        raise BackendUnavailableError(
+            backend, f"flashinfer-python could not be imported ({type(exc).__name__}: {exc}); "
+            f"{INSTALL_HINT}") from exc
+    return fi
+
+
+def lookup(fi: ModuleType, module: str, name: str, *, owner: str = "flashinfer",
+           required: bool = True) -> Any:
+    """``flashinfer.<module>.<name>``, else ``flashinfer.<name>`` (None if absent and optional).
+
+    Raises
+    ------
+    BackendUnavailableError
+        When a required name is missing (a flashinfer older than 0.6.13).
+    """
+    for holder in (getattr(fi, module, None), fi):
+        if holder is not None and hasattr(holder, name):
+            return getattr(holder, name)
+    if required:
+        have = installed_version("flashinfer-python") or "unknown"
+        raise BackendUnavailableError(
+            owner, f"flashinfer {have} has no {module}.{name}; {INSTALL_HINT} "
+            "(flashinfer-python >= 0.6.13)")
+    return None
+
+
+def device_sm(device: torch.device) -> int | None:
+    """Compute capability of a CUDA device as an int (``90``), None for other devices."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def _parameters(fn: Any) -> Sequence[str]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _cumsum(values: Sequence[int]) -> torch.Tensor:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + int(v))
+    return torch.tensor(out, dtype=torch.int32)
+
+
+@dataclass
+class MLAPlanInputs:
+    """What ``BatchMLAPagedAttentionWrapper.plan`` takes: host CSR arrays and device pages."""
+
+    qo_indptr: torch.Tensor    # host int32 [n + 1]
+    kv_indptr: torch.Tensor    # host int32 [n + 1], in pages
+    kv_indices: torch.Tensor   # device int32 [kv_indptr[-1]]
+    kv_lens: torch.Tensor      # host int32 [n], in tokens
+
+
+@dataclass
+class PlannedMLA:
+    """A planned MLA wrapper and what it was planned for."""
+
+    wrapper: Any
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    causal: bool
+    graph: bool = False
+    grid: tuple[int, int] | None = None
+
+
+def _plan_grid(wrapper: Any) -> tuple[int, int] | None:
+    """The launch grid a 0.6-style plan chose (``plan_info[0:2]``), if it is visible."""
+    info = getattr(wrapper, "_plan_info", None)
+    try:
+        return int(info[0]), int(info[1])  # type: ignore[index]
+    except (TypeError, IndexError, ValueError):
+        return None
+
+
+class FlashInferMLAKernels:
+    """flashinfer's paged MLA and ragged MHA wrappers behind attnreg's metadata.
+
+    Shared by :class:`FlashInferMLABackend` and the capture fallback of
+    ``trtllm_mla``.  Owns one float workspace (allocated once), the eager
+    wrappers and one graph wrapper per captured shape.
+
+    Parameters
+    ----------
+    owner : str
+        Backend name used in error messages.
+    config : MLAConfig
+    device : torch.device
+    mla_backend : {"auto", "fa3", "fa2"}
+        flashinfer's ``backend=`` for the paged MLA wrappers.
+    """
+
+    def __init__(self, owner: str, config: MLAConfig, device: torch.device, *,
+                 mla_backend: str = "auto") -> None:
+        if mla_backend not in MLA_BACKENDS:
+            raise ValueError(f"mla_backend must be one of {MLA_BACKENDS}, got {mla_backend!r}")
+        fi = import_flashinfer(owner)
+        self.owner = owner
+        self.config = config
+        self.device = device
+        self.mla_backend = mla_backend
+        self.mla_wrapper_cls = lookup(fi, "mla", "BatchMLAPagedAttentionWrapper", owner=owner)
+        self.ragged_wrapper_cls = lookup(fi, "prefill", "BatchPrefillWithRaggedKVCacheWrapper",
+                                         owner=owner)
+        self.plan_metadata_cls = lookup(fi, "mla", "MLAPlanMetadata", owner=owner,
+                                        required=False)
+        plan_params = _parameters(self.mla_wrapper_cls.plan)
+        if "metadata" in plan_params:
+            # flashinfer 0.7: keyword plans; positional ones are deprecated.
+            self.plan_style = "metadata" if self.plan_metadata_cls is not None else "keywords"
+        else:
+            self.plan_style = "positional"
+        self.run_takes_kv_scales = "ckv_scale" in _parameters(self.mla_wrapper_cls.run)
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._eager_mla: Any = None
+        self._eager_ragged: Any = None
+        self._graph_wrappers: dict[tuple[Phase, int, int], Any] = {}
+
+    # -- errors ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def errors(self, what: str) -> Iterator[None]:
+        """flashinfer's pre-launch ``ValueError`` -> :class:`UnsupportedError`."""
+        try:
+            yield
+        except UnsupportedError:
+            raise
+        except ValueError as exc:
+            raise UnsupportedError(self.owner, what, str(exc),
+                                   "flashinfer refused the inputs before launching") from exc
+
+    # -- planning inputs ---------------------------------------------------------------
+    def plan_inputs(self, seq_lens: Sequence[int], extend_lens: Sequence[int],
+                    page_table: torch.Tensor, *, pad_to: tuple[int, int] | None = None
+                    ) -> MLAPlanInputs:
+        """CSR plan inputs of a batch; ``pad_to=(bs, num_tokens)`` for a captured shape.
+
+        Padded: ``bs - B`` zero-length sequences, then one filler request that
+        owns the ``num_tokens - T`` padding query rows and attends over as many
+        rows of the padding page, so every plan of the shape has ``bs + 1``
+        requests and ``num_tokens`` rows (see the module docstring).
+        """
+        ps = self.config.page_size
+        seq = [int(s) for s in seq_lens]
+        ext = [int(e) for e in extend_lens]
+        pages = [-(-s // ps) for s in seq]
+        indices = [self._page_indices(page_table, pages)]
+        if pad_to is not None:
+            bs, num_tokens = pad_to
+            filler = num_tokens - sum(ext)
+            if len(seq) > bs or filler < 0:
+                raise UnsupportedError(self.owner, "batch for this captured shape",
+                                       f"{len(seq)} sequences / {sum(ext)} tokens do not fit "
+                                       f"bs={bs}, num_tokens={num_tokens}",
+                                       "pad it to a captured shape or run it eagerly")
+            pad = bs - len(seq)
+            filler_pages = -(-filler // ps)
+            seq += [0] * pad + [filler]
+            ext += [0] * pad + [filler]
+            pages += [0] * pad + [filler_pages]
+            indices.append(torch.full((filler_pages,), PADDING_PAGE, dtype=torch.int32,
+                                      device=page_table.device))
+        return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=_cumsum(pages),
+                             kv_indices=torch.cat(indices),
+                             kv_lens=torch.tensor(seq, dtype=torch.int32))
+
+    @staticmethod
+    def _page_indices(page_table: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
+        """The first ``pages[b]`` entries of each page-table row, concatenated (on device)."""
+        if not pages:
+            return torch.empty((0,), dtype=torch.int32, device=page_table.device)
+        cols = torch.arange(page_table.shape[1], device=page_table.device)
+        counts = torch.tensor(list(pages), device=page_table.device)
+        return page_table[: len(pages)][cols[None, :] < counts[:, None]].to(torch.int32)
+
+    # -- MLA plan ----------------------------------------------------------------------
+    def _check_kv_dtype(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        if kv_dtype != torch.float8_e4m3fn:
+            return
+        reasons = []
+        if not self.run_takes_kv_scales:
+            have = installed_version("flashinfer-python") or "unknown"
+            reasons.append(f"the installed flashinfer ({have}) has no FP8-KV MLA path "
+                           "(BatchMLAPagedAttentionWrapper.run takes no ckv_scale)")
+        if self.mla_backend == "fa2":
+            reasons.append("flashinfer's FP8-KV MLA exists only in the fa3 kernel")
+        if q_dtype != torch.bfloat16:
+            reasons.append(f"FP8-KV MLA takes bf16 queries, got {q_dtype}")
+        if reasons:
+            raise UnsupportedError(self.owner, "FP8 KV pool", reasons,
+                                   "use a bf16/fp16 pool, or flashinfer-python >= 0.7 "
+                                   "with the fa3 kernel (sm90)")
+
+    def _plan(self, wrapper: Any, inputs: MLAPlanInputs, *, causal: bool,
+              q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        cfg = self.config
+        self._check_kv_dtype(q_dtype, kv_dtype)
+        common: dict[str, Any] = {
+            "num_heads": cfg.num_heads, "head_dim_ckv": cfg.kv_lora_rank,
+            "head_dim_kpe": cfg.qk_rope_head_dim, "page_size": cfg.page_size,
+            "causal": causal, "sm_scale": cfg.softmax_scale, "q_data_type": q_dtype,
+            "kv_data_type": kv_dtype}
+        csr = (inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices, inputs.kv_lens)
+        with self.errors("MLA plan"):
+            if self.plan_style == "metadata":
+                wrapper.plan(metadata=self.plan_metadata_cls.csr(*csr),
+                             query_layout="split", kv_cache_layout="split", **common)
+            elif self.plan_style == "keywords":
+                wrapper.plan(qo_indptr=csr[0], kv_indptr=csr[1], kv_indices=csr[2],
+                             kv_len_arr=csr[3], **common)
+            else:
+                wrapper.plan(*csr, common["num_heads"], common["head_dim_ckv"],
+                             common["head_dim_kpe"], common["page_size"], causal,
+                             common["sm_scale"], q_dtype, kv_dtype)
+
+    def plan_eager(self, md: ForwardMetadata, *, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> PlannedMLA:
+        """Plan the eager MLA wrapper for ``md`` (host lengths) and remember it in ``md``."""
+        if md.seq_lens_cpu is None or md.extend_lens_cpu is None:
+            raise UnsupportedError(self.owner, "eager MLA plan on graph metadata",
+                                   "graph metadata carries no host lengths",
+                                   "plan graphs with init_forward_metadata_capture / _replay")
+        if self._eager_mla is None:
+            self._eager_mla = self.mla_wrapper_cls(self.workspace, backend=self.mla_backend)
+        causal = md.phase is Phase.PREFILL
+        inputs = self.plan_inputs(md.seq_lens_cpu, md.extend_lens_cpu, md.page_table)
+        self._plan(self._eager_mla, inputs, causal=causal, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        planned = PlannedMLA(self._eager_mla, q_dtype, kv_dtype, causal)
+        md.extras[_MLA_EXTRA] = planned
+        return planned
+
+    # -- graphs ------------------------------------------------------------------------
+    def init_graph_buffers(self, state: GraphState) -> None:
+        """Index buffers every graph wrapper slices (each replay re-plans before it runs)."""
+        def ints(n: int) -> torch.Tensor:
+            return torch.zeros((n,), dtype=torch.int32, device=self.device)
+
+        state.extras[_GRAPH_BUFFERS] = {
+            "qo_indptr": ints(state.max_bs + 2),
+            "kv_indptr": ints(state.max_bs + 2),
+            "kv_lens": ints(state.max_bs + 1),
+            # real pages, plus the filler request's padding pages
+            "kv_indices": ints(state.max_bs * state.max_pages + state.max_num_tokens),
+        }
+        self._graph_wrappers.clear()
+
+    def plan_capture(self, md: ForwardMetadata, graph_state: GraphState, *,
+                     q_dtype: torch.dtype, kv_dtype: torch.dtype) -> PlannedMLA:
+        """Create (once) and plan the ``use_cuda_graph`` wrapper of ``md``'s shape."""
+        buffers = graph_state.extras.get(_GRAPH_BUFFERS)
+        if buffers is None:
+            raise UnsupportedError(self.owner, "capture before init_cuda_graph_state",
+                                   "the flashinfer graph buffers are not allocated",
+                                   "call init_cuda_graph_state first")
+        bs, nt = md.batch_size, md.num_tokens
+        key = (md.phase, bs, nt)
+        wrapper = self._graph_wrappers.get(key)
+        if wrapper is None:
+            wrapper = self.mla_wrapper_cls(
+                self.workspace, use_cuda_graph=True,
+                qo_indptr=buffers["qo_indptr"][:bs + 2], kv_indptr=buffers["kv_indptr"][:bs + 2],
+                kv_indices=buffers["kv_indices"], kv_len_arr=buffers["kv_lens"][:bs + 1],
+                backend=self.mla_backend)
+            self._graph_wrappers[key] = wrapper
+        planned = PlannedMLA(wrapper, q_dtype, kv_dtype, md.phase is Phase.PREFILL, graph=True)
+        assert md.batch is not None
+        self._plan_graph(planned, md, md.batch)
+        planned.grid = _plan_grid(wrapper)
+        md.extras[_MLA_EXTRA] = planned
+        return planned
+
+    def plan_replay(self, md: ForwardMetadata, batch: ForwardBatch) -> None:
+        """Re-plan the captured wrapper of ``md`` for ``batch`` (outside the graph)."""
+        planned: PlannedMLA | None = md.extras.get(_MLA_EXTRA)
+        if planned is None or not planned.graph:
+            raise UnsupportedError(self.owner, "replay of an uncaptured shape",
+                                   "no flashinfer graph wrapper was planned for it",
+                                   "call init_forward_metadata_capture for this shape first")
+        self._plan_graph(planned, md, batch)
+        grid = _plan_grid(planned.wrapper)
+        if planned.grid is not None and grid is not None and grid != planned.grid:
+            raise UnsupportedError(
+                self.owner, "replay with a different launch grid",
+                f"the plan for this batch launches {grid} blocks, the graph was captured "
+                f"with {planned.grid}", "run this batch eagerly")
+
+    def _plan_graph(self, planned: PlannedMLA, md: ForwardMetadata,
+                    batch: ForwardBatch) -> None:
+        inputs = self.plan_inputs(batch.seq_lens_cpu, batch.extend_lens_cpu, batch.page_table,
+                                  pad_to=(md.batch_size, md.num_tokens))
+        self._plan(planned.wrapper, inputs, causal=planned.causal, q_dtype=planned.q_dtype,
+                   kv_dtype=planned.kv_dtype)
+
+    # -- run ---------------------------------------------------------------------------
+    def run_mla(self, q: torch.Tensor, kv: torch.Tensor, md: ForwardMetadata,
+                out: torch.Tensor, *, kv_scale: float = 1.0) -> None:
+        """Absorbed MLA of ``q [rows, H, 576]`` over the paged cache ``kv`` into ``out``."""
+        causal = md.phase is Phase.PREFILL
+        planned: PlannedMLA | None = md.extras.get(_MLA_EXTRA)
+        if planned is None or (planned.q_dtype, planned.kv_dtype, planned.causal) != \
+                (q.dtype, kv.dtype, causal):
+            if md.is_graph:
+                what = "nothing" if planned is None else \
+                    f"q {planned.q_dtype} / kv {planned.kv_dtype}"
+                raise UnsupportedError(
+                    self.owner, "MLA forward under a captured graph",
+                    f"the graph was planned for {what}, the forward has q {q.dtype} / kv "
+                    f"{kv.dtype}", "capture with the MLAConfig dtypes the forward uses")
+            planned = self.plan_eager(md, q_dtype=q.dtype, kv_dtype=kv.dtype)
+        latent = self.config.kv_lora_rank
+        scales: dict[str, float] = {}
+        if kv.dtype == torch.float8_e4m3fn:
+            scales = {"ckv_scale": float(kv_scale), "kpe_scale": float(kv_scale)}
+        with self.errors("MLA inputs"):
+            planned.wrapper.run(q_nope=q[..., :latent], q_pe=q[..., latent:],
+                                ckv_cache=kv[..., :latent], kpe_cache=kv[..., latent:],
+                                out=out, **scales)
+
+    def run_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   md: ForwardMetadata, out: torch.Tensor) -> None:
+        """Eager ragged MHA (bottom-right causal over prefix + new tokens) into ``out``."""
+        key = (q.dtype, k.dtype, q.shape[-1], v.shape[-1])
+        planned = md.extras.get(_RAGGED_EXTRA)
+        if planned is None or planned[0] != key:
+            if md.is_graph or md.seq_lens_cpu is None or md.extend_lens_cpu is None:
+                raise UnsupportedError(
+                    self.owner, "ragged MHA prefill under a captured graph",
+                    "flashinfer's ragged prefill is planned per batch on the host and is "
+                    "never captured here", "run MHA batches eagerly, or capture MLA")
+            if self._eager_ragged is None:
+                self._eager_ragged = self.ragged_wrapper_cls(self.workspace, kv_layout="NHD")
+            heads = q.shape[1]
+            with self.errors("ragged MHA plan"):
+                self._eager_ragged.plan(
+                    qo_indptr=_cumsum(md.extend_lens_cpu), kv_indptr=_cumsum(md.seq_lens_cpu),
+                    num_qo_heads=heads, num_kv_heads=heads, head_dim_qk=q.shape[-1],
+                    head_dim_vo=v.shape[-1], causal=True, sm_scale=self.config.softmax_scale,
+                    q_data_type=q.dtype, kv_data_type=k.dtype)
+            planned = (key, self._eager_ragged)
+            md.extras[_RAGGED_EXTRA] = planned
+        with self.errors("ragged MHA inputs"):
+            planned[1].run(q, k, v, out=out)
+
+
+class FlashInferMLABackend(AttentionBackend):
+    """flashinfer paged MLA (decode, extend) and ragged MHA prefill.
+
+    Parameters
+    ----------
+    config : MLAConfig
+    capabilities : Capabilities
+    mla_backend : {"auto", "fa3", "fa2"}
+        flashinfer's paged-MLA implementation (``auto``: fa3 on sm90a, else fa2).
+
+    Graphs: decode FULL and prefill BREAKABLE capture absorbed MLA with one
+    ``use_cuda_graph`` wrapper per captured shape, re-planned on the host before
+    every replay; ragged MHA runs eagerly only.
+    """
+
+    def __init__(self, config: MLAConfig, *, capabilities: Any, mla_backend: str = "auto",
+                 **kwargs: Any) -> None:
+        super().__init__(config, capabilities=capabilities, **kwargs)
+        self.kernels = FlashInferMLAKernels(self.name, config, self.device,
+                                            mla_backend=mla_backend)
+
+    def _graph_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        return torch_dtype(self.config.q_dtype), torch_dtype(self.config.kv_dtype)
+
+    def _init_graph_state_impl(self, state: GraphState) -> None:
+        self.kernels.init_graph_buffers(state)
+
+    def _init_capture_impl(self, md: ForwardMetadata) -> None:
+        q_dtype, kv_dtype = self._graph_dtypes()
+        self.kernels.plan_capture(md, self._require_graph_state(), q_dtype=q_dtype,
+                                  kv_dtype=kv_dtype)
+
+    def _init_replay_impl(self, md: ForwardMetadata, batch: ForwardBatch) -> None:
+        self.kernels.plan_replay(md, batch)
+
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
+                             out: torch.Tensor) -> None:
+        self.kernels.run_mla(q, pool.buffer, md, out, kv_scale=pool.kv_scale)
+
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
+                             md: ForwardMetadata, out: torch.Tensor, *,
+                             method: ForwardMethod, k: torch.Tensor | None,
+                             v: torch.Tensor | None) -> None:
+        if md.num_tokens == 0:
+            return
+        if method is ForwardMethod.MLA:
+            assert pool is not None  # checked by the base class
+            self.kernels.run_mla(q, pool.buffer, md, out, kv_scale=pool.kv_scale)
+        else:
+            assert k is not None and v is not None
+            self.kernels.run_ragged(q, k, v, md, out)

@@ -1,0 +1,209 @@
+"""The ``trtllm_mla`` backend: TensorRT-LLM-gen MLA kernels shipped in flashinfer.
+
+Routing (the seed-000 defect 1 and the engines this is modelled on):
+
+* decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` over the
+  576-wide pool (sm100/sm103 only); an FP8 pool gets an FP8 query;
+* MHA extend (eager): ``trtllm_ragged_attention_deepseek`` for batches without
+  a cached prefix; batches with a prefix go to flashinfer's ragged wrapper
+  (bottom-right causal over prefix + new tokens).  The ragged kernel only takes
+  MHA head dims, and :meth:`TRTLLMMLABackend._run_ragged_kernel` refuses
+  anything else before calling it: absorbed (576, 576, 512) tensors never reach
+  it;
+* absorbed MLA extend, eager or under any capture mode: flashinfer's paged MLA
+  (the declared FALLBACK to ``flashinfer_mla``).  flashinfer's Blackwell MLA
+  kernel has no FP8 path, so an FP8 pool is converted to the query dtype in
+  full first (inside the graph under capture: the declared HIGH cost);
+* MHA under any capture mode (``current_capture()``) is refused: extend is
+  pinned to MLA there.
+
+The native kernels need a Blackwell GPU; elsewhere they are refused with an
+:class:`UnsupportedError` before flashinfer is called, while the flashinfer
+fallback runs anywhere flashinfer does (tests run it on sm90 with the sm100
+declaration).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnreg.graph_policy.capture import current_capture, in_eager_break
+from attnreg.registry import ForwardMethod, Phase, UnsupportedError
+
+from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
+from .batch import ForwardBatch
+from .declarations.trtllm_mla import BLACKWELL, WORKSPACE_BYTES
+from .flashinfer_mla import FlashInferMLAKernels, device_sm, import_flashinfer, lookup
+from .kv_pool import PADDING_PAGE, MLAKVPool, torch_dtype
+
+__all__ = ["RAGGED_HEAD_DIMS", "TRTLLMMLABackend"]
+
+#: (q, k, v) head dims ``trtllm_ragged_attention_deepseek`` accepts (it asserts otherwise).
+RAGGED_HEAD_DIMS = ((192, 192, 128), (128, 128, 128), (256, 256, 256))
+#: The decode kernel wants ``block_tables.shape[1] % (TABLE_ALIGN / page_size) == 0``.
+TABLE_ALIGN = 128
+
+_DECODE_EXTRA = "trtllm_decode"
+_TABLES = "trtllm_block_tables"
+_SEQ_LENS = "trtllm_seq_lens"
+
+
+class TRTLLMMLABackend(AttentionBackend):
+    """TRT-LLM-gen MLA decode and ragged prefill, with flashinfer's paged MLA for extend.
+
+    Parameters
+    ----------
+    config : MLAConfig
+    capabilities : Capabilities
+    fallback_mla_backend : {"auto", "fa3", "fa2"}
+        flashinfer's paged-MLA implementation used for absorbed extend.
+    """
+
+    def __init__(self, config: MLAConfig, *, capabilities: Any,
+                 fallback_mla_backend: str = "auto", **kwargs: Any) -> None:
+        super().__init__(config, capabilities=capabilities, **kwargs)
+        fi = import_flashinfer(self.name)
+        self._decode_kernel = lookup(fi, "decode", "trtllm_batch_decode_with_kv_cache_mla",
+                                     owner=self.name)
+        self._ragged_kernel = lookup(fi, "prefill", "trtllm_ragged_attention_deepseek",
+                                     owner=self.name)
+        self.fallback = FlashInferMLAKernels(self.name, config, self.device,
+                                             mla_backend=fallback_mla_backend)
+        # trtllm-gen keeps multi-CTA counters in its workspace: it must start zeroed.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.int8, device=self.device)
+        self.device_sm = device_sm(self.device)
+        self._table_multiple = max(1, TABLE_ALIGN // config.page_size)
+
+    # -- the native kernels need Blackwell -------------------------------------------------
+    def _require_blackwell(self, kernel: str) -> None:
+        if self.device_sm in BLACKWELL:
+            return
+        here = f"sm{self.device_sm}" if self.device_sm is not None else self.device.type
+        raise UnsupportedError(
+            self.name, f"{kernel} on this device",
+            f"trtllm-gen MLA needs sm100/sm103 (Blackwell); this is {here}",
+            "run trtllm_mla on a Blackwell GPU, or choose flashinfer_mla / triton here")
+
+    def _padded_width(self, width: int) -> int:
+        m = self._table_multiple
+        return -(-width // m) * m
+
+    # -- planning ----------------------------------------------------------------------
+    def _fallback_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(q, kv) dtypes flashinfer sees: an FP8 pool is converted to the q dtype."""
+        q_dtype = torch_dtype(self.config.q_dtype)
+        kv_dtype = torch_dtype(self.config.kv_dtype)
+        return q_dtype, (q_dtype if kv_dtype == torch.float8_e4m3fn else kv_dtype)
+
+    def _init_graph_state_impl(self, state: GraphState) -> None:
+        width = self._padded_width(state.max_pages)
+        state.extras[_TABLES] = torch.full((state.max_bs, width), PADDING_PAGE,
+                                           dtype=torch.int32, device=self.device)
+        state.extras[_SEQ_LENS] = torch.ones((state.max_bs,), dtype=torch.int32,
+                                             device=self.device)
+        self.fallback.init_graph_buffers(state)
+
+    def _init_capture_impl(self, md: ForwardMetadata) -> None:
+        state = self._require_graph_state()
+        if md.phase is Phase.DECODE:
+            bs = md.batch_size
+            md.extras[_DECODE_EXTRA] = (state.extras[_TABLES][:bs], state.extras[_SEQ_LENS][:bs])
+        else:
+            q_dtype, kv_dtype = self._fallback_dtypes()
+            self.fallback.plan_capture(md, state, q_dtype=q_dtype, kv_dtype=kv_dtype)
+
+    def _init_replay_impl(self, md: ForwardMetadata, batch: ForwardBatch) -> None:
+        if md.phase is Phase.PREFILL:
+            self.fallback.plan_replay(md, batch)
+
+    def _decode_inputs(self, md: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables of an aligned width, seq_lens) for the decode kernel."""
+        if md.is_graph:
+            tables, seq_lens = md.extras[_DECODE_EXTRA]
+            # Device copies, recorded into the graph: the columns past the graph's
+            # page table stay the padding page; padded sequences (length 0 in the
+            # graph buffers) read one padding row instead of none.
+            tables[:, : md.page_table.shape[1]].copy_(md.page_table)
+            torch.clamp(md.seq_lens, min=1, out=seq_lens)
+            return tables, seq_lens
+        cached = md.extras.get(_DECODE_EXTRA)
+        if cached is None:
+            width = md.page_table.shape[1]
+            pad = self._padded_width(width) - width
+            tables = torch.nn.functional.pad(md.page_table, (0, pad), value=PADDING_PAGE)
+            cached = (tables.contiguous(), md.seq_lens)
+            md.extras[_DECODE_EXTRA] = cached
+        return cached
+
+    # -- forward -----------------------------------------------------------------------
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
+                             out: torch.Tensor) -> None:
+        self._require_blackwell("trtllm_batch_decode_with_kv_cache_mla")
+        cfg = self.config
+        query = q.unsqueeze(1)  # [B, q_len_per_request=1, H, 576]
+        if pool.is_fp8:
+            query = query.to(pool.dtype)  # the kernels pair an fp8 cache with an fp8 query
+        tables, seq_lens = self._decode_inputs(md)
+        scale = pool.kv_scale
+        with self.kernel_errors("trtllm decode inputs"):
+            self._decode_kernel(
+                query=query, kv_cache=pool.buffer, workspace_buffer=self.workspace,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, kv_lora_rank=cfg.kv_lora_rank,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
+                max_seq_len=md.max_seq_len, out=out.unsqueeze(1),
+                bmm1_scale=cfg.softmax_scale * scale, bmm2_scale=scale)
+
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
+                             md: ForwardMetadata, out: torch.Tensor, *,
+                             method: ForwardMethod, k: torch.Tensor | None,
+                             v: torch.Tensor | None) -> None:
+        if md.num_tokens == 0:
+            return
+        mode = None if in_eager_break() else current_capture()
+        if method is ForwardMethod.MLA:
+            # No trtllm kernel takes absorbed extend: it is flashinfer's paged MLA,
+            # eagerly and under every capture mode (the declared fallback).
+            assert pool is not None  # checked by the base class
+            self.fallback.run_mla(q, self._fallback_cache(pool, q.dtype), md, out)
+            return
+        if mode is not None or md.is_graph:
+            raise UnsupportedError(
+                self.name, f"{method} extend under {mode or 'graph'} capture",
+                "under capture trtllm_mla falls back to flashinfer's paged MLA, which takes "
+                "absorbed tensors only", "call forward_extend(..., method=ForwardMethod.MLA)")
+        assert k is not None and v is not None
+        if md.prefix_lens_cpu is None or any(p > 0 for p in md.prefix_lens_cpu):
+            self.fallback.run_ragged(q, k, v, md, out)
+        else:
+            self._run_ragged_kernel(q, k, v, md, out)
+
+    def _fallback_cache(self, pool: MLAKVPool, q_dtype: torch.dtype) -> torch.Tensor:
+        """The pool as flashinfer's paged MLA reads it: an FP8 pool converted in full."""
+        if not pool.is_fp8:
+            return pool.buffer
+        converted = pool.buffer.to(q_dtype)
+        if pool.kv_scale != 1.0:
+            converted.mul_(pool.kv_scale)
+        return converted
+
+    def _run_ragged_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           md: ForwardMetadata, out: torch.Tensor) -> None:
+        dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+        if dims not in RAGGED_HEAD_DIMS:
+            raise UnsupportedError(
+                self.name, "ragged prefill head dims",
+                f"trtllm_ragged_attention_deepseek takes (q, k, v) head dims "
+                f"{list(RAGGED_HEAD_DIMS)}, got {dims}",
+                "absorbed MLA extend runs through flashinfer's paged MLA: call "
+                "forward_extend(..., method=ForwardMethod.MLA)")
+        self._require_blackwell("trtllm_ragged_attention_deepseek")
+        with self.kernel_errors("trtllm ragged prefill inputs"):
+            self._ragged_kernel(
+                query=q, key=k, value=v, workspace_buffer=self.workspace, seq_lens=md.seq_lens,
+                max_q_len=md.max_extend_len, max_kv_len=md.max_seq_len,
+                bmm1_scale=self.config.softmax_scale, bmm2_scale=1.0, o_sf_scale=1.0,
+                batch_size=md.batch_size, window_left=-1, cum_seq_lens_q=md.qo_indptr,
+                cum_seq_lens_kv=md.kv_indptr, enable_pdl=False, is_causal=True,
+                return_lse=False, out=out)

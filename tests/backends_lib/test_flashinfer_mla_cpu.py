@@ -1,0 +1,199 @@
+"""FlashInferMLABackend on a CPU machine, against a fake flashinfer that computes what
+the real one would from the arguments it is given (tests/backends_lib/fakes.py).
+
+Pins down the argument plumbing the GPU cannot show in isolation: page indices
+of shuffled pages, the 0.6 positional / 0.7 keyword plan forms, the padding of
+captured shapes (which keeps the launch grid of a graph fixed), and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnreg.backends.base import MLAConfig
+from attnreg.graph_policy.capture import capturing
+from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, load_registry
+
+from ._cases import assert_close, expected, make_case, make_pool
+from .fakes import install_fake_flashinfer
+
+
+@pytest.fixture(scope="module")
+def reg():
+    return load_registry(autoload=False)
+
+
+def backend(reg, cfg: MLAConfig, versions=None, **options: object):
+    from attnreg.backends.flashinfer_mla import FlashInferMLABackend
+
+    caps = reg.declaration("flashinfer_mla", "cuda:sm90", versions)
+    return FlashInferMLABackend(cfg, capabilities=caps, **options)
+
+
+@pytest.mark.parametrize("version", ["0.6", "0.7"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_and_extend_match_reference(reg, monkeypatch, version: str,
+                                           page_size: int) -> None:
+    calls = install_fake_flashinfer(monkeypatch, version=version)
+    cfg = MLAConfig(num_heads=4, page_size=page_size)
+    fi = backend(reg, cfg)
+    assert fi.kernels.plan_style == ("metadata" if version == "0.7" else "positional")
+    pool = make_pool(cfg, 600)
+    dec = make_case(cfg, pool, [0, 40, 77], [1, 1, 1], decode=True, seed=1)
+    got = fi.forward_decode(dec.q, dec.latent_new, dec.rope_new, pool, dec.batch)
+    assert_close(got, expected(cfg, dec), what="decode")
+    ext = make_case(cfg, pool, [0, 33], [9, 20], seed=2)
+    got = fi.forward_extend(ext.q, ext.latent_new, ext.rope_new, pool, ext.batch)
+    assert_close(got, expected(cfg, ext), what="extend")
+    assert [p["causal"] for p in calls.mla_plans] == [False, True]
+    assert all(not p["graph"] for p in calls.mla_plans)
+
+
+def test_one_plan_per_batch_for_all_layers(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=2, page_size=16)
+    fi = backend(reg, cfg)
+    pool = make_pool(cfg, 200)
+    case = make_case(cfg, pool, [5, 60], [1, 1], decode=True)
+    fi.init_forward_metadata(case.batch)
+    for _layer in range(3):
+        fi.forward_decode(case.q, None, None, pool, case.batch)
+    assert len(calls.mla_plans) == 1 and len(calls.mla_runs) == 3
+
+
+def test_mha_ragged_prefill_with_prefix_matches_reference(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=2, page_size=16)
+    fi = backend(reg, cfg)
+    pool = make_pool(cfg, 200)
+    case = make_case(cfg, pool, [0, 21], [7, 5], mha=True, seed=3)
+    got = fi.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch,
+                            method=ForwardMethod.MHA, k=case.k, v=case.v)
+    assert_close(got, expected(cfg, case, ForwardMethod.MHA), what="mha")
+    assert calls.ragged_plans == [{"causal": True, "head_dims": (192, 128)}]
+
+
+def _capture_and_replay(fi, cfg, pool, *, decode: bool, bs: int, num_tokens: int,
+                        first, replays):
+    """Emulate graph use on the CPU: plan the captured shape, run under capturing()."""
+    mode = GraphMode.FULL if decode else GraphMode.BREAKABLE
+    phase = "decode" if decode else "prefill"
+    fi.init_cuda_graph_state(bs, num_tokens, max_seq_len=512, graph_modes={phase: mode})
+    rows = bs if decode else num_tokens
+    q = torch.zeros(rows, cfg.num_heads, cfg.kv_row_dim, dtype=torch.bfloat16)
+    lat = torch.zeros(num_tokens, cfg.kv_lora_rank, dtype=torch.bfloat16)
+    rope = torch.zeros(num_tokens, cfg.qk_rope_head_dim, dtype=torch.bfloat16)
+    out = torch.zeros(rows, cfg.num_heads, cfg.kv_lora_rank, dtype=torch.bfloat16)
+
+    def step():
+        with capturing(mode):
+            if decode:
+                fi.forward_decode(q, lat, rope, pool, out=out)
+            else:
+                fi.forward_extend(q, lat, rope, pool, method=ForwardMethod.MLA, out=out)
+
+    fi.init_forward_metadata_capture(bs, num_tokens, first.batch)
+    results = []
+    for case in [first, *replays]:
+        if case is not first:
+            fi.init_forward_metadata_replay(bs, num_tokens, case.batch)
+        t = case.batch.num_tokens
+        q.zero_(), lat.zero_(), rope.zero_()
+        q[: case.q.shape[0]].copy_(case.q)
+        lat[:t].copy_(case.latent_new)
+        rope[:t].copy_(case.rope_new)
+        step()
+        results.append((case, out[: case.q.shape[0]].clone()))
+    return results
+
+
+def test_captured_decode_keeps_its_grid_for_smaller_batches(reg, monkeypatch) -> None:
+    """128 heads: a plan over the real sequences alone would switch from 2-CTA to
+    1-CTA clusters when fewer than half the captured slots are used, and the
+    graph would replay the new schedule on the captured grid."""
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=128, page_size=16)
+    fi = backend(reg, cfg)
+    pool = make_pool(cfg, 2000)
+    first = make_case(cfg, pool, [10, 20, 30, 40, 50, 60, 70, 80], [1] * 8, decode=True)
+    replays = [make_case(cfg, pool, [300], [1], decode=True, seed=5),
+               make_case(cfg, pool, [3, 150, 9], [1, 1, 1], decode=True, seed=6)]
+    for case, got in _capture_and_replay(fi, cfg, pool, decode=True, bs=8, num_tokens=8,
+                                         first=first, replays=replays):
+        assert_close(got, expected(cfg, case), what=f"replay {case.batch.seq_lens_cpu}")
+    graph_plans = [p for p in calls.mla_plans if p["graph"]]
+    assert len(graph_plans) == 3
+    assert {p["grid"] for p in graph_plans} == {(2, 66)}
+    assert all(p["requests"] == 9 and p["rows"] == 8 for p in graph_plans)
+    assert len({id(p["wrapper"]) for p in graph_plans}) == 1
+
+
+def test_captured_extend_replays_other_lengths_and_prefixes(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=4, page_size=16)
+    fi = backend(reg, cfg)
+    pool = make_pool(cfg, 2000)
+    first = make_case(cfg, pool, [0, 0, 0], [20, 20, 24], seed=7)
+    replays = [make_case(cfg, pool, [100, 7], [30, 2], seed=8),
+               make_case(cfg, pool, [250], [1], seed=9),
+               make_case(cfg, pool, [0, 5, 17], [10, 30, 24], seed=10)]
+    for case, got in _capture_and_replay(fi, cfg, pool, decode=False, bs=3, num_tokens=64,
+                                         first=first, replays=replays):
+        assert_close(got, expected(cfg, case), what=f"replay {case.batch.seq_lens_cpu}")
+    graph_plans = [p for p in calls.mla_plans if p["graph"]]
+    assert all(p["rows"] == 64 and p["requests"] == 4 and p["causal"] for p in graph_plans)
+    assert len({p["grid"] for p in graph_plans}) == 1
+
+
+def test_graph_refuses_a_forward_dtype_it_was_not_planned_for(reg, monkeypatch) -> None:
+    install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=2, page_size=16, q_dtype="bf16", kv_dtype="bf16")
+    fi = backend(reg, cfg)
+    pool = cfg.make_pool(64)
+    fi.init_cuda_graph_state(2, 2, max_seq_len=64, graph_modes={"decode": "full"})
+    fi.init_forward_metadata_capture(2, 2)
+    q = torch.zeros(2, 2, 576, dtype=torch.float16)
+    fp16_pool = MLAConfig(num_heads=2, page_size=16, kv_dtype="fp16").make_pool(64)
+    with capturing(GraphMode.FULL), pytest.raises(UnsupportedError, match="planned for"):
+        fi.forward_decode(q, None, None, fp16_pool)
+    assert pool.buffer.abs().sum() == 0
+
+
+def test_fp8_pool_is_refused_on_flashinfer_0_6(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch, version="0.6")
+    cfg = MLAConfig(num_heads=2, page_size=16, kv_dtype="fp8_e4m3")
+    fi = backend(reg, cfg, versions={"flashinfer-python": "0.6.13"})
+    pool = make_pool(cfg, 100)
+    case = make_case(cfg, pool, [10], [1], decode=True)
+    with pytest.raises(UnsupportedError, match="fp8"):
+        fi.forward_decode(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    assert calls.mla_plans == [] and calls.mla_runs == []
+
+
+def test_fp8_pool_runs_with_kv_scales_on_flashinfer_0_7(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch, version="0.7")
+    cfg = MLAConfig(num_heads=2, page_size=16, kv_dtype="fp8_e4m3")
+    fi = backend(reg, cfg, versions={"flashinfer-python": "0.7.0"})
+    pool = make_pool(cfg, 100)
+    case = make_case(cfg, pool, [10, 50], [1, 1], decode=True)
+    got = fi.forward_decode(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    assert_close(got, expected(cfg, case), what="fp8 decode")
+    assert calls.mla_runs[-1]["ckv_scale"] == pytest.approx(pool.scale)
+    assert calls.mla_plans[-1]["kv_dtype"] == torch.float8_e4m3fn
+
+
+def test_fp8_with_the_fa2_kernel_is_refused_even_on_0_7(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch, version="0.7")
+    cfg = MLAConfig(num_heads=2, page_size=16, kv_dtype="fp8_e4m3")
+    fi = backend(reg, cfg, versions={"flashinfer-python": "0.7.0"}, mla_backend="fa2")
+    pool = make_pool(cfg, 100)
+    case = make_case(cfg, pool, [10], [1], decode=True)
+    with pytest.raises(UnsupportedError, match="fa3"):
+        fi.forward_decode(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    assert calls.mla_runs == []
+
+
+def test_unknown_mla_backend_option_is_an_error(reg, monkeypatch) -> None:
+    install_fake_flashinfer(monkeypatch)
+    with pytest.raises(ValueError, match="mla_backend"):
+        backend(reg, MLAConfig(num_heads=2), mla_backend="fa9")
