@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "prove each declared capability of a backend on this device"),
     "compat": ("attnreg.commands.compat", "graph plan and decision trace for a platform/model"),
     "demo": ("attnreg.commands.demo", "compatibility report: this machine + simulated H200/B200"),
+    "calibrate": ("attnreg.commands.calibrate", "measure prefill costs on this GPU: a cost profile"),
 }
 
 

@@ -9,7 +9,15 @@ JSON keys (``schema_version`` 1): ``platform``, ``model``, ``features``,
 ``config``, ``phases.{prefill,decode}.{mode, default_mode, locked, backend,
 backend_choice, pinned_method, fallbacks[{to, cost, reason}], split_kv,
 capture_memory_bytes}``, ``capture_memory_bytes``, ``decisions[{rule,
-severity, source, phase, before, after, message}]``.
+severity, source, phase, before, after, message}]``, and
+``phases.prefill.crossover``: null without a cost profile, else ``{profile,
+applies, note, heads, batch_size, buckets, points[{prefix, batch_size, heads,
+max_extend, max_graph_extend, text}]}`` (where the replay gate's cost model
+switches from the absorbed graph to eager MHA; ``points`` is empty when the
+profile is for another backend, platform or KV dtype).
+
+Cost profile: ``--cost-profile PATH``, else the profile shipped with attnreg
+for the prefill backend, platform and KV dtype, if there is one.
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ from attnreg.graph_policy import (
     GraphConfig,
     GraphPlan,
     ModelFacts,
+    ReplayGate,
     ServerFeatures,
     resolve,
 )
+from attnreg.graph_policy.cost_profile import crossover_extend
 from attnreg.graph_policy.features import FEATURE_HELP
 from attnreg.registry import DType, GraphPolicyError
 
@@ -95,8 +105,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in FEATURE_HELP.items():
         feats.add_argument(_flag(name), dest=f"feature_{name}", action="store_true",
                            help=help_text)
+    cost = parser.add_argument_group("cost model (per-batch prefill replay)")
+    cost.add_argument("--cost-profile", default=None, metavar="PATH",
+                      help="cost profile JSON (from `attnreg calibrate`); default: the "
+                           "profile shipped for the prefill backend and platform, if any")
     add_registry_arguments(parser)
     add_json_argument(parser)
+
+
+#: Prefix lengths the crossover is reported for.
+CROSSOVER_PREFIXES = (0, 4096, 32768)
+
+
+def crossover(plan: GraphPlan, cost_profile: str | None = None) -> dict[str, Any] | None:
+    """Where the replay gate's cost model switches to eager MHA, per prefix; None without
+    a profile.
+
+    ``cost_profile`` is a path, or None for the shipped profile of the plan's
+    prefill backend, platform and KV dtype.
+    """
+    gate = ReplayGate(plan, cost_profile=cost_profile or "auto")
+    profile = gate.cost_profile
+    if profile is None and cost_profile is None:
+        return None
+    buckets = list(plan.config.prefill_num_tokens)
+    heads = plan.model.num_heads
+    points = []
+    if profile is not None:
+        points = [crossover_extend(profile, heads=heads, prefix=p, max_extend=buckets[-1],
+                                   buckets=buckets).to_dict() for p in CROSSOVER_PREFIXES]
+    described = None if profile is None else {
+        "source": profile.source, "backend": profile.backend,
+        "platform": str(profile.platform), "kv_dtype": profile.kv_dtype.value,
+        "device": profile.device, "created": profile.created, "dry_run": profile.dry_run,
+        "shipped": cost_profile is None}
+    return {"profile": described, "applies": gate.uses_cost_model,
+            "note": gate.cost_model_note, "heads": heads, "batch_size": 1,
+            "buckets": buckets, "points": points}
+
+
+def render_crossover(cross: dict[str, Any] | None) -> str:
+    """The human form of :func:`crossover` ("" without a profile)."""
+    if cross is None:
+        return ""
+    lines = ["", "", "cost model (prefill replay, per layer):", f"  {cross['note']}"]
+    if cross["points"]:
+        lines.append(f"  {cross['batch_size']} sequence, {cross['heads']} heads, token "
+                     f"buckets up to {cross['buckets'][-1]}"
+                     + ("" if cross["applies"] else " (not applied to this plan)") + ":")
+        lines += [f"    {p['text']}" for p in cross["points"]]
+    return "\n".join(lines)
 
 
 def _model_from(args: argparse.Namespace) -> ModelFacts:
@@ -161,8 +219,10 @@ def run(args: argparse.Namespace) -> int:
             print_json({"error": "graph_policy", "platform": str(platform),
                         "reasons": exc.reasons})
         return 2
+    cross = crossover(plan, args.cost_profile)
     if args.json:
         data: dict[str, Any] = plan.to_dict()
+        data["phases"]["prefill"]["crossover"] = cross
         data["simulated"] = simulated
         data["assume_installed"] = simulated
         print_json(data)
@@ -170,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
     how = "simulated, optional libraries assumed installed" if simulated else "detected"
     locked = ", ".join(sorted(config.locked)) or "nothing"
     print(render(plan, f"graph plan for {model.label} ({model.attention}, {model.kv_dtype} KV, "
-                       f"{model.num_heads} heads) on {platform} ({how}); locked: {locked}"))
+                       f"{model.num_heads} heads) on {platform} ({how}); locked: {locked}")
+          + render_crossover(cross))
     return 0
 
 
-__all__ = ["add_arguments", "parse_size", "render", "run"]
+__all__ = ["add_arguments", "crossover", "parse_size", "render", "render_crossover", "run"]

@@ -1,0 +1,759 @@
+"""Cost profiles: measured prefill costs that let the replay gate choose per batch.
+
+Under a breakable prefill graph with MLA pinned, a prefill batch that replays
+runs the *absorbed* form (q/k 576, v 512: about 3x the attention FLOPs of the
+MHA form); a batch that runs eagerly runs the MHA companion instead (q/k 192,
+v 128, after decompressing the latent cache with ``kv_b_proj``).  The graph
+saves launch overhead, the MHA form saves FLOPs: which one wins depends on the
+batch.  A :class:`CostProfile` holds a small fitted model of both, per
+backend and platform, and :class:`~attnreg.graph_policy.ReplayGate` compares
+the two predictions per batch.  Everything here is plain data and arithmetic
+on host ints (no torch, no timing), so every data-parallel rank computes the
+same answer for the same batch.
+
+The model (microseconds per layer)
+----------------------------------
+For a batch of sequences with prefix ``p_i`` and new (extend) tokens ``e_i``
+on ``H`` heads, the *features* are::
+
+    one             1
+    sequences       B
+    q_tokens        sum e_i                       (new tokens; the graph pads them
+                                                   to its token bucket)
+    kv_tokens       sum (p_i + e_i)
+    head_q_tokens   H * q_tokens
+    head_kv_tokens  H * kv_tokens
+    head_pairs      H * sum (e_i * p_i + e_i * (e_i + 1) / 2)   (causal query-key
+                                                   pairs: attention FLOPs / head dim)
+
+Each *term* is a non-negative linear combination of features,
+``term(batch) = sum_f coefficient_f * feature_f``:
+
+==================== ======================================================== =====================
+term                 what was measured                                        features fitted
+==================== ======================================================== =====================
+absorbed_attention   device time of q_nope @ W_UK, the backend's absorbed     one, head_pairs,
+                     extend (``forward_extend(method=MLA)``, KV write         head_q_tokens,
+                     included) and @ W_UV                                     kv_tokens
+mha_attention        device time of the backend's ragged MHA prefill          one, head_pairs,
+                     (``forward_extend(method=MHA)``, KV write included)      head_q_tokens,
+                                                                              head_kv_tokens
+decompress           device time of gathering the latent rows of prefix +     one, head_kv_tokens,
+                     new tokens, ``kv_b_proj`` ([tokens, 512] x [512,         kv_tokens
+                     H * 256], bf16) and assembling K (rope appended) and V
+layer_gpu            device time of one layer's non-attention projections     one, q_tokens
+                     (norms, q_a, q_b, kv_a, rope, o_proj), replayed from a
+                     CUDA graph
+eager_host           host time to issue one eager layer (projections,         one, sequences
+                     decompression, MHA prefill)
+graph_host           host time to replay one layer of a captured graph        one
+==================== ======================================================== =====================
+
+and the two predictions are::
+
+    graph_absorbed = max(graph_host, layer_gpu(padded tokens) + absorbed_attention)
+    eager_mha      = max(eager_host, layer_gpu(tokens) + mha_attention + decompress)
+
+A replayed graph runs its kernels back to back, so it costs its device time
+unless replaying it takes the host longer; an eager layer costs the slower of
+issuing it (host) and running it (device), since host and device overlap
+across layers.  The fit (:func:`fit_term`) is a least-squares fit of each term
+with non-negative coefficients, weighted by ``1 / measured`` (relative error,
+so a 100 us point counts as much as a 100 ms one); the coefficients are
+microseconds per feature unit.
+
+Profile JSON (``schema`` ``attnreg.cost_profile``, ``schema_version`` 1)
+-----------------------------------------------------------------------
+Required: ``schema``, ``schema_version``, ``backend`` (registry name),
+``platform`` (``cuda:sm90``), ``kv_dtype`` (``bf16``), ``terms`` (all six
+terms above, each ``{"coefficients_us": {feature: number >= 0}}``).
+Informational (kept, not interpreted): ``device``, ``created``, ``versions``,
+``dry_run``, ``note``, ``calibration`` (heads, layer shape, grid, timing
+method), per-term ``fit`` (points, residuals) and ``measurements`` (the raw
+timings with their predictions).  Written by ``attnreg calibrate``; shipped
+profiles live in ``attnreg/data/profiles/*.json``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..registry.capabilities import DType
+from ..registry.errors import AttnregError
+from ..registry.platform import Platform
+
+__all__ = [
+    "FEATURES",
+    "PROFILE_SCHEMA",
+    "PROFILE_SCHEMA_VERSION",
+    "TERMS",
+    "TERM_FEATURES",
+    "CostComparison",
+    "CostProfile",
+    "CostProfileError",
+    "CostTerm",
+    "CrossoverPoint",
+    "FitResult",
+    "PrefillShape",
+    "crossover_extend",
+    "find_shipped_profile",
+    "fit_term",
+    "load_profile",
+    "shipped_profile_dir",
+    "shipped_profile_paths",
+]
+
+logger = logging.getLogger("attnreg.graph_policy")
+
+PROFILE_SCHEMA = "attnreg.cost_profile"
+PROFILE_SCHEMA_VERSION = 1
+
+#: Every feature a term may use, in a fixed order.
+FEATURES: tuple[str, ...] = ("one", "sequences", "q_tokens", "kv_tokens", "head_q_tokens",
+                             "head_kv_tokens", "head_pairs")
+
+#: The features each term is fitted with (schema version 1).
+TERM_FEATURES: dict[str, tuple[str, ...]] = {
+    "absorbed_attention": ("one", "head_pairs", "head_q_tokens", "kv_tokens"),
+    "mha_attention": ("one", "head_pairs", "head_q_tokens", "head_kv_tokens"),
+    "decompress": ("one", "head_kv_tokens", "kv_tokens"),
+    "layer_gpu": ("one", "q_tokens"),
+    "eager_host": ("one", "sequences"),
+    "graph_host": ("one",),
+}
+TERMS: tuple[str, ...] = tuple(TERM_FEATURES)
+
+#: Predictions are compared at this resolution (microseconds): a nanosecond.
+#: Rounding first makes "equal" well defined; equal predictions run eagerly.
+_COMPARE_DECIMALS = 3
+
+
+class CostProfileError(AttnregError, ValueError):
+    """A cost profile that cannot be used: names the file and the problem."""
+
+    def __init__(self, source: str, problem: str, *, hint: str = "") -> None:
+        self.source = source
+        self.problem = problem
+        hint = hint or ("regenerate it with `attnreg calibrate --backend NAME --out PATH` on "
+                        "the device it describes, or pass another profile")
+        super().__init__(f"cost profile {source}: {problem}; {hint}")
+
+
+# ----------------------------------------------------------------------------------------
+# batches and features
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """Lengths of a prefill batch and the heads on one rank: all a prediction reads.
+
+    Parameters
+    ----------
+    prefix_lens, extend_lens
+        Cached and new tokens per sequence (host ints, equal length).
+    heads
+        Attention heads on one rank.
+    """
+
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    heads: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix_lens", tuple(int(n) for n in self.prefix_lens))
+        object.__setattr__(self, "extend_lens", tuple(int(n) for n in self.extend_lens))
+        if len(self.prefix_lens) != len(self.extend_lens):
+            raise ValueError(f"prefix_lens has {len(self.prefix_lens)} entries, extend_lens "
+                             f"{len(self.extend_lens)}; give one of each per sequence")
+        if any(n < 0 for n in self.prefix_lens + self.extend_lens):
+            raise ValueError("prefix and extend lengths must be >= 0")
+        if int(self.heads) < 1:
+            raise ValueError(f"heads must be >= 1, got {self.heads}")
+        object.__setattr__(self, "heads", int(self.heads))
+
+    @classmethod
+    def uniform(cls, batch_size: int, prefix: int, extend: int, heads: int) -> PrefillShape:
+        """``batch_size`` sequences with the same prefix and extend length."""
+        return cls((prefix,) * batch_size, (extend,) * batch_size, heads)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def q_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(self.prefix_lens) + sum(self.extend_lens)
+
+    @property
+    def pairs(self) -> int:
+        """Causal query-key pairs: query ``j`` of a sequence sees ``p + j + 1`` keys."""
+        return sum(e * p + e * (e + 1) // 2 for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    def features(self) -> dict[str, float]:
+        """Every feature of :data:`FEATURES` for this batch."""
+        h = self.heads
+        q, kv = self.q_tokens, self.kv_tokens
+        return {"one": 1.0, "sequences": float(self.batch_size), "q_tokens": float(q),
+                "kv_tokens": float(kv), "head_q_tokens": float(h * q),
+                "head_kv_tokens": float(h * kv), "head_pairs": float(h * self.pairs)}
+
+    def describe(self) -> str:
+        b = self.batch_size
+        seqs = "1 sequence" if b == 1 else f"{b} sequences"
+        prefix = max(self.prefix_lens, default=0)
+        return f"{seqs}, {self.q_tokens} new tokens, prefix up to {prefix}, {self.heads} heads"
+
+
+# ----------------------------------------------------------------------------------------
+# terms and the profile
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostTerm:
+    """``sum_f coefficients[f] * features[f]`` in microseconds (coefficients >= 0)."""
+
+    coefficients: tuple[tuple[str, float], ...]
+
+    @classmethod
+    def of(cls, coefficients: Mapping[str, float]) -> CostTerm:
+        return cls(tuple((f, float(coefficients[f])) for f in FEATURES if f in coefficients))
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.coefficients)
+
+    def predict(self, features: Mapping[str, float]) -> float:
+        return sum(c * features[f] for f, c in self.coefficients)
+
+
+@dataclass(frozen=True)
+class CostComparison:
+    """Both predictions for one batch, per layer, in microseconds.
+
+    ``graph_wins`` is True only when the graph is *strictly* faster at
+    nanosecond resolution: a tie runs eagerly (no padding, no graph needed).
+    """
+
+    graph_us: float
+    eager_us: float
+    breakdown: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def graph_wins(self) -> bool:
+        return round(self.graph_us, _COMPARE_DECIMALS) < round(self.eager_us, _COMPARE_DECIMALS)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"graph_absorbed_us": self.graph_us, "eager_mha_us": self.eager_us,
+                "graph_wins": self.graph_wins, "terms_us": dict(self.breakdown)}
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """A validated cost profile; build it with :func:`load_profile` or :meth:`from_dict`.
+
+    Examples
+    --------
+    >>> terms = {t: {"coefficients_us": {"one": 1.0}} for t in TERMS}
+    >>> terms["absorbed_attention"] = {"coefficients_us": {"one": 5.0, "head_pairs": 1e-6}}
+    >>> terms["mha_attention"] = {"coefficients_us": {"one": 5.0, "head_pairs": 4e-7}}
+    >>> terms["eager_host"] = {"coefficients_us": {"one": 60.0}}
+    >>> profile = CostProfile.from_dict({"schema": PROFILE_SCHEMA, "schema_version": 1,
+    ...     "backend": "mybackend", "platform": "cuda:sm90", "kv_dtype": "bf16",
+    ...     "terms": terms})
+    >>> short = PrefillShape.uniform(1, prefix=0, extend=128, heads=128)
+    >>> profile.compare(short).graph_wins
+    True
+    >>> long = PrefillShape.uniform(1, prefix=0, extend=8192, heads=128)
+    >>> profile.compare(long).graph_wins
+    False
+    """
+
+    backend: str
+    platform: Platform
+    kv_dtype: DType
+    terms: tuple[tuple[str, CostTerm], ...]
+    source: str = "<dict>"
+    device: str = ""
+    created: str = ""
+    dry_run: bool = False
+    calibrated_heads: int | None = None
+    data: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False,
+                                    repr=False)
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<dict>") -> CostProfile:
+        """Validate ``data`` (a parsed profile JSON) and build the profile.
+
+        Raises
+        ------
+        CostProfileError
+            Naming ``source`` and every problem found.
+        """
+        if not isinstance(data, Mapping):
+            raise CostProfileError(source, f"expected a JSON object, got {type(data).__name__}")
+        problems: list[str] = []
+        if data.get("schema") != PROFILE_SCHEMA:
+            problems.append(f"'schema' is {data.get('schema')!r}, expected {PROFILE_SCHEMA!r} "
+                            "(is this a cost profile?)")
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            if isinstance(version, int) and version > PROFILE_SCHEMA_VERSION:
+                raise CostProfileError(
+                    source, f"schema_version {version} is newer than this attnreg reads "
+                    f"({PROFILE_SCHEMA_VERSION})", hint="upgrade attnreg or recalibrate")
+            problems.append(f"'schema_version' is {version!r}, expected "
+                            f"{PROFILE_SCHEMA_VERSION}")
+        backend = data.get("backend")
+        if not isinstance(backend, str) or not backend:
+            problems.append(f"'backend' must be a backend name, got {backend!r}")
+        platform: Platform | None = None
+        try:
+            platform = Platform.parse(str(data.get("platform")))
+        except ValueError as exc:
+            problems.append(f"'platform': {exc}")
+        kv_dtype: DType | None = None
+        try:
+            kv_dtype = DType(data.get("kv_dtype"))
+        except ValueError:
+            problems.append(f"'kv_dtype' is {data.get('kv_dtype')!r}, expected one of "
+                            f"{[d.value for d in DType]}")
+        terms = _parse_terms(data.get("terms"), problems)
+        heads = _calibrated_heads(data.get("calibration"), problems)
+        if problems:
+            raise CostProfileError(source, "; ".join(problems))
+        assert platform is not None and kv_dtype is not None and isinstance(backend, str)
+        return cls(backend=backend, platform=platform, kv_dtype=kv_dtype,
+                   terms=tuple((t, terms[t]) for t in TERMS), source=source,
+                   device=str(data.get("device") or ""), created=str(data.get("created") or ""),
+                   dry_run=bool(data.get("dry_run", False)), calibrated_heads=heads,
+                   data=dict(data))
+
+    # -- identity ----------------------------------------------------------------------
+    def term(self, name: str) -> CostTerm:
+        return dict(self.terms)[name]
+
+    def matches(self, backend: str, platform: Platform | str, kv_dtype: DType | str) -> bool:
+        """Whether this profile describes ``backend`` on ``platform`` with a ``kv_dtype`` pool."""
+        return (self.backend == backend and self.platform == Platform.parse(platform)
+                and self.kv_dtype is DType.parse(kv_dtype))
+
+    @property
+    def label(self) -> str:
+        """``"NAME on cuda:sm90 (bf16 KV; DEVICE, DATE)"``, for messages."""
+        extra = ", ".join(x for x in (self.device, self.created[:10]) if x)
+        dry = "; DRY RUN, not a measurement" if self.dry_run else ""
+        return (f"{self.backend} on {self.platform} ({self.kv_dtype} KV"
+                f"{'; ' + extra if extra else ''}{dry})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile JSON: the data it was built from, with the validated terms."""
+        out = dict(self.data)
+        out.update(schema=PROFILE_SCHEMA, schema_version=PROFILE_SCHEMA_VERSION,
+                   backend=self.backend, platform=str(self.platform),
+                   kv_dtype=self.kv_dtype.value)
+        terms = dict(out.get("terms") or {})
+        for name, term in self.terms:
+            entry = dict(terms.get(name) or {})
+            entry["coefficients_us"] = term.as_dict()
+            terms[name] = entry
+        out["terms"] = terms
+        return out
+
+    # -- predictions (per layer, microseconds) -----------------------------------------
+    def predict_terms(self, batch: PrefillShape, *, graph_tokens: int | None = None
+                      ) -> dict[str, float]:
+        """Every term for ``batch``; ``layer_gpu_graph`` uses the padded token count."""
+        f = batch.features()
+        out = {name: term.predict(f) for name, term in self.terms}
+        padded = dict(f)
+        tokens = batch.q_tokens if graph_tokens is None else max(int(graph_tokens),
+                                                                 batch.q_tokens)
+        padded["q_tokens"] = float(tokens)
+        padded["head_q_tokens"] = float(tokens * batch.heads)
+        out["layer_gpu_graph"] = self.term("layer_gpu").predict(padded)
+        return out
+
+    def predict_graph_absorbed(self, batch: PrefillShape, *,
+                               graph_tokens: int | None = None) -> float:
+        """Per-layer time of replaying the absorbed graph (tokens padded to ``graph_tokens``)."""
+        t = self.predict_terms(batch, graph_tokens=graph_tokens)
+        return max(t["graph_host"], t["layer_gpu_graph"] + t["absorbed_attention"])
+
+    def predict_eager_mha(self, batch: PrefillShape) -> float:
+        """Per-layer time of the eager layer running the MHA companion."""
+        t = self.predict_terms(batch)
+        return max(t["eager_host"], t["layer_gpu"] + t["mha_attention"] + t["decompress"])
+
+    def compare(self, batch: PrefillShape, *, graph_tokens: int | None = None
+                ) -> CostComparison:
+        """Both predictions and the terms behind them."""
+        t = self.predict_terms(batch, graph_tokens=graph_tokens)
+        graph = max(t["graph_host"], t["layer_gpu_graph"] + t["absorbed_attention"])
+        eager = max(t["eager_host"], t["layer_gpu"] + t["mha_attention"] + t["decompress"])
+        return CostComparison(graph, eager, tuple(sorted(t.items())))
+
+
+def _parse_terms(raw: Any, problems: list[str]) -> dict[str, CostTerm]:
+    if not isinstance(raw, Mapping):
+        problems.append(f"'terms' must be an object with the terms {list(TERMS)}, got "
+                        f"{type(raw).__name__}")
+        return {}
+    missing = [t for t in TERMS if t not in raw]
+    unknown = sorted(set(raw) - set(TERMS))
+    if missing:
+        problems.append(f"'terms' lacks {missing}")
+    if unknown:
+        problems.append(f"'terms' has unknown terms {unknown} (known: {list(TERMS)})")
+    out: dict[str, CostTerm] = {}
+    for name in TERMS:
+        entry = raw.get(name)
+        if name not in raw:
+            continue
+        coefs = entry.get("coefficients_us") if isinstance(entry, Mapping) else None
+        if not isinstance(coefs, Mapping) or not coefs:
+            problems.append(f"terms.{name}.coefficients_us must be a non-empty object of "
+                            "feature -> microseconds per unit")
+            continue
+        bad = sorted(str(f) for f in coefs if f not in FEATURES)
+        if bad:
+            problems.append(f"terms.{name}.coefficients_us has unknown features {bad} "
+                            f"(known: {list(FEATURES)})")
+            continue
+        values: dict[str, float] = {}
+        for feat, value in coefs.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                problems.append(f"terms.{name}.coefficients_us.{feat} is {value!r}, not a "
+                                "finite number")
+            elif value < 0:
+                problems.append(f"terms.{name}.coefficients_us.{feat} is {value}, negative "
+                                "(a negative coefficient makes extrapolated times negative)")
+            else:
+                values[feat] = float(value)
+        if len(values) == len(coefs):
+            out[name] = CostTerm.of(values)
+    return out
+
+
+def _calibrated_heads(raw: Any, problems: list[str]) -> int | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        problems.append(f"'calibration' must be an object, got {type(raw).__name__}")
+        return None
+    heads = raw.get("heads")
+    if heads is None:
+        return None
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        problems.append(f"calibration.heads is {heads!r}, expected a positive int")
+        return None
+    return heads
+
+
+# ----------------------------------------------------------------------------------------
+# files
+# ----------------------------------------------------------------------------------------
+
+def load_profile(path: str | os.PathLike[str]) -> CostProfile:
+    """Read and validate a profile JSON file.
+
+    Raises
+    ------
+    CostProfileError
+        The file is missing, not JSON, or not a valid profile; the message
+        names the file and the problem.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CostProfileError(str(p), "no such file") from None
+    except OSError as exc:
+        raise CostProfileError(str(p), f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CostProfileError(str(p), f"is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                                       f"column {exc.colno})") from None
+    return CostProfile.from_dict(data, source=str(p))
+
+
+def save_profile(profile: CostProfile | Mapping[str, Any], path: str | os.PathLike[str]
+                 ) -> Path:
+    """Validate and write a profile (a :class:`CostProfile` or its JSON dict)."""
+    data = profile.to_dict() if isinstance(profile, CostProfile) else dict(profile)
+    CostProfile.from_dict(data, source=str(path))  # never write what cannot be read back
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return p
+
+
+def shipped_profile_dir() -> Path:
+    """Where the profiles shipped with attnreg live (``attnreg/data/profiles``)."""
+    return Path(str(resources.files("attnreg"))) / "data" / "profiles"
+
+
+def shipped_profile_paths() -> list[Path]:
+    """The shipped profile files, sorted by name."""
+    d = shipped_profile_dir()
+    return sorted(d.glob("*.json")) if d.is_dir() else []
+
+
+def find_shipped_profile(backend: str, platform: Platform | str,
+                         kv_dtype: DType | str = DType.BF16) -> CostProfile | None:
+    """The shipped profile for (backend, platform, KV dtype), or None.
+
+    Several matches (two GPUs of one architecture): the first file by name
+    wins, so every rank and every run picks the same one.  A malformed
+    shipped file raises :class:`CostProfileError` (a packaging bug, never
+    silently skipped).
+    """
+    for path in shipped_profile_paths():
+        profile = load_profile(path)
+        if profile.matches(backend, platform, kv_dtype):
+            return profile
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# crossover
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CrossoverPoint:
+    """Where the absorbed graph stops winning at one prefix length.
+
+    ``max_graph_extend``: the largest extend length (per sequence) up to which
+    the graph is predicted faster; 0 when eager wins from the first token,
+    ``max_extend`` when the graph wins everywhere it was asked about.
+    """
+
+    prefix: int
+    batch_size: int
+    heads: int
+    max_extend: int
+    max_graph_extend: int
+
+    def describe(self) -> str:
+        where = f"at prefix {self.prefix}"
+        if self.batch_size != 1:
+            where += f", {self.batch_size} sequences"
+        if self.max_graph_extend == 0:
+            return f"eager MHA for every extend length {where}"
+        if self.max_graph_extend >= self.max_extend:
+            return f"absorbed graph for every extend <= {self.max_extend} tokens {where}"
+        return (f"absorbed graph for extend <= {self.max_graph_extend} tokens {where}, "
+                "eager MHA above")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"prefix": self.prefix, "batch_size": self.batch_size, "heads": self.heads,
+                "max_extend": self.max_extend, "max_graph_extend": self.max_graph_extend,
+                "text": self.describe()}
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def crossover_extend(profile: CostProfile, *, heads: int, prefix: int, max_extend: int,
+                     buckets: Sequence[int] = (), batch_size: int = 1) -> CrossoverPoint:
+    """The largest extend length for which the absorbed graph is predicted faster.
+
+    Evaluates the comparison at powers of two, every bucket and ``max_extend``
+    (tokens padded to ``buckets`` for the graph, as the gate pads them), then
+    bisects between the last winning and the first losing length.  Assumes
+    the graph's advantage shrinks as the extend grows (true of the model's
+    terms: absorbed attention grows fastest), so the answer is exact up to
+    padding steps between sampled lengths.
+    """
+    if max_extend < 1:
+        raise ValueError(f"max_extend must be >= 1, got {max_extend}")
+    ordered = sorted({int(b) for b in buckets})
+
+    def graph_wins(extend: int) -> bool:
+        shape = PrefillShape.uniform(batch_size, prefix, extend, heads)
+        tokens = extend * batch_size
+        padded = _bucket(tokens, ordered) if ordered else tokens
+        return profile.compare(shape, graph_tokens=padded if padded is not None
+                               else tokens).graph_wins
+
+    samples = sorted({1, max_extend} | {2 ** k for k in range(max_extend.bit_length())
+                                        if 2 ** k <= max_extend}
+                     | {b // batch_size for b in ordered if 1 <= b // batch_size <= max_extend})
+    last_win = 0
+    first_loss: int | None = None
+    for e in samples:
+        if graph_wins(e):
+            last_win = e
+        else:
+            first_loss = e
+            break
+    if first_loss is None:
+        return CrossoverPoint(prefix, batch_size, heads, max_extend, max_extend)
+    lo, hi = last_win, first_loss  # graph wins at lo (or lo == 0), loses at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if graph_wins(mid):
+            lo = mid
+        else:
+            hi = mid
+    return CrossoverPoint(prefix, batch_size, heads, max_extend, lo)
+
+
+# ----------------------------------------------------------------------------------------
+# fitting
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FitResult:
+    """A fitted term and how well it fits its measurements.
+
+    ``relative_residuals[i] = (predicted_i - measured_i) / measured_i``.
+    """
+
+    coefficients: dict[str, float]
+    predicted_us: tuple[float, ...]
+    relative_residuals: tuple[float, ...]
+
+    @property
+    def points(self) -> int:
+        return len(self.predicted_us)
+
+    @property
+    def max_abs_relative_residual(self) -> float:
+        return max((abs(r) for r in self.relative_residuals), default=0.0)
+
+    @property
+    def rms_relative_residual(self) -> float:
+        n = len(self.relative_residuals)
+        return math.sqrt(sum(r * r for r in self.relative_residuals) / n) if n else 0.0
+
+    def summary(self) -> dict[str, object]:
+        return {"points": self.points,
+                "max_abs_relative_residual": self.max_abs_relative_residual,
+                "rms_relative_residual": self.rms_relative_residual,
+                "method": "non-negative least squares, weights 1/measured"}
+
+
+#: Measured times below this (microseconds) are weighted as if they were this.
+_MIN_WEIGHT_US = 1e-3
+
+
+def fit_term(samples: Iterable[tuple[Mapping[str, float], float]],
+             features: Sequence[str]) -> FitResult:
+    """Fit ``measured_us ~ sum_f c_f * feature_f`` with every ``c_f >= 0``.
+
+    Least squares on relative errors (each row divided by its measurement).
+    The non-negativity constraint is solved exactly by trying every subset of
+    features (at most 2^4 here) and keeping the feasible least-squares
+    solution with the smallest error; ties go to fewer features, then to the
+    order of ``features``, so the fit is deterministic.
+
+    Parameters
+    ----------
+    samples
+        ``(features, measured_us)`` pairs; ``features`` maps every name in
+        ``features`` to its value for that measurement.
+    features
+        The features to fit (names from :data:`FEATURES`).
+
+    Raises
+    ------
+    ValueError
+        No samples, an unknown feature, or a negative / non-finite measurement.
+    """
+    rows = [(dict(f), float(y)) for f, y in samples]
+    if not rows:
+        raise ValueError("cannot fit a term without measurements")
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown:
+        raise ValueError(f"unknown features {unknown}; known: {list(FEATURES)}")
+    for feats, y in rows:
+        if not math.isfinite(y) or y < 0:
+            raise ValueError(f"measurement {y!r} us is not a finite non-negative time")
+        missing = [f for f in features if f not in feats]
+        if missing:
+            raise ValueError(f"a sample lacks the features {missing}")
+    weights = [1.0 / max(y, _MIN_WEIGHT_US) for _, y in rows]
+    best: tuple[float, int, int, list[float]] | None = None
+    subsets = [s for k in range(1, len(features) + 1)
+               for s in itertools.combinations(range(len(features)), k)]
+    for order, subset in enumerate(subsets):
+        cols = [[feats[features[j]] * w for (feats, _), w in zip(rows, weights)] for j in subset]
+        target = [y * w for (_, y), w in zip(rows, weights)]
+        solution = _least_squares(cols, target)
+        if solution is None or any(c < 0 for c in solution):
+            continue
+        sse = sum((sum(c * col[i] for c, col in zip(solution, cols)) - target[i]) ** 2
+                  for i in range(len(rows)))
+        coefs = [0.0] * len(features)
+        for c, j in zip(solution, subset):
+            coefs[j] = c
+        # Round the error so that float noise does not decide between equal fits.
+        key = (float(f"{sse:.9g}"), len(subset), order, coefs)
+        if best is None or key[:3] < best[:3]:
+            best = key
+    if best is None:  # only possible when every feature column is zero
+        raise ValueError(f"no non-negative fit exists for features {list(features)}: every "
+                         "feature is zero on every measurement")
+    coefs = best[3]
+    coefficients = {f: c for f, c in zip(features, coefs)}
+    predicted = tuple(sum(coefficients[f] * feats[f] for f in features) for feats, _ in rows)
+    residuals = tuple((p - y) / max(y, _MIN_WEIGHT_US) for p, (_, y) in zip(predicted, rows))
+    return FitResult(coefficients, predicted, residuals)
+
+
+def _least_squares(cols: list[list[float]], target: list[float]) -> list[float] | None:
+    """Least squares by modified Gram-Schmidt QR; None when the columns are dependent.
+
+    Columns are scaled to unit max-norm first: features span ten orders of
+    magnitude (``one`` against ``head_pairs``), which would otherwise lose
+    every digit of the small ones.
+    """
+    n_rows = len(target)
+    if len(cols) > n_rows:
+        return None
+    scales = []
+    scaled = []
+    for col in cols:
+        s = max((abs(v) for v in col), default=0.0)
+        if s == 0.0:
+            return None
+        scales.append(s)
+        scaled.append([v / s for v in col])
+    q: list[list[float]] = []
+    r = [[0.0] * len(cols) for _ in cols]
+    for j, col in enumerate(scaled):
+        v = list(col)
+        norm0 = math.sqrt(sum(x * x for x in v))
+        for i, qi in enumerate(q):
+            rij = sum(a * b for a, b in zip(qi, v))
+            r[i][j] = rij
+            v = [a - rij * b for a, b in zip(v, qi)]
+        rjj = math.sqrt(sum(x * x for x in v))
+        if rjj <= 1e-10 * norm0:
+            return None  # dependent columns: another subset covers this fit
+        r[j][j] = rjj
+        q.append([x / rjj for x in v])
+    qty = [sum(a * b for a, b in zip(qi, target)) for qi in q]
+    x = [0.0] * len(cols)
+    for i in range(len(cols) - 1, -1, -1):
+        x[i] = (qty[i] - sum(r[i][k] * x[k] for k in range(i + 1, len(cols)))) / r[i][i]
+    return [xi / s for xi, s in zip(x, scales)]

@@ -1,0 +1,315 @@
+"""Cost profiles: features, predictions, validation, files, fitting, crossover."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnreg.graph_policy import cost_profile as cp
+from attnreg.graph_policy.cost_profile import (
+    FEATURES,
+    TERM_FEATURES,
+    CostProfile,
+    CostProfileError,
+    PrefillShape,
+    crossover_extend,
+    find_shipped_profile,
+    fit_term,
+    load_profile,
+    save_profile,
+    shipped_profile_paths,
+)
+
+from ._helpers import EAGER_HOST_US, HEADS, mutated, profile, profile_dict
+
+
+def test_features_count_causal_pairs_and_tokens() -> None:
+    shape = PrefillShape((4, 0), (3, 2), heads=2)
+    # sequence 1: queries see 5, 6, 7 keys; sequence 2: 1, 2 keys
+    assert shape.pairs == 5 + 6 + 7 + 1 + 2
+    f = shape.features()
+    assert f == {"one": 1.0, "sequences": 2.0, "q_tokens": 5.0, "kv_tokens": 9.0,
+                 "head_q_tokens": 10.0, "head_kv_tokens": 18.0, "head_pairs": 42.0}
+    assert set(f) == set(FEATURES)
+
+
+def test_shape_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="prefix_lens has 1 entries, extend_lens 2"):
+        PrefillShape((0,), (1, 2), heads=1)
+    with pytest.raises(ValueError, match="heads"):
+        PrefillShape((0,), (1,), heads=0)
+
+
+def test_predictions_follow_the_documented_formulas() -> None:
+    p = profile(layer_gpu={"one": 7.0, "q_tokens": 0.5}, decompress={"kv_tokens": 0.25},
+                graph_host={"one": 3.0})
+    shape = PrefillShape.uniform(1, prefix=10, extend=4, heads=HEADS)
+    pairs = 4 * 10 + 4 * 5 // 2
+    absorbed = 1e-6 * HEADS * pairs
+    mha = 3e-7 * HEADS * pairs
+    layer, layer_padded = 7.0 + 0.5 * 4, 7.0 + 0.5 * 64
+    assert p.predict_graph_absorbed(shape, graph_tokens=64) == pytest.approx(
+        max(3.0, layer_padded + absorbed))
+    assert p.predict_eager_mha(shape) == pytest.approx(
+        max(EAGER_HOST_US, layer + mha + 0.25 * 14))
+    cmp = p.compare(shape, graph_tokens=64)
+    assert cmp.graph_us == p.predict_graph_absorbed(shape, graph_tokens=64)
+    assert cmp.eager_us == p.predict_eager_mha(shape)
+    assert dict(cmp.breakdown)["layer_gpu_graph"] == pytest.approx(layer_padded)
+
+
+def test_ties_are_not_wins_for_the_graph() -> None:
+    tie = profile(absorbed_attention={"one": 0.0}, mha_attention={"one": 0.0},
+                  eager_host={"one": 0.0}, layer_gpu={"one": 5.0})
+    shape = PrefillShape.uniform(1, 0, 8, HEADS)
+    cmp = tie.compare(shape)
+    assert cmp.graph_us == cmp.eager_us == 5.0 and not cmp.graph_wins
+    # Differences below a nanosecond are ties too (compared after rounding).
+    sub_ns = profile(absorbed_attention={"one": 0.0}, mha_attention={"one": 0.0},
+                     eager_host={"one": 0.0}, layer_gpu={"one": 5.0},
+                     decompress={"one": 0.0004})
+    assert not sub_ns.compare(shape).graph_wins
+    two_ns = profile(absorbed_attention={"one": 0.0}, mha_attention={"one": 0.0},
+                     eager_host={"one": 0.0}, layer_gpu={"one": 5.0},
+                     decompress={"one": 0.002})
+    assert two_ns.compare(shape).graph_wins
+
+
+def test_matches_backend_platform_and_kv_dtype() -> None:
+    p = profile()
+    assert p.matches("triton", "cuda:sm90", "bf16")
+    assert p.matches("triton", "cuda:sm90a", "BF16")  # sm90a is the sm90 family
+    assert not p.matches("flashinfer_mla", "cuda:sm90", "bf16")
+    assert not p.matches("triton", "cuda:sm100", "bf16")
+    assert not p.matches("triton", "cuda:sm90", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda d: d.update(schema="something.else"), "'schema' is 'something.else'"),
+    (lambda d: d.update(schema_version=0), "'schema_version' is 0"),
+    (lambda d: d.update(backend=""), "'backend' must be a backend name"),
+    (lambda d: d.update(platform="quantum:q1"), "'platform': unknown platform vendor"),
+    (lambda d: d.update(kv_dtype="int4"), "'kv_dtype' is 'int4'"),
+    (lambda d: d.pop("terms"), "'terms' must be an object"),
+    (lambda d: d["terms"].pop("decompress"), "'terms' lacks ['decompress']"),
+    (lambda d: d["terms"].update(extra={"coefficients_us": {"one": 1}}),
+     "unknown terms ['extra']"),
+    (lambda d: d["terms"]["layer_gpu"].update(coefficients_us={}),
+     "terms.layer_gpu.coefficients_us must be a non-empty object"),
+    (lambda d: d["terms"]["layer_gpu"].update(coefficients_us={"flops": 1.0}),
+     "unknown features ['flops']"),
+    (lambda d: d["terms"]["layer_gpu"].update(coefficients_us={"one": -1.0}),
+     "terms.layer_gpu.coefficients_us.one is -1.0, negative"),
+    (lambda d: d["terms"]["layer_gpu"].update(coefficients_us={"one": "fast"}),
+     "terms.layer_gpu.coefficients_us.one is 'fast', not a finite number"),
+    (lambda d: d["terms"]["layer_gpu"].update(coefficients_us={"one": math.inf}),
+     "not a finite number"),
+    (lambda d: d.update(calibration={"heads": 0}), "calibration.heads is 0"),
+])
+def test_malformed_profiles_name_the_source_and_the_problem(change: Any, problem: str) -> None:
+    with pytest.raises(CostProfileError) as exc:
+        CostProfile.from_dict(mutated(change), source="bad.json")
+    message = str(exc.value)
+    assert message.startswith("cost profile bad.json: ")
+    assert problem in message
+    assert "attnreg calibrate" in message  # what to do
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    def two(d: dict[str, Any]) -> None:
+        d.update(backend=3, kv_dtype="int4")
+
+    with pytest.raises(CostProfileError) as exc:
+        CostProfile.from_dict(mutated(two), source="x")
+    assert "'backend'" in str(exc.value) and "'kv_dtype'" in str(exc.value)
+
+
+def test_a_newer_schema_version_asks_for_an_upgrade() -> None:
+    with pytest.raises(CostProfileError, match="newer than this attnreg reads.*upgrade attnreg"):
+        CostProfile.from_dict(mutated(lambda d: d.update(schema_version=2)), source="new.json")
+
+
+def test_malformed_files_raise_naming_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    with pytest.raises(CostProfileError, match=f"cost profile {missing}: no such file"):
+        load_profile(missing)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema": "attnreg.cost_profile",\n  "terms": [}')
+    with pytest.raises(CostProfileError, match=f"{broken}: is not valid JSON .* line 2"):
+        load_profile(broken)
+    not_object = tmp_path / "list.json"
+    not_object.write_text("[1, 2]")
+    with pytest.raises(CostProfileError, match="expected a JSON object, got list"):
+        load_profile(not_object)
+
+
+def test_save_then_load_round_trips(tmp_path: Path) -> None:
+    data = profile_dict()
+    data["measurements"] = [{"term": "layer_gpu", "us": 1.0}]
+    path = save_profile(data, tmp_path / "sub" / "p.json")
+    loaded = load_profile(path)
+    assert loaded.source == str(path)
+    assert loaded.terms == profile().terms
+    assert loaded.data["measurements"] == data["measurements"]  # kept, not interpreted
+    again = save_profile(loaded, tmp_path / "again.json")
+    assert json.loads(again.read_text())["terms"] == json.loads(path.read_text())["terms"]
+
+
+def test_save_refuses_an_invalid_profile(tmp_path: Path) -> None:
+    with pytest.raises(CostProfileError):
+        save_profile(mutated(lambda d: d.update(kv_dtype="int4")), tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()
+
+
+# -- fitting ----------------------------------------------------------------------------
+
+def _synthetic(term: str, coefficients: dict[str, float], noise: float = 0.0,
+               seed: int = 0) -> list[tuple[dict[str, float], float]]:
+    rng = random.Random(seed)
+    samples = []
+    for b in (1, 4):
+        for prefix in (0, 4096, 16384):
+            for extend in (128, 512, 2048, 4096):
+                f = PrefillShape.uniform(b, prefix, extend, HEADS).features()
+                y = sum(c * f[k] for k, c in coefficients.items())
+                samples.append((f, y * (1.0 + noise * rng.uniform(-1, 1))))
+    return samples
+
+
+@pytest.mark.parametrize("term, truth", [
+    ("absorbed_attention", {"one": 12.0, "head_pairs": 3.5e-7, "head_q_tokens": 2e-4,
+                            "kv_tokens": 1e-3}),
+    ("mha_attention", {"one": 8.0, "head_pairs": 1.1e-7, "head_q_tokens": 0.0,
+                       "head_kv_tokens": 4e-5}),
+    ("decompress", {"one": 20.0, "head_kv_tokens": 1.2e-4, "kv_tokens": 0.0}),
+    ("eager_host", {"one": 150.0, "sequences": 4.0}),
+])
+def test_fit_recovers_known_coefficients(term: str, truth: dict[str, float]) -> None:
+    fit = fit_term(_synthetic(term, truth), TERM_FEATURES[term])
+    for feature, value in truth.items():
+        assert fit.coefficients[feature] == pytest.approx(value, rel=1e-6, abs=1e-12), feature
+    assert fit.max_abs_relative_residual < 1e-9
+    assert fit.summary()["points"] == 24
+
+
+def test_fit_keeps_coefficients_non_negative_and_is_close_under_noise() -> None:
+    truth = {"one": 30.0, "head_pairs": 2e-7, "head_q_tokens": 0.0, "kv_tokens": 0.0}
+    fit = fit_term(_synthetic("absorbed_attention", truth, noise=0.05, seed=3),
+                   TERM_FEATURES["absorbed_attention"])
+    assert all(c >= 0 for c in fit.coefficients.values())
+    assert fit.coefficients["head_pairs"] == pytest.approx(2e-7, rel=0.1)
+    assert fit.max_abs_relative_residual < 0.15
+
+
+def test_fit_clamps_a_feature_that_would_go_negative() -> None:
+    # Times that fall with kv_tokens: unconstrained least squares gives a negative slope.
+    samples = [({"one": 1.0, "kv_tokens": float(k)}, 100.0 - 0.001 * k)
+               for k in (0, 1000, 5000, 20000)]
+    fit = fit_term(samples, ("one", "kv_tokens"))
+    assert fit.coefficients["kv_tokens"] == 0.0
+    assert fit.coefficients["one"] > 0
+
+
+def test_fit_is_deterministic() -> None:
+    samples = _synthetic("mha_attention", {"one": 5.0, "head_pairs": 1e-7}, noise=0.1, seed=9)
+    fits = {tuple(fit_term(samples, TERM_FEATURES["mha_attention"]).coefficients.items())
+            for _ in range(3)}
+    assert len(fits) == 1
+
+
+@pytest.mark.parametrize("samples, features, message", [
+    ([], ("one",), "without measurements"),
+    ([({"one": 1.0}, 1.0)], ("flops",), "unknown features"),
+    ([({"one": 1.0}, -1.0)], ("one",), "not a finite non-negative time"),
+    ([({"one": 1.0}, 1.0)], ("one", "q_tokens"), "lacks the features"),
+    ([({"q_tokens": 0.0}, 1.0)], ("q_tokens",), "every feature is zero"),
+])
+def test_fit_refuses_bad_input(samples: Any, features: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fit_term(samples, features)
+
+
+# -- crossover --------------------------------------------------------------------------
+
+def _brute_force(profile: CostProfile, prefix: int, max_extend: int,
+                 buckets: tuple[int, ...]) -> int:
+    """The largest E with the graph winning for every extend in 1..E."""
+    for e in range(1, max_extend + 1):
+        padded = next((b for b in buckets if b >= e), e)
+        shape = PrefillShape.uniform(1, prefix, e, HEADS)
+        if not profile.compare(shape, graph_tokens=padded).graph_wins:
+            return e - 1
+    return max_extend
+
+
+BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@pytest.mark.parametrize("prefix", [0, 4096, 32768])
+@pytest.mark.parametrize("layer", [{"one": 0.0}, {"one": 20.0, "q_tokens": 0.02}])
+def test_crossover_matches_a_brute_force_scan(prefix: int, layer: dict[str, float]) -> None:
+    p = profile(layer_gpu=layer)
+    point = crossover_extend(p, heads=HEADS, prefix=prefix, max_extend=4096, buckets=BUCKETS)
+    assert point.max_graph_extend == _brute_force(p, prefix, 4096, BUCKETS)
+    assert 0 < point.max_graph_extend < 4096  # the profile really crosses over here
+
+
+def test_crossover_of_the_default_synthetic_profile_by_hand() -> None:
+    # graph = 1.28e-4 * pairs, eager = max(100, 3.84e-5 * pairs): the graph wins while
+    # pairs < 781250, i.e. E (E + 1) / 2 < 781250 at prefix 0: E <= 1249.
+    point = crossover_extend(profile(), heads=HEADS, prefix=0, max_extend=8192)
+    assert point.max_graph_extend == 1249
+    assert point.describe() == ("absorbed graph for extend <= 1249 tokens at prefix 0, "
+                                "eager MHA above")
+
+
+def test_crossover_extremes_are_described() -> None:
+    never = profile(eager_host={"one": 0.0})  # eager is always cheaper
+    point = crossover_extend(never, heads=HEADS, prefix=0, max_extend=512)
+    assert point.max_graph_extend == 0
+    assert point.describe() == "eager MHA for every extend length at prefix 0"
+    always = profile(eager_host={"one": 1e9})
+    point = crossover_extend(always, heads=HEADS, prefix=4096, max_extend=512)
+    assert point.max_graph_extend == 512
+    assert point.describe() == "absorbed graph for every extend <= 512 tokens at prefix 4096"
+
+
+# -- shipped profiles -------------------------------------------------------------------
+
+def test_shipped_lookup_finds_the_matching_file(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    save_profile(profile_dict(backend="other"), tmp_path / "a-other.json")
+    save_profile(profile_dict(), tmp_path / "b-h200-triton.json")
+    second = profile_dict()
+    second["device"] = "second"
+    save_profile(second, tmp_path / "c-h100-triton.json")
+    monkeypatch.setattr(cp, "shipped_profile_dir", lambda: tmp_path)
+    found = find_shipped_profile("triton", "cuda:sm90", "bf16")
+    assert found is not None and found.source.endswith("b-h200-triton.json")  # first by name
+    assert find_shipped_profile("triton", "cuda:sm100") is None
+    assert find_shipped_profile("nobody", "cuda:sm90") is None
+
+
+def test_a_malformed_shipped_profile_is_an_error(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.json").write_text("{}")
+    monkeypatch.setattr(cp, "shipped_profile_dir", lambda: tmp_path)
+    with pytest.raises(CostProfileError, match="bad.json"):
+        find_shipped_profile("triton", "cuda:sm90")
+
+
+def test_shipped_profile_dir_is_the_package_data_dir() -> None:
+    d = cp.shipped_profile_dir()
+    assert d.parts[-3:] == ("attnreg", "data", "profiles")
+
+
+@pytest.mark.parametrize("path", shipped_profile_paths(), ids=lambda p: p.name)
+def test_every_shipped_profile_is_valid_and_measured(path: Path) -> None:
+    loaded = load_profile(path)
+    assert not loaded.dry_run, f"{path.name} is a dry-run profile: never ship one"
+    assert loaded.data.get("checks", {}).get("passed") is True, path.name
