@@ -1,0 +1,131 @@
+"""Shared helpers of the Triton MLA kernels: input validation and small device helpers.
+
+Validation runs on the host *before* any launch and never reads device memory (no
+``.item()``, no ``.cpu()``), so it is safe inside ``torch.cuda.CUDAGraph`` capture.
+Every failure is a ``ValueError`` that names the argument, what was expected and what
+was got; the backend layer turns these into the library's ``UnsupportedError``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+#: Storage dtypes accepted for queries / outputs.
+Q_DTYPES = (torch.bfloat16, torch.float16)
+#: Storage dtypes accepted for the MLA KV cache (fp8 needs ``kv_scale``).
+KV_FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether the kernels must upcast dot operands to fp32.
+
+    The Triton CPU interpreter (checked with triton 3.9) stores bf16 as raw uint16 and its
+    ``tl.dot`` multiplies those integers, so a bf16 dot returns garbage there.  Under the
+    interpreter we therefore upcast bf16 operands to fp32 (exact) before every dot.  On a
+    GPU this is never done: the tensor cores take bf16 directly.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def split_pow2(d: int) -> tuple[int, int]:
+    """Split a head dim into (power-of-two main part, power-of-two padded remainder).
+
+    ``tl.arange`` needs power-of-two lengths, so e.g. 192 -> (128, 64), 576 -> (512, 64),
+    128 -> (128, 0), 96 -> (64, 32).  The remainder is loaded with a mask when the true
+    remainder is not itself a power of two.
+    """
+    main = 1 << (int(d).bit_length() - 1)
+    rest = d - main
+    return main, (next_pow2(rest) if rest > 0 else 0)
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None,
+                 device: torch.device | None = None,
+                 last_contiguous: bool = True) -> None:
+    """Raise ValueError unless ``t`` is a tensor of the given rank / dtype / device."""
+    if not isinstance(t, torch.Tensor):
+        # ValueError, not TypeError, for every bad input: the backend layer maps
+        # ValueError to the library's UnsupportedError.
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got {_fmt_shape(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (same device as q), "
+                         f"got one on {t.device}")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), "
+                         f"got strides {tuple(t.stride())}")
+
+
+def check_index(name: str, t, *, ndim: int, device: torch.device,
+                shape0: int | None = None) -> None:
+    """Index tensors must be int32 on q's device; int64 is refused, never converted.
+
+    Converting silently would allocate (not allowed under CUDA-graph capture) and hide a
+    caller bug, so an int64 tensor is an error that names the tensor.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(  # noqa: TRY004 (see check_tensor)
+            f"{name}: expected an int32 torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype} "
+                         f"(convert it once with .to(torch.int32) outside the hot path)")
+    check_tensor(name, t, ndim=ndim, device=device)
+    if shape0 is not None and t.shape[0] != shape0:
+        raise ValueError(f"{name}: expected {shape0} entries along dim 0, "
+                         f"got {_fmt_shape(t)}")
+
+
+def check_kv_scale(kv_scale, kv_cache: torch.Tensor) -> None:
+    if isinstance(kv_scale, torch.Tensor):
+        if kv_scale.numel() != 1 or not kv_scale.is_floating_point() or \
+                kv_scale.dtype == KV_FP8_DTYPE:
+            raise ValueError(f"kv_scale: expected a float or a 1-element float32/bf16/fp16 "
+                             f"tensor, got {_fmt_shape(kv_scale)}")
+        if kv_scale.device != kv_cache.device:
+            raise ValueError(f"kv_scale: expected a tensor on {kv_cache.device}, got one on "
+                             f"{kv_scale.device}")
+    elif not isinstance(kv_scale, (int, float)):
+        raise ValueError(  # noqa: TRY004 (see check_tensor)
+            f"kv_scale: expected a float, got {type(kv_scale).__name__}")
+
+
+def kv_dtypes_for(q_dtype: torch.dtype) -> tuple:
+    return (q_dtype,) + ((KV_FP8_DTYPE,) if KV_FP8_DTYPE is not None else ())
+
+
+# ----------------------------------------------------------------------------------------
+# Device helpers shared by the kernels
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in fp32; see :func:`dot_upcast` for why UPCAST exists."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)

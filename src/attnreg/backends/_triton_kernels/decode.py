@@ -1,0 +1,547 @@
+"""MLA decode (one query token per sequence) over a paged latent KV cache, split-KV.
+
+Layout
+------
+``kv_cache[page, row, :]`` holds one token: 512 latent values (``c_kv``, used as both K
+and V) followed by 64 rope values (``k_pe``).  Token ``t`` of sequence ``b`` lives at
+``page_table[b, t // page_size]``, row ``t % page_size``.
+
+Design (why it is shaped like this)
+-----------------------------------
+* One program owns a block of ``BLOCK_H`` query heads of one sequence and one KV split.
+  It streams the KV tiles of its split once and uses every tile for all ``BLOCK_H``
+  heads: with 128 heads and ``BLOCK_H = 64`` each tile is read by two programs that are
+  adjacent in the grid (head block is the fastest grid axis) and so run at the same
+  time, and the second read is an L2 hit.  The commonly used Triton MLA kernel walks the
+  cache once per 16 heads, i.e. 8 times at 128 heads.
+* Scores are ``q[:, :512] @ c_kv^T + q[:, 512:] @ k_pe^T``: two dots over power-of-two
+  widths (576 is not one); the 512-wide latent tile that was loaded for the first dot is
+  the V operand of ``P @ V``: it is loaded once.
+* Split-KV that survives CUDA-graph capture: the grid is ``(head blocks, S, B)`` with a
+  static ``S`` (``max_splits``).  Each program derives its sequence's chunk length from
+  ``seq_lens`` on the device (``chunk = max(MIN_CHUNK, roundup(cdiv(L, S), BLOCK_N))``),
+  so a short sequence uses fewer splits and programs past its last split exit at once.
+  A second kernel recomputes the same split count and merges the normalised partial
+  outputs with their log-sum-exp.  Nothing is read back to the host and, given a
+  workspace, nothing is allocated: replays with other ``seq_lens`` stay correct.
+* fp32 accumulation, exp2-based online softmax (``sm_scale * log2(e)`` folded into one
+  multiply), fp8 e4m3 cache converted to the query dtype in registers and
+  ``kv_scale`` folded into the score scale and the output.
+
+Measured (one H200, bf16, page_size 1, CUDA-graph replay, cold L2; see
+benchmarks/triton_decode_tuning.py): 537 us at B=128, L=4096, H=128 (~270 TFLOP/s of
+useful MMA work, 1.1 TB/s of HBM: not bandwidth-bound; timings at BLOCK_N 16/32/64 fit
+a fixed ~1.7 us per tile iteration, presumably the serial chain of synchronous score
+wgmma, cross-warpgroup softmax reductions and the P exchange through shared memory - no
+profiler was used), 185 us at B=128, L=4096, H=16 (~3.3 TB/s).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    KV_FP8_DTYPE,
+    LOG2E,
+    Q_DTYPES,
+    _dot,
+    check_index,
+    check_kv_scale,
+    check_tensor,
+    dot_upcast,
+    kv_dtypes_for,
+    next_pow2,
+)
+
+D_LATENT = 512
+D_ROPE = 64
+D_QK = D_LATENT + D_ROPE
+
+#: Default shortest chunk a split gets when the heuristic, not ``force_num_splits``, is in
+#: charge: below a few hundred tokens the fixed cost of a program (loading up to 64x576
+#: query values, the merge traffic of a 512-wide fp32 partial per head) outweighs the
+#: parallelism it adds.  Each DecodeConfig carries its own value.
+MIN_CHUNK_TOKENS = 256
+
+
+#: The compiled kernel of the latest decode launch (diagnostics: registers, spills).
+_LAST_LAUNCH: dict = {}
+
+
+class MLADecodeWorkspace(NamedTuple):
+    """Scratch buffers of split-KV decode (allocate once, reuse across graph replays).
+
+    partial_out : float32 [batch, max_splits, num_heads, 512]
+        Normalised output of each split.
+    partial_lse : float32 [batch, max_splits, num_heads]
+        Log2-domain log-sum-exp of each split's scaled scores.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+class DecodeConfig(NamedTuple):
+    """Launch configuration of the decode kernel (see :func:`decode_config`)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dv_split: int = 1  # 2: two programs per head block, each owns 256 of the 512 V columns
+    isolate_qk: bool = False  # see the kernel: un-chain the QK dot (8 warps, 64 heads)
+    ctas_per_sm: int = 1  # programs resident per SM: how many the split heuristic aims at
+    min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
+
+
+def decode_config(num_heads: int, kv_dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
+    """Launch configuration for ``num_heads`` query heads (tuned on an H200; the
+    measurements behind each choice are in the docstring of
+    benchmarks/triton_decode_tuning.py).
+
+    * H <= 16 / 32: one head block holds every head; mma.sync tiles (M < 64), warps split
+      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: several
+      programs fit on one SM, which the split heuristic uses for these memory-bound shapes.
+    * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
+      accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
+      both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
+      the query per score (the QK wgmma reads its A operand, the query, from shared
+      memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
+      may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
+    * ``kv_dtype`` is accepted for future per-dtype tuning; fp8 uses the same config.
+    """
+    if num_heads <= 16:
+        return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2)
+    if num_heads <= 32:
+        return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
+    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128)
+
+
+def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """The split heuristic of :func:`default_max_splits` for a given config."""
+    base = max(1, batch_size) * triton.cdiv(max(1, num_heads), cfg.block_h) * cfg.dv_split
+    splits = max(1, (num_sms * cfg.ctas_per_sm) // base)
+    splits = min(splits, max(1, triton.cdiv(max(1, max_seq_len), cfg.min_chunk)), 256)
+    return int(splits)
+
+
+def default_max_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Number of KV splits to build a decode launch (and its workspace) for.
+
+    Heuristic: a launch without splits has ``batch_size * ceil(num_heads / BLOCK_H)``
+    programs.  Add splits until the grid fills one wave of ``num_sms * ctas_per_sm``
+    resident programs (``floor``, not ``ceil``: a partial extra wave costs a whole wave),
+    but never make a chunk shorter than the config's ``min_chunk`` tokens of
+    ``max_seq_len`` (shorter sequences get fewer splits on the device anyway).  Capped at
+    256.
+
+    Parameters
+    ----------
+    batch_size, num_heads : int
+        Decode batch and query heads.
+    max_seq_len : int
+        Longest KV length the launch must serve (the capture-time bound for graphs).
+    num_sms : int
+        Multiprocessor count (``torch.cuda.get_device_properties(d).multi_processor_count``).
+    """
+    return splits_for_config(decode_config(num_heads), batch_size, num_heads, max_seq_len,
+                             num_sms)
+
+
+def mla_decode_workspace(batch_size: int, num_heads: int, max_splits: int,
+                         device) -> MLADecodeWorkspace:
+    """Allocate the fp32 partial-output and LSE buffers for :func:`mla_decode`.
+
+    Returns
+    -------
+    MLADecodeWorkspace
+        ``partial_out`` float32 [batch_size, max_splits, num_heads, 512] and
+        ``partial_lse`` float32 [batch_size, max_splits, num_heads].
+    """
+    s = max(1, int(max_splits))
+    po = torch.empty((batch_size, s, num_heads, D_LATENT), dtype=torch.float32, device=device)
+    pl = torch.empty((batch_size, s, num_heads), dtype=torch.float32, device=device)
+    return MLADecodeWorkspace(po, pl)
+
+
+# ----------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N: tl.constexpr):
+    # Identical in the decode and merge kernels: both must agree on the split count.
+    # num_splits / min_chunk are runtime ints so that every split count shares one
+    # compiled kernel (the backend picks a different count per captured batch size).
+    chunk = tl.cdiv(seq_len, num_splits)
+    chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
+    return tl.maximum(chunk, min_chunk)
+
+
+# num_splits / min_chunk are not specialised (Triton would otherwise compile a variant for
+# values divisible by 16 and another for 1): one binary serves every split count.
+@triton.jit(do_not_specialize=["num_splits", "min_chunk"])
+def _mla_decode_kernel(
+    Q, KV, PT, SEQ, OUT, PO, PLSE, KVS,
+    qk_scale, kv_scale,
+    stride_qb, stride_qh,
+    stride_kvp, stride_kvr,
+    stride_ptb,
+    stride_ob, stride_oh,
+    stride_pob, stride_pos, stride_poh,
+    stride_lb, stride_ls,
+    H, num_splits, min_chunk,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+    D_V: tl.constexpr, D_PE: tl.constexpr,
+    SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
+    UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    sid = tl.program_id(1)
+    b = tl.program_id(2)
+    hb = pid0 // DV_SPLIT
+    dv = pid0 % DV_SPLIT
+
+    seq_len = tl.load(SEQ + b)
+    chunk = _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N)
+    start = sid * chunk
+    # Programs past this sequence's last split do nothing; the merge never reads them.
+    # Split 0 always runs so an empty sequence still writes (zeros) in the 1-split mode.
+    if (sid > 0) & (start >= seq_len):
+        return
+    end = tl.minimum(start + chunk, seq_len)
+
+    if KV_SCALE_PTR:
+        kvs = tl.load(KVS).to(tl.float32)
+    else:
+        kvs = kv_scale
+    scale = qk_scale * kvs  # sm_scale * log2(e) * kv_scale: scores go straight to exp2
+
+    DV_BLK: tl.constexpr = D_V // DV_SPLIT
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    # This program's V columns ("own") and, when the V width is split over two programs,
+    # the remaining latent columns ("other") that the scores still need.
+    offs_own = dv * DV_BLK + tl.arange(0, DV_BLK)
+    offs_oth = (1 - dv) * DV_BLK + tl.arange(0, DV_BLK)
+    offs_pe = D_V + tl.arange(0, D_PE)
+
+    q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q_own = tl.load(q_row + offs_own[None, :], mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0)
+    if DV_SPLIT == 2:
+        q_oth = tl.load(q_row + offs_oth[None, :], mask=mask_h[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_BLK], dtype=tl.float32)
+
+    pt_row = PT + b.to(tl.int64) * stride_ptb
+    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=Q.dtype.element_ty)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
+        kv_row = KV + row[:, None]
+        # One load of the latent tile: K for the scores, V for the output.
+        kv = tl.load(kv_row + offs_own[None, :], mask=mask_n[:, None], other=0.0)
+        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            kv = kv.to(Q.dtype.element_ty)
+            kpe = kpe.to(Q.dtype.element_ty)
+        if ISOLATE_QK:
+            # Triton lays out a dot whose result feeds another dot ("chained": S feeds
+            # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
+            # warpgroups would then compute the same S.  A dot inside the region of an
+            # always-true runtime `if` is not seen as chained (the compiler's forward
+            # slice of its result stops at the region's yield), so it gets the [4, 2]
+            # layout: the two warpgroups split the tokens, half the QK tensor-core work.
+            # The rope dot gets its own region (it feeds the latent dot, which would make
+            # it chained); the conditions differ so that the two ifs are not merged.  The
+            # softmax sits in the second region so that only the bf16 P crosses to the
+            # P @ V operand layout.  (A one-trip loop would hide the dots as well but
+            # stops the software pipelining of the KV loads.)  Putting both score dots in
+            # one region with a separate add was tried: the compiler then moves fp32
+            # layout conversions into the region and needs 270 KB of shared memory.
+            qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            if end > n0:
+                qk_pe = _dot(q_pe, tl.trans(kpe), qk_pe, UPCAST)
+            # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
+            # operand layout (a constant else-value would take its own shared memory).
+            alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+            m_new = m_i
+            l_new = l_i
+            if n0 < end:
+                qk = _dot(q_own, tl.trans(kv), qk_pe, UPCAST) * scale
+                qk = tl.where(mask_n[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_new = l_i * alpha + tl.sum(p, 1)
+                p16 = p.to(kv.dtype)
+            acc = acc * alpha[:, None]
+            acc = _dot(p16, kv, acc, UPCAST)
+            m_i = m_new
+            l_i = l_new
+        else:
+            qk = _dot(q_pe, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
+                      UPCAST)
+            qk = _dot(q_own, tl.trans(kv), qk, UPCAST)
+            if DV_SPLIT == 2:
+                kvo = tl.load(kv_row + offs_oth[None, :], mask=mask_n[:, None], other=0.0)
+                if KV_FP8:
+                    kvo = kvo.to(Q.dtype.element_ty)
+                qk = _dot(q_oth, tl.trans(kvo), qk, UPCAST)
+            qk = qk * scale
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = _dot(p.to(kv.dtype), kv, acc, UPCAST)
+            m_i = m_new
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc * (kvs / l_safe)[:, None]
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        po = (PO + b.to(tl.int64) * stride_pob + sid * stride_pos
+              + offs_h[:, None] * stride_poh + offs_own[None, :])
+        tl.store(po, o, mask=mask_h[:, None])
+        tl.store(PLSE + b.to(tl.int64) * stride_lb + sid * stride_ls + offs_h, lse, mask=mask_h)
+    else:
+        out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_own[None, :]
+        tl.store(out, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_chunk"])
+def _mla_merge_kernel(
+    PO, PLSE, SEQ, OUT,
+    stride_pob, stride_pos, stride_poh,
+    stride_lb, stride_ls,
+    stride_ob, stride_oh,
+    H, num_splits, min_chunk,
+    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (BLOCK_HM heads, sequence, BLOCK_D output columns); the host picks
+    # the shape so that there are neither too few programs (one per head and 128 columns
+    # when B * H is small and the splits many) nor tens of thousands of tiny ones (a
+    # 16k-program variant cost ~40 us at B=64, H=64 on an H200).  All split LSEs of a
+    # head are read at once (one vector), so the weights are known up front, and the
+    # partial outputs are read CHUNK_S splits per step: independent loads rather than a
+    # chain of dependent loads per split (an earlier one-split-per-step merge measured
+    # ~0.5 us per split, ~35 us at 66 splits).
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    dblk = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    chunk = _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N)
+    n_splits = tl.cdiv(seq_len, chunk)
+
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    for hh in tl.static_range(BLOCK_HM):
+        h = hb * BLOCK_HM + hh
+        # (vector masks built as offs * 0 + h: the interpreter rejects scalar & vector)
+        lse_base = PLSE + b.to(tl.int64) * stride_lb + h
+        lse = tl.load(lse_base + offs_s * stride_ls, mask=(offs_s < n_splits) & (offs_s * 0 + h < H),
+                      other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_sum = tl.sum(tl.exp2(lse - m), 0)
+        inv = tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)
+        po_base = PO + b.to(tl.int64) * stride_pob + h * stride_poh
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, n_splits, CHUNK_S):
+            sc = s0 + offs_c
+            ok = (sc < n_splits) & (sc * 0 + h < H)
+            w = tl.exp2(tl.load(lse_base + sc * stride_ls, mask=ok, other=float("-inf")) - m)
+            o = tl.load(po_base + sc[:, None] * stride_pos + offs_d[None, :],
+                        mask=ok[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o, 0)
+        out = acc * inv
+        tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+                 out.to(OUT.dtype.element_ty), mask=offs_d * 0 + h < H)
+
+
+def _merge_config(batch: int, heads: int) -> tuple[int, int, int]:
+    """(BLOCK_HM, BLOCK_D, CHUNK_S) of the merge kernel for B * H (head, sequence) rows."""
+    bh = batch * heads
+    if bh >= 512:
+        return 4, D_LATENT, 8
+    if bh >= 256:
+        return 1, D_LATENT, 8
+    return 1, 128, 16
+
+
+# ----------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------
+
+def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
+              kv_scale):
+    check_tensor("q", q, ndim=3, dtypes=Q_DTYPES)
+    dev = q.device
+    if q.shape[2] != D_QK:
+        raise ValueError(f"q: expected last dim {D_QK} (512 latent + 64 rope), got shape "
+                         f"{tuple(q.shape)}")
+    B, H, _ = q.shape
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=kv_dtypes_for(q.dtype), device=dev)
+    if kv_cache.shape[2] != D_QK:
+        raise ValueError(f"kv_cache: expected [num_pages, page_size, {D_QK}], got shape "
+                         f"{tuple(kv_cache.shape)}")
+    ps = kv_cache.shape[1]
+    if ps < 1 or (ps & (ps - 1)) != 0:
+        raise ValueError(f"kv_cache: page_size (dim 1) must be a power of two, got {ps}")
+    check_index("page_table", page_table, ndim=2, device=dev)
+    if page_table.shape[0] < B:
+        raise ValueError(f"page_table: expected >= {B} rows (batch of q), got shape "
+                         f"{tuple(page_table.shape)}")
+    check_index("seq_lens", seq_lens, ndim=1, device=dev, shape0=B)
+    check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=dev)
+    if tuple(out.shape) != (B, H, D_LATENT):
+        raise ValueError(f"out: expected shape {(B, H, D_LATENT)}, got {tuple(out.shape)}")
+    check_kv_scale(kv_scale, kv_cache)
+    if not isinstance(max_splits, int) or max_splits < 1:
+        raise ValueError(f"max_splits: expected a Python int >= 1, got {max_splits!r}")
+    if force_num_splits is not None and (not isinstance(force_num_splits, int)
+                                         or not 1 <= force_num_splits <= max_splits):
+        raise ValueError(f"force_num_splits: expected None or an int in [1, max_splits="
+                         f"{max_splits}], got {force_num_splits!r}")
+    if workspace is not None:
+        if not isinstance(workspace, MLADecodeWorkspace):
+            raise ValueError("workspace: expected the object returned by mla_decode_workspace, "
+                             f"got {type(workspace).__name__}")
+        po, pl = workspace
+        need = force_num_splits or max_splits
+        if (po.dtype != torch.float32 or pl.dtype != torch.float32 or po.device != dev
+                or pl.device != dev or po.shape[0] < B or po.shape[1] < need
+                or po.shape[2] < H or po.shape[3] != D_LATENT or pl.shape[0] < B
+                or pl.shape[1] < need or pl.shape[2] < H or po.stride(3) != 1):
+            raise ValueError(
+                f"workspace: expected float32 buffers on {dev} for >= {B} sequences, "
+                f">= {need} splits, >= {H} heads, i.e. partial_out [>={B}, >={need}, >={H}, "
+                f"{D_LATENT}] and partial_lse [>={B}, >={need}, >={H}]; got "
+                f"{tuple(po.shape)} {po.dtype} {po.device} and {tuple(pl.shape)} {pl.dtype}")
+
+
+def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
+                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None):
+    B, H, _ = q.shape
+    if B == 0 or H == 0:
+        return out
+    ps = kv_cache.shape[1]
+    is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
+    scale_ptr = isinstance(kv_scale, torch.Tensor)
+    kvs_arg = kv_scale if scale_ptr else q  # dummy pointer, never read when not scale_ptr
+    kvs_val = 1.0 if scale_ptr else float(kv_scale)
+    split = num_splits > 1
+    if split and workspace is None:
+        workspace = mla_decode_workspace(B, H, num_splits, q.device)
+    if split:
+        po, pl = workspace
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        pl_strides = (pl.stride(0), pl.stride(1))
+    else:
+        po = pl = out  # unused
+        po_strides = (0, 0, 0)
+        pl_strides = (0, 0)
+    n_hb = triton.cdiv(H, cfg.block_h)
+    grid = (n_hb * cfg.dv_split, num_splits, B)
+    _LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
+        q, kv_cache, page_table, seq_lens, out, po, pl, kvs_arg,
+        float(sm_scale) * LOG2E, kvs_val,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0),
+        out.stride(0), out.stride(1),
+        *po_strides, *pl_strides,
+        H, num_splits, min_chunk,
+        PAGE_SIZE=ps,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
+        D_V=D_LATENT, D_PE=D_ROPE,
+        SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
+        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
+        _mla_merge_kernel[(triton.cdiv(H, block_hm), B, D_LATENT // block_d)](
+            po, pl, seq_lens, out,
+            *po_strides, *pl_strides,
+            out.stride(0), out.stride(1),
+            H, num_splits, min_chunk,
+            BLOCK_N=cfg.block_n, SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=chunk_s,
+            BLOCK_HM=block_hm, BLOCK_D=block_d,
+            num_warps=4, num_stages=2,
+        )
+    return out
+
+
+def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0,
+               max_splits, workspace=None, force_num_splits=None):
+    """Absorbed MLA decode over a paged latent cache; CUDA-graph capturable.
+
+    Parameters
+    ----------
+    q : Tensor [B, H, 576], bf16 or fp16
+        Absorbed query: ``q_nope @ W_UK`` (512) then the rope part (64).
+    kv_cache : Tensor [num_pages, page_size, 576]
+        Same dtype as ``q``, or ``torch.float8_e4m3fn`` (value = stored * kv_scale).
+        ``page_size`` is a power of two (1, 16, 32, 64 ... ).
+    page_table : int32 Tensor [>= B, max_pages_per_seq]
+        Page of token ``t`` of sequence ``b`` is ``page_table[b, t // page_size]``.
+    seq_lens : int32 Tensor [B]
+        KV length of each sequence, read on the device only.  0 gives a zero output.
+    out : Tensor [B, H, 512], dtype of q
+        Written in place and returned.
+    sm_scale : float
+        Softmax scale applied to the 576-wide dot.
+    kv_scale : float or 1-element floating Tensor
+        Dequantisation scale of an fp8 cache (a tensor is read on the device, so the value
+        may change between graph replays).
+    max_splits : int
+        Static number of KV splits the launch grid is built for (see
+        :func:`default_max_splits`).  Each sequence uses
+        ``cdiv(L, max(256, roundup(cdiv(L, max_splits), BLOCK_N)))`` of them, decided on
+        the device.
+    workspace : MLADecodeWorkspace, optional
+        From :func:`mla_decode_workspace` (``>= max_splits`` splits).  Required for graph
+        capture when splitting: without it the partial buffers are allocated here.
+    force_num_splits : int, optional
+        Use exactly this static split count (chunks of ``roundup(cdiv(L, n), BLOCK_N)``,
+        no minimum chunk).  ``1`` runs the one-pass kernel that writes ``out`` directly.
+
+    Returns
+    -------
+    Tensor
+        ``out``.
+
+    Raises
+    ------
+    ValueError
+        On a wrong shape, dtype, device, int64 index tensor or too small workspace;
+        raised before anything is launched.
+    """
+    _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
+              kv_scale)
+    cfg = decode_config(q.shape[1], kv_cache.dtype)
+    if force_num_splits is not None:
+        num_splits, min_chunk = force_num_splits, cfg.block_n
+    else:
+        num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
+    return _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, sm_scale=sm_scale,
+                            kv_scale=kv_scale, num_splits=num_splits, min_chunk=min_chunk,
+                            workspace=workspace, cfg=cfg)

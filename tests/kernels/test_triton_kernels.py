@@ -1,0 +1,373 @@
+"""CPU tests of the Triton MLA kernels (TRITON_INTERPRET=1 when no GPU; see conftest).
+
+Head dims are fixed (576/512 for MLA, 192/128 for MHA), so token and head counts stay
+tiny.  Every kernel is compared with a naive float32 per-sequence softmax written here.
+Unused cache slots and unused page-table entries point at NaN-poisoned rows, and outputs
+are NaN-poisoned before each call, so a read past a sequence or an unwritten output
+fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from attnreg.backends._triton_kernels import (
+    default_max_splits,
+    mha_prefill,
+    mla_decode,
+    mla_decode_workspace,
+    mla_extend,
+)
+from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------------------
+# Builders and references (also imported by test_triton_kernels_gpu.py)
+# ----------------------------------------------------------------------------------------
+
+def make_paged_kv(lens, page_size, kv_dtype, *, device=DEV, seed=0, spare_pages=3,
+                  pages_per_seq=None):
+    """A shuffled paged cache holding ``lens[b]`` tokens per sequence.
+
+    Returns (kv_cache, page_table, dense) where ``dense[b]`` is the float32 [L, 576]
+    dequantised-before-scale content of sequence b.  Every slot not holding a token is
+    NaN, and page-table entries past a sequence's last page point at a NaN page.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    need = [max(1, math.ceil(L / page_size)) for L in lens]
+    maxp = pages_per_seq or max(need)
+    npages = sum(need) + spare_pages
+    cache = torch.full((npages, page_size, 576), float("nan"), dtype=torch.float32)
+    perm = torch.randperm(npages, generator=g)
+    nan_page = int(perm[-1])
+    table = torch.full((B, maxp), nan_page, dtype=torch.int32)
+    dense = []
+    k = 0
+    for b, L in enumerate(lens):
+        vals = torch.randn(L, 576, generator=g)
+        if kv_dtype == FP8:
+            vals = vals.to(FP8).float()
+        else:
+            vals = vals.to(kv_dtype).float()
+        for j in range(need[b]):
+            p = int(perm[k]); k += 1
+            table[b, j] = p
+            lo, hi = j * page_size, min(L, (j + 1) * page_size)
+            if hi > lo:
+                cache[p, : hi - lo] = vals[lo:hi]
+        dense.append(vals)
+    cache = cache.to(kv_dtype)  # values were rounded to kv_dtype above: exact
+    return cache.to(device), table.to(device), dense
+
+
+def ref_mla(q, dense, q_pos, sm_scale, kv_scale=1.0):
+    """Absorbed MLA for one sequence: q [n, H, 576], dense [L, 576] (unscaled), query j
+    sees cache rows 0..q_pos[j].  Returns float32 [n, H, 512]."""
+    q = q.float().cpu()
+    kv = dense.float().cpu() * kv_scale
+    out = torch.zeros(q.shape[0], q.shape[1], 512)
+    for j in range(q.shape[0]):
+        n = int(q_pos[j]) + 1
+        if n <= 0:
+            continue
+        s = torch.einsum("hd,ld->hl", q[j], kv[:n]) * sm_scale
+        out[j] = torch.softmax(s, dim=-1) @ kv[:n, :512]
+    return out
+
+
+def ref_mha(q, k, v, qo, kvp, sm_scale, causal):
+    q, k, v = q.float().cpu(), k.float().cpu(), v.float().cpu()
+    qo, kvp = qo.cpu().tolist(), kvp.cpu().tolist()
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
+    for b in range(len(qo) - 1):
+        qs, qe, ks, ke = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
+        ql, kl = qe - qs, ke - ks
+        if ql == 0 or kl == 0:
+            continue
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe], k[ks:ke]) * sm_scale
+        if causal:
+            i = torch.arange(ql)[:, None]
+            j = torch.arange(kl)[None, :]
+            s = s.masked_fill(j > kl - ql + i, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", p, v[ks:ke])
+    return out
+
+
+def assert_close(out, ref, tol=1.5e-2):
+    out = out.float().cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or read a poisoned slot)"
+    err = (out - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < tol, f"relative error {err:.3e} >= {tol}"
+    assert (out - ref).abs().max() < 0.1, f"max abs error {(out - ref).abs().max():.3e}"
+
+
+def run_decode_case(lens, H, page_size, kv_dtype, *, q_dtype=torch.bfloat16, seed=0,
+                    kv_scale=1.0, **kw):
+    cache, table, dense = make_paged_kv(lens, page_size, kv_dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), H, 576, generator=g).to(q_dtype).to(DEV)
+    out = torch.full((len(lens), H, 512), float("nan"), dtype=q_dtype, device=DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    sm = 1.0 / math.sqrt(192)
+    mla_decode(q, cache, table, sl, out, sm_scale=sm, kv_scale=kv_scale, **kw)
+    scale = float(kv_scale)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], sm, scale)[0]
+                       for b in range(len(lens))])
+    assert_close(out, ref)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# mla_decode
+# ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("force", [1, 2, 3, None])
+def test_decode_bf16(page_size, force):
+    run_decode_case([1, 37, 70, 16], 3, page_size, torch.bfloat16, max_splits=3,
+                    force_num_splits=force)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_fp8(page_size):
+    # The interpreter converts float8_e4m3fn fine (checked with triton 3.9), so no skip.
+    run_decode_case([9, 45], 2, page_size, FP8, kv_scale=0.37, max_splits=2,
+                    force_num_splits=2)
+
+
+def test_decode_fp8_tensor_scale_fp16_q():
+    run_decode_case([33], 4, 16, FP8, q_dtype=torch.float16,
+                    kv_scale=torch.tensor([0.5], dtype=torch.float32, device=DEV),
+                    max_splits=1)
+
+
+def test_decode_page64_fp16():
+    run_decode_case([64, 70, 3], 2, 64, torch.float16, q_dtype=torch.float16,
+                    max_splits=2, force_num_splits=2)
+
+
+def test_decode_empty_sequence_gives_zeros():
+    out = run_decode_case([0, 20], 2, 16, torch.bfloat16, max_splits=2, force_num_splits=2)
+    assert torch.all(out[0].float() == 0)
+
+
+def test_decode_device_split_count_and_varying_lengths():
+    """One workspace, one static split count, lengths changing between calls.
+
+    With min_chunk=16 (tests only; the public path uses 256) sequence lengths decide on the
+    device how many of the 4 splits each one uses; the workspace is NaN-poisoned each time
+    so a merge that read an unwritten split would produce NaN.
+    """
+    H, ps = 2, 16
+    cfg = decode_config(H, torch.bfloat16)
+    ws = mla_decode_workspace(3, H, 4, DEV)
+    for lens in ([5, 70, 33], [64, 1, 17], [3, 2, 69]):
+        cache, table, dense = make_paged_kv(lens, ps, torch.bfloat16, seed=sum(lens),
+                                            pages_per_seq=5)
+        q = torch.randn(3, H, 576).bfloat16().to(DEV)
+        out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ws.partial_out.fill_(float("nan"))
+        ws.partial_lse.fill_(float("nan"))
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        _mla_decode_impl(q, cache, table, sl, out, sm_scale=0.1, kv_scale=1.0, num_splits=4,
+                         min_chunk=16, workspace=ws, cfg=cfg._replace(block_n=16))
+        ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1)[0]
+                           for b in range(3)])
+        assert_close(out, ref)
+
+
+@pytest.mark.parametrize("cfg", [
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True),   # the H >= 64 GPU path (un-chained QK)
+    DecodeConfig(64, 32, 4, 2, dv_split=2),         # V columns split over two programs
+    DecodeConfig(32, 16, 8, 2),
+], ids=["isolate_qk", "dv_split2", "block_h32"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_kernel_variants(cfg, kv):
+    """The GPU configs for many heads, run on a few heads (the rest of the block masked)."""
+    lens, H, ps = [3, 50, 33], 3, 16
+    kv_dtype = torch.bfloat16 if kv == "bf16" else FP8
+    scale = 1.0 if kv == "bf16" else 0.6
+    cache, table, dense = make_paged_kv(lens, ps, kv_dtype, seed=5)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1, scale)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 3, DEV)
+    for splits in (1, 3):
+        out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+        _mla_decode_impl(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                         out, sm_scale=0.1, kv_scale=scale, num_splits=splits,
+                         min_chunk=cfg.block_n, workspace=ws, cfg=cfg)
+        assert_close(out, ref)
+
+
+@pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2)])
+def test_decode_merge_variants(merge_cfg):
+    """Every merge-kernel shape the host may pick (heads per program, columns, splits
+    per step), with 3 heads so that a 4-head program has a masked head."""
+    lens, H = [70, 5, 40], 3
+    cache, table, dense = make_paged_kv(lens, 16, torch.bfloat16, seed=9)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 5, DEV)
+    out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    _mla_decode_impl(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV), out,
+                     sm_scale=0.1, kv_scale=1.0, num_splits=5, min_chunk=16, workspace=ws,
+                     cfg=decode_config(H)._replace(block_n=16), merge_cfg=merge_cfg)
+    assert_close(out, ref)
+
+
+def test_default_max_splits_heuristic():
+    assert default_max_splits(128, 128, 4096, 132) == 1
+    assert default_max_splits(1, 128, 32768, 132) == 66
+    assert default_max_splits(1, 16, 32768, 132) == 128  # capped by 256-token chunks
+    assert default_max_splits(8, 128, 1024, 132) == 8  # 128-token chunks at H >= 64
+    assert default_max_splits(64, 64, 2048, 132) == 2
+    assert default_max_splits(1, 16, 100, 132) == 1
+
+
+# ----------------------------------------------------------------------------------------
+# mla_extend
+# ----------------------------------------------------------------------------------------
+
+def run_extend_case(prefix, ext, H, page_size, kv_dtype, *, kv_scale=1.0, seed=0,
+                    max_extend_len=None):
+    lens = [p + e for p, e in zip(prefix, ext)]
+    cache, table, dense = make_paged_kv(lens, page_size, kv_dtype, seed=seed)
+    T = sum(ext)
+    q = torch.randn(T + 2, H, 576, generator=torch.Generator().manual_seed(seed + 7))
+    q = q.bfloat16().to(DEV)
+    qo = torch.tensor([0] + list(torch.tensor(ext).cumsum(0).tolist()), dtype=torch.int32,
+                      device=DEV)
+    out = torch.full((T + 2, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    sm = 1.0 / math.sqrt(192)
+    mla_extend(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
+               torch.tensor(prefix, dtype=torch.int32, device=DEV), qo, out, sm_scale=sm,
+               kv_scale=kv_scale, max_extend_len=max_extend_len)
+    refs, start = [], 0
+    for b in range(len(ext)):
+        pos = [prefix[b] + i for i in range(ext[b])]
+        refs.append(ref_mla(q[start:start + ext[b]], dense[b], pos, sm, kv_scale))
+        start += ext[b]
+    assert_close(out[:T], torch.cat(refs))
+    assert torch.isnan(out[T:].float()).all(), "rows past qo_indptr[B] must stay untouched"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_with_prefix(page_size):
+    run_extend_case([0, 5, 33], [3, 1, 17], 3, page_size, torch.bfloat16)
+
+
+def test_extend_no_prefix_bound_larger_than_lengths():
+    run_extend_case([0, 0], [20, 7], 2, 16, torch.bfloat16, max_extend_len=40)
+
+
+def test_extend_fp8_page64():
+    run_extend_case([40, 0], [9, 12], 2, 64, FP8, kv_scale=0.8)
+
+
+# ----------------------------------------------------------------------------------------
+# mha_prefill
+# ----------------------------------------------------------------------------------------
+
+def run_mha_case(q_lens, kv_lens, H, dqk, dv, causal, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Tq, Tk = sum(q_lens), sum(kv_lens)
+    q = torch.randn(Tq, H, dqk, generator=g).to(dtype).to(DEV)
+    k = torch.randn(Tk, H, dqk, generator=g).to(dtype).to(DEV)
+    v = torch.randn(Tk, H, dv, generator=g).to(dtype).to(DEV)
+    qo = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEV)
+    kvp = torch.tensor([0] + torch.tensor(kv_lens).cumsum(0).tolist(), dtype=torch.int32,
+                       device=DEV)
+    out = torch.full((Tq, H, dv), float("nan"), dtype=dtype, device=DEV)
+    sm = 1.0 / math.sqrt(dqk)
+    mha_prefill(q, k, v, qo, kvp, out, sm_scale=sm, causal=causal)
+    assert_close(out, ref_mha(q, k, v, qo, kvp, sm, causal))
+
+
+def test_mha_prefill_causal_with_prefix():
+    run_mha_case([5, 40, 1], [5, 70, 30], 2, 192, 128, True)
+
+
+def test_mha_prefill_noncausal_fp16():
+    run_mha_case([17, 3], [17, 50], 2, 192, 128, False, dtype=torch.float16)
+
+
+def test_mha_prefill_dims_128():
+    run_mha_case([33], [45], 2, 128, 128, True)
+
+
+def test_mha_prefill_validation():
+    q = torch.zeros(4, 2, 192, dtype=torch.bfloat16, device=DEV)
+    k = torch.zeros(4, 2, 192, dtype=torch.bfloat16, device=DEV)
+    v = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device=DEV)
+    out = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device=DEV)
+    ind = torch.tensor([0, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="qo_indptr.*int32"):
+        mha_prefill(q, k, v, ind.long(), ind, out, sm_scale=1.0)
+    with pytest.raises(ValueError, match="kv_indptr.*int32"):
+        mha_prefill(q, k, v, ind, ind.long(), out, sm_scale=1.0)
+    with pytest.raises(ValueError, match="k:"):
+        mha_prefill(q, k[:, :, :128], v, ind, ind, out, sm_scale=1.0)
+    with pytest.raises(ValueError, match="v:"):
+        mha_prefill(q, k, v[:3], ind, ind, out, sm_scale=1.0)
+    with pytest.raises(ValueError, match="out:"):
+        mha_prefill(q, k, v, ind, ind, out[:, :, :64], sm_scale=1.0)
+    with pytest.raises(ValueError, match="k:.*dtype"):
+        mha_prefill(q, k.half(), v, ind, ind, out, sm_scale=1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Validation of the MLA entry points
+# ----------------------------------------------------------------------------------------
+
+def _mla_inputs():
+    cache, table, _ = make_paged_kv([4, 6], 16, torch.bfloat16)
+    q = torch.zeros(2, 2, 576, dtype=torch.bfloat16, device=DEV)
+    out = torch.zeros(2, 2, 512, dtype=torch.bfloat16, device=DEV)
+    sl = torch.tensor([4, 6], dtype=torch.int32, device=DEV)
+    return q, cache, table, sl, out
+
+
+def test_decode_refuses_int64_and_bad_shapes():
+    q, cache, table, sl, out = _mla_inputs()
+    with pytest.raises(ValueError, match="seq_lens.*int32"):
+        mla_decode(q, cache, table, sl.long(), out, sm_scale=1.0, max_splits=1)
+    with pytest.raises(ValueError, match="page_table.*int32"):
+        mla_decode(q, cache, table.long(), sl, out, sm_scale=1.0, max_splits=1)
+    with pytest.raises(ValueError, match="q:.*576"):
+        mla_decode(q[:, :, :512], cache, table, sl, out, sm_scale=1.0, max_splits=1)
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla_decode(q, cache.float(), table, sl, out, sm_scale=1.0, max_splits=1)
+    with pytest.raises(ValueError, match="out:"):
+        mla_decode(q, cache, table, sl, out[:1], sm_scale=1.0, max_splits=1)
+    with pytest.raises(ValueError, match="workspace"):
+        mla_decode(q, cache, table, sl, out, sm_scale=1.0, max_splits=4,
+                   workspace=mla_decode_workspace(2, 2, 2, DEV))
+    with pytest.raises(ValueError, match="force_num_splits"):
+        mla_decode(q, cache, table, sl, out, sm_scale=1.0, max_splits=2, force_num_splits=3)
+
+
+def test_extend_refuses_int64():
+    q, cache, table, sl, out = _mla_inputs()
+    qo = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    pre = sl - 1
+    for name, args in [
+        ("qo_indptr", (q, cache, table, sl, pre, qo.long(), out)),
+        ("prefix_lens", (q, cache, table, sl, pre.long(), qo, out)),
+        ("seq_lens", (q, cache, table, sl.long(), pre, qo, out)),
+        ("page_table", (q, cache, table.long(), sl, pre, qo, out)),
+    ]:
+        with pytest.raises(ValueError, match=f"{name}.*int32"):
+            mla_extend(*args, sm_scale=1.0, max_extend_len=1)
