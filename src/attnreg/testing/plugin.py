@@ -1,4 +1,319 @@
-"""pytest plugin of the conformance suite (registered through the pytest11 entry point).
+"""pytest plugin of the conformance suite (registered through the ``pytest11`` entry point).
 
-Importing it must stay cheap: no torch at import time.
+Importing it stays cheap (no torch): torch, the backends and the harness are
+imported only when a test asks for a claim.  The plugin generates items only
+for test functions that request the ``attnreg_claim`` fixture, i.e. the
+suite's own :class:`attnreg.testing.suite.BackendConformance` subclasses, so
+it never slows down or changes unrelated test runs.
+
+Options
+-------
+``--attnreg-backend NAME``
+    Backend to check (repeatable).  Default: every backend available on the
+    device (a subclass may fix its own list with ``attnreg_backends``).
+``--attnreg-device cpu|cuda``
+    Where to run.  Default: ``cuda`` when torch sees a GPU, else ``cpu``.
+``--attnreg-report PATH``
+    Write the claims report as JSON (see :mod:`attnreg.testing.report`).
+``--attnreg-exhaustive``
+    Expand the full product of declared values instead of covering each once.
+``--attnreg-plugin MODULE``
+    Import MODULE and register it as an attnreg plugin for this run (a
+    backend package under development, not installed as an entry point).
+``--attnreg-disable NAME``
+    Block a plugin or backend by name (as ``attnreg --disable``).
+
+Run it with ``attnreg conformance`` or ``pytest --pyargs attnreg.testing.suite``.
 """
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .claims import Claim, expand_claims, unavailable_claim
+from .report import ClaimResult, Report, Status, base_header
+
+if TYPE_CHECKING:
+    from attnreg.registry import BackendRegistry
+
+    from .harness import Harness
+
+__all__ = ["SESSION_KEY", "ConformanceSession"]
+
+CLAIM_FIXTURE = "attnreg_claim"
+
+
+class ConformanceSession:
+    """Per-pytest-run state: options, the registry, the report being built."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.requested: list[str] = list(config.getoption("attnreg_backends") or [])
+        self.device_option: str | None = config.getoption("attnreg_device")
+        self.report_path: str | None = config.getoption("attnreg_report")
+        self.exhaustive: bool = bool(config.getoption("attnreg_exhaustive"))
+        self.plugin_modules: list[str] = list(config.getoption("attnreg_plugins") or [])
+        self.disable: list[str] = list(config.getoption("attnreg_disable") or [])
+        self.report = Report()
+        self.backends_seen: list[str] = []
+        self.unavailable: dict[str, str] = {}
+        self.claims_generated = False
+        self._registry: BackendRegistry | None = None
+        self._device: str | None = None
+        self._harness: Harness | None = None
+        self._started: dict[str, float] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether the user asked for the suite explicitly (an attnreg option was given)."""
+        return bool(self.requested or self.device_option or self.report_path
+                    or self.plugin_modules)
+
+    # -- lazily computed facts ---------------------------------------------------------
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            if self.device_option:
+                self._device = self.device_option
+            else:
+                try:
+                    import torch
+                    self._device = "cuda" if torch.cuda.is_available() else "cpu"
+                except ImportError:
+                    self._device = "cpu"
+            if self._device == "cpu":
+                # Triton kernels run on a cpu only in the interpreter; the flag must
+                # be set before triton compiles anything (see docs/decisions.md).
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+        return self._device
+
+    @property
+    def platform(self) -> Any:
+        from attnreg.registry import Platform
+
+        if self.device == "cpu":
+            return Platform.parse("cpu")
+        return Platform.detect()
+
+    @property
+    def registry(self) -> BackendRegistry:
+        if self._registry is None:
+            from attnreg.registry import load_registry
+
+            extra = []
+            for module in self.plugin_modules:
+                try:
+                    extra.append((module, importlib.import_module(module)))
+                except Exception as exc:  # name the plugin, keep pytest's usage error style
+                    raise pytest.UsageError(
+                        f"--attnreg-plugin {module}: cannot import it: "
+                        f"{type(exc).__name__}: {exc}") from exc
+            self._registry = load_registry(self.disable, extra_plugins=extra)
+        return self._registry
+
+    def harness(self) -> Harness:
+        if self._harness is None:
+            from .harness import Harness
+
+            self._harness = Harness(self.registry, self.device, self.platform)
+        return self._harness
+
+    # -- claims ------------------------------------------------------------------------
+    def claims_for(self, backends: list[str]) -> list[Claim]:
+        from attnreg.registry import AttnregError
+
+        reg = self.registry
+        names = backends or self._default_backends()
+        claims: list[Claim] = []
+        for name in names:
+            try:
+                reg.get(name)
+            except AttnregError as exc:
+                raise pytest.UsageError(f"--attnreg-backend {name}: {exc}") from exc
+            if name not in self.backends_seen:
+                self.backends_seen.append(name)
+            avail = reg.availability(name, self.platform)
+            if not avail.available or avail.capabilities is None:
+                self.unavailable[name] = avail.reason
+                claims.append(unavailable_claim(name, avail.reason))
+                continue
+            claims.extend(expand_claims(avail.capabilities, self.device,
+                                        exhaustive=self.exhaustive))
+        self.claims_generated = True
+        return claims
+
+    def _default_backends(self) -> list[str]:
+        if self.requested:
+            return self.requested
+        reg = self.registry
+        names = []
+        for name in reg.names():
+            avail = reg.availability(name, self.platform)
+            if avail.available:
+                names.append(name)
+            else:
+                self.unavailable[name] = avail.reason
+        return names
+
+    # -- results -----------------------------------------------------------------------
+    def record(self, claim: Claim, status: Status, message: str, duration: float) -> None:
+        self.report.add(ClaimResult(claim.to_dict(), status, message, duration))
+
+    def header(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"exhaustive": self.exhaustive,
+                                 "unavailable": dict(self.unavailable)}
+        if self.device == "cuda":
+            with contextlib.suppress(Exception):  # the header must never fail the run
+                import torch
+                extra["device_name"] = torch.cuda.get_device_name(0)
+                extra["cuda"] = torch.version.cuda
+        return base_header(self.backends_seen or self.requested, self.device,
+                           str(self.platform), **extra)
+
+    def finish(self) -> Report:
+        self.report.header = self.header()
+        return self.report
+
+
+SESSION_KEY = pytest.StashKey[ConformanceSession]()
+
+
+def _session(config: pytest.Config) -> ConformanceSession:
+    return config.stash[SESSION_KEY]
+
+
+# ---------------------------------------------------------------------------
+# hooks
+# ---------------------------------------------------------------------------
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attnreg", "attnreg conformance suite")
+    group.addoption("--attnreg-backend", action="append", default=[], dest="attnreg_backends",
+                    metavar="NAME",
+                    help="backend to check (repeatable); default: all available on the device")
+    group.addoption("--attnreg-device", choices=("cpu", "cuda"), default=None,
+                    dest="attnreg_device",
+                    help="device to run claims on (default: cuda if torch sees a GPU)")
+    group.addoption("--attnreg-report", default=None, dest="attnreg_report", metavar="PATH",
+                    help="write the claims report as JSON to PATH")
+    group.addoption("--attnreg-exhaustive", action="store_true", default=False,
+                    dest="attnreg_exhaustive",
+                    help="expand the full product of declared values (default: cover each "
+                         "declared value once)")
+    group.addoption("--attnreg-plugin", action="append", default=[], dest="attnreg_plugins",
+                    metavar="MODULE",
+                    help="import MODULE and register it as an attnreg plugin for this run")
+    group.addoption("--attnreg-disable", action="append", default=[], dest="attnreg_disable",
+                    metavar="NAME", help="block an attnreg plugin or backend by name")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "attnreg_claim: a conformance claim of the attnreg "
+                                       "suite (one declared capability of one backend)")
+    session = ConformanceSession(config)
+    config.stash[SESSION_KEY] = session
+    if session.device_option == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    session = _session(config)
+    if not session.active:
+        return None
+    names = ", ".join(session.requested) or "(all available)"
+    line = (f"attnreg conformance: backends {names}, device {session.device}, "
+            f"platform {session.platform}")
+    return [line]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if CLAIM_FIXTURE not in metafunc.fixturenames:
+        return
+    session = _session(metafunc.config)
+    fixed = getattr(metafunc.cls, "attnreg_backends", None) or \
+        getattr(metafunc.module, "attnreg_backends", None)
+    backends = list(fixed) if fixed else list(session.requested)
+    claims = session.claims_for(backends)
+    params = []
+    for claim in claims:
+        marks = [pytest.mark.attnreg_claim]
+        if claim.skip_reason:
+            marks.append(pytest.mark.skip(reason=claim.skip_reason))
+        params.append(pytest.param(claim, id=claim.id, marks=marks))
+    metafunc.parametrize(CLAIM_FIXTURE, params)
+
+
+@pytest.fixture(scope="session")
+def attnreg_harness(request: pytest.FixtureRequest) -> Harness:
+    """The conformance harness of this run (device, registry, oracle)."""
+    return _session(request.config).harness()
+
+
+def _claim_of(item: pytest.Item) -> Claim | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    claim = callspec.params.get(CLAIM_FIXTURE)
+    return claim if isinstance(claim, Claim) else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    rep = yield
+    claim = _claim_of(item)
+    if claim is None:
+        return rep
+    session = _session(item.config)
+    duration = float(getattr(rep, "duration", 0.0))
+    if rep.skipped:
+        session.record(claim, Status.SKIPPED, _skip_reason(rep), duration)
+    elif rep.failed:
+        where = "" if rep.when == "call" else f"(during {rep.when}) "
+        session.record(claim, Status.REFUTED, where + _failure_message(call), duration)
+    elif rep.when == "call":
+        session.record(claim, Status.VERIFIED, "", duration)
+    return rep
+
+
+def _skip_reason(rep: pytest.TestReport) -> str:
+    longrepr = rep.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        text = str(longrepr[2])
+        return text.removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _failure_message(call: pytest.CallInfo[None]) -> str:
+    excinfo = call.excinfo
+    if excinfo is None:
+        return "failed"
+    from .errors import ClaimRefuted
+
+    if isinstance(excinfo.value, ClaimRefuted):
+        return str(excinfo.value)
+    text = excinfo.exconly()
+    return text if len(text) <= 2000 else text[:1997] + "..."
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    session = _session(config)
+    if not (session.claims_generated or session.report_path):
+        return
+    report = session.finish()
+    verbose = config.getoption("verbose") > 0
+    terminalreporter.section("attnreg conformance claims")
+    for line in report.to_text(verbose=verbose).splitlines():
+        terminalreporter.write_line(line)
+    if session.report_path:
+        path = report.write_json(session.report_path)
+        terminalreporter.write_line(f"claims report written to {path}")
+
+

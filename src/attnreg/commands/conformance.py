@@ -1,0 +1,189 @@
+"""``attnreg conformance``: prove each declared capability of a backend on this device.
+
+Runs the conformance suite (``attnreg.testing``) through ``pytest.main`` and
+prints the claims table; ``--json PATH`` also writes the report (schema in
+``attnreg.testing.report``).  Exit status: 0 when no claim is refuted, 1 when
+one is (or no claim could be collected, or a backend asked for by name cannot
+run here), 2 on bad input or when pytest itself could not run.
+
+Examples::
+
+    attnreg conformance --backend triton --device cpu        # Triton interpreter
+    attnreg conformance --backend flashinfer_mla --json conf.json
+    attnreg conformance --device cuda                        # every available backend
+    attnreg conformance --plugin my_pkg.attnreg_plugin --backend mine   # not installed yet
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ._common import add_registry_arguments
+
+PLUGIN_MODULE = "attnreg.testing.plugin"
+SUITE_MODULE = "attnreg.testing.suite"
+
+#: pytest exit codes (pytest.ExitCode) this command maps to its own.
+_PYTEST_OK, _PYTEST_TESTS_FAILED, _PYTEST_NO_TESTS = 0, 1, 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", action="append", default=[], metavar="NAME",
+                        help="backend to check (repeatable); default: every backend available "
+                             "on the device")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where claims run; default: cuda when torch sees a GPU, else cpu "
+                             "(cpu sets TRITON_INTERPRET=1 and skips claims that need real "
+                             "CUDA graphs, saying so)")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the claims report as JSON to PATH")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="expand the full product of declared values (default: cover each "
+                             "declared dtype, page size, head count and head dims once)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE and register it as an attnreg plugin for this run "
+                             "(a backend package that is not installed as an entry point)")
+    parser.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
+                        help="only claims whose id matches EXPR (pytest -k), e.g. 'capture'")
+    parser.add_argument("-x", "--exitfirst", action="store_true",
+                        help="stop at the first refuted claim")
+    parser.add_argument("--list", action="store_true",
+                        help="list the claims the declaration expands to, run nothing")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="list verified claims too, and show pytest's tracebacks")
+    parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument passed to pytest as is (repeatable)")
+    add_registry_arguments(parser)
+
+
+def _plugin_autoloads() -> bool:
+    """Whether pytest will load the attnreg plugin itself (through its pytest11 entry point)."""
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return False
+    for ep in importlib.metadata.entry_points(group="pytest11"):
+        if ep.value == PLUGIN_MODULE:
+            return True
+    return False
+
+
+def pytest_args(args: argparse.Namespace, ini_path: Path,
+                report_path: Path | None = None) -> list[str]:
+    """The pytest command line that runs the suite for ``args``."""
+    import attnreg
+
+    package_root = Path(attnreg.__file__).resolve().parent.parent
+    argv = [
+        # an empty ini: the suite must not pick up the options of whatever project
+        # the command is run from (addopts, testpaths, plugins of its conftest)
+        "-c", str(ini_path), "--rootdir", str(package_root),
+        "--confcutdir", str(package_root / "attnreg" / "testing"),
+        # --confcutdir does not stop pytest importing ./test*/conftest.py of the
+        # invocation directory (a project's tests/conftest.py, which may e.g. set
+        # ATTNREG_DISABLE_PLUGIN_AUTOLOAD=1 and hide the plugin under test)
+        "--noconftest",
+        "-p", "no:cacheprovider",
+        # this process imported attnreg before pytest started: nothing to rewrite
+        "-W", "ignore::pytest.PytestAssertRewriteWarning",
+    ]
+    if not _plugin_autoloads():
+        argv += ["-p", PLUGIN_MODULE]
+    argv += ["--pyargs", SUITE_MODULE]
+    for name in args.backend:
+        argv += ["--attnreg-backend", name]
+    if args.device:
+        argv += ["--attnreg-device", args.device]
+    report = Path(args.json).resolve() if args.json else report_path
+    if report is not None:
+        argv += ["--attnreg-report", str(report)]
+    if args.exhaustive:
+        argv.append("--attnreg-exhaustive")
+    for module in args.plugin:
+        argv += ["--attnreg-plugin", module]
+    for name in args.disable:
+        argv += ["--attnreg-disable", name]
+    if args.keyword:
+        argv += ["-k", args.keyword]
+    if args.exitfirst:
+        argv.append("-x")
+    if args.list:
+        argv += ["--collect-only", "-q"]
+    elif args.verbose:
+        argv += ["-v", "--tb=short"]
+    else:
+        # the claims table says what failed and why; pytest's own summary would repeat it
+        argv += ["-q", "--tb=no", "--no-header", "-rN"]
+    argv += list(args.pytest_arg)
+    return argv
+
+
+def _check_inputs(args: argparse.Namespace) -> str | None:
+    """A usage problem to report before starting pytest, or None."""
+    from attnreg.registry import load_registry
+
+    reg = load_registry(args.disable)
+    for name in args.backend:
+        if name not in reg.names() and not args.plugin:
+            reg.get(name)  # raises UnknownBackendError / the plugin's error, with hints
+    if args.device == "cuda":
+        try:
+            import torch
+        except ImportError:
+            return "--device cuda needs torch (install attnreg[torch])"
+        if not torch.cuda.is_available():
+            return "--device cuda: torch sees no CUDA device here; use --device cpu"
+    return None
+
+
+def _unavailable_requested(args: argparse.Namespace, report_path: Path) -> list[str]:
+    """Backends asked for by name that the report lists as unavailable here."""
+    if not args.backend or not report_path.exists():
+        return []
+    from attnreg.testing.report import Report
+
+    try:
+        unavailable = Report.read_json(report_path).header.get("unavailable") or {}
+    except ValueError:
+        return []
+    return [name for name in args.backend if name in unavailable]
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check_inputs(args)
+    if problem:
+        print(f"attnreg conformance: error: {problem}", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        # before anything imports triton: kernels then run in the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import pytest
+
+    with tempfile.TemporaryDirectory(prefix="attnreg-conformance-") as tmp:
+        ini = Path(tmp) / "pytest.ini"
+        ini.write_text("[pytest]\n")
+        report_path = Path(args.json).resolve() if args.json else Path(tmp) / "report.json"
+        code = int(pytest.main(pytest_args(args, ini, report_path)))
+        unavailable = _unavailable_requested(args, report_path)
+    if args.list:
+        return 0 if code == _PYTEST_OK else 2
+    if code == _PYTEST_OK and unavailable:
+        # nothing refuted, but nothing of these was checked either: a CI job that
+        # asked for them must not pass silently
+        print("attnreg conformance: requested backend(s) not available here, nothing of "
+              f"them was checked: {', '.join(unavailable)}", file=sys.stderr)
+        return 1
+    if code == _PYTEST_OK:
+        return 0
+    if code == _PYTEST_TESTS_FAILED:
+        return 1
+    if code == _PYTEST_NO_TESTS:
+        print("attnreg conformance: no claims were collected (no backend available on this "
+              "device, or -k matched nothing)", file=sys.stderr)
+        return 1
+    print(f"attnreg conformance: pytest could not run the suite (exit code {code})",
+          file=sys.stderr)
+    return 2

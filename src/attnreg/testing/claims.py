@@ -1,0 +1,575 @@
+"""Claims: what a backend's declaration promises, as a list of checkable statements.
+
+Pure data, no torch: :func:`expand_claims` turns one
+:class:`~attnreg.registry.Capabilities` into :class:`Claim` objects, and the
+pytest plugin turns each claim into one test item.  Three kinds:
+
+* ``eager`` - one declared input configuration (forward method x phase x q/kv
+  dtype x page size x head count x head dims) computes what the float32 oracle
+  computes on the named batch specs of its phase, and writes nothing outside
+  the KV slots it was given;
+* ``refusal`` - an input *outside* the declaration (page size, dtype, head
+  dims, head count, forward method, int64 index tensors) is refused with
+  ``UnsupportedError`` before any kernel launch;
+* ``capture`` - each declared (phase, graph mode): NATIVE and FALLBACK modes
+  run correctly through capture and replay (several batches, allocator churn,
+  KV canaries, no sync or allocation while capturing, pinned forward method,
+  split-KV surviving capture); UNSUPPORTED modes are refused.
+
+Combinations: by default every declared value of every dimension is covered at
+least once (a base configuration, then one dimension varied at a time); with
+``exhaustive=True`` the full cartesian product is expanded.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from attnreg.registry.capabilities import (
+    Capabilities,
+    DType,
+    ForwardMethod,
+    GraphMode,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    SplitKV,
+    SupportKind,
+)
+
+from .batches import CAPTURE_REPLAY_SPECS, EAGER_SPECS
+
+__all__ = [
+    "CPU_RUNNABLE_CAPTURE_CHECKS",
+    "Check",
+    "Claim",
+    "ClaimKind",
+    "Combo",
+    "expand_claims",
+    "head_dims_config",
+    "unavailable_claim",
+]
+
+
+class ClaimKind(str, enum.Enum):
+    EAGER = "eager"
+    REFUSAL = "refusal"
+    CAPTURE = "capture"
+    AVAILABILITY = "availability"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Check(str, enum.Enum):
+    """What one claim checks.  Values appear in claim ids and the report."""
+
+    # eager
+    MATCHES_REFERENCE = "matches_reference"
+    # refusals
+    PAGE_SIZE = "page_size"
+    Q_DTYPE = "q_dtype"
+    KV_DTYPE = "kv_dtype"
+    HEAD_DIMS = "head_dims"
+    NUM_HEADS = "num_heads"
+    INDEX_DTYPE = "index_dtype"
+    METHOD = "method"
+    # capture
+    REFUSES_CAPTURE = "refuses_capture"
+    CAPTURE_PATH = "capture_path"
+    PINNING = "pinning"
+    REPLAY = "replay"
+    ALLOCATOR_CHURN = "allocator_churn"
+    NO_SYNC_ALLOC = "no_sync_alloc"
+    SPLIT_KV = "split_kv"
+    PIECEWISE = "piecewise"
+    # availability
+    AVAILABLE = "available"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Capture checks that are logic only (no CUDA graph object is needed): they
+#: run on cpu under ``capturing(mode)`` with the capture calls emulated.
+CPU_RUNNABLE_CAPTURE_CHECKS = frozenset({Check.REFUSES_CAPTURE, Check.CAPTURE_PATH,
+                                         Check.PINNING})
+
+#: DeepSeek-style MLA: (head_dim_qk, head_dim_v) -> the MLAConfig fields that give it.
+#: MLA: q/k = kv_lora_rank + rope, v = kv_lora_rank.  MHA: q/k = nope + rope, v = v_head_dim.
+_ROPE = 64
+
+
+def head_dims_config(method: ForwardMethod, head_dims: tuple[int, int]) -> dict[str, int] | None:
+    """MLAConfig fields that produce ``head_dims`` for ``method`` (None if none can).
+
+    Examples
+    --------
+    >>> head_dims_config(ForwardMethod.MHA, (128, 128))
+    {'qk_nope_head_dim': 64, 'v_head_dim': 128, 'qk_rope_head_dim': 64}
+    >>> head_dims_config(ForwardMethod.MLA, (576, 512))
+    {'kv_lora_rank': 512, 'qk_rope_head_dim': 64}
+    """
+    qk, v = head_dims
+    if method is ForwardMethod.MLA:
+        if qk - v != _ROPE or v <= 0:
+            return None
+        return {"kv_lora_rank": v, "qk_rope_head_dim": _ROPE}
+    if qk - _ROPE <= 0 or v <= 0:
+        return None
+    return {"qk_nope_head_dim": qk - _ROPE, "v_head_dim": v, "qk_rope_head_dim": _ROPE}
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One concrete input configuration of a forward pass."""
+
+    method: ForwardMethod
+    phase: Phase
+    q_dtype: DType
+    kv_dtype: DType
+    page_size: int
+    num_heads: int
+    head_dims: tuple[int, int]
+
+    def label(self) -> str:
+        return (f"{self.q_dtype}-{self.kv_dtype}/p{self.page_size}/h{self.num_heads}/"
+                f"{self.head_dims[0]}x{self.head_dims[1]}")
+
+    def describe(self) -> str:
+        return (f"{self.phase} {self.method} q={self.q_dtype} kv={self.kv_dtype} "
+                f"page={self.page_size} heads={self.num_heads} "
+                f"dims={self.head_dims[0]}/{self.head_dims[1]}")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"method": self.method.value, "phase": self.phase.value,
+                "q_dtype": self.q_dtype.value, "kv_dtype": self.kv_dtype.value,
+                "page_size": self.page_size, "num_heads": self.num_heads,
+                "head_dims": list(self.head_dims)}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One checkable statement about one backend.
+
+    ``combo`` is the configuration the check runs with (for a refusal: the
+    undeclared request itself).  ``graph_mode``/``capture``/``pinned_method``/
+    ``split_kv`` copy the declaration entry a capture claim comes from.
+    """
+
+    backend: str
+    kind: ClaimKind
+    check: Check
+    combo: Combo | None
+    statement: str
+    graph_mode: GraphMode = GraphMode.DISABLED
+    capture: SupportKind | None = None
+    fallback_to: str | None = None
+    pinned_method: ForwardMethod | None = None
+    split_kv: SplitKV = SplitKV.NONE
+    batches: tuple[str, ...] = ()
+    needs_device_graphs: bool = False
+    skip_reason: str = ""
+
+    @property
+    def id(self) -> str:
+        """Stable, ``-k``-friendly id: ``backend/kind/phase/.../check/params``."""
+        parts: list[str] = [self.backend, self.kind.value]
+        if self.kind is ClaimKind.AVAILABILITY:
+            return "/".join(parts)
+        c = self.combo
+        if self.kind is ClaimKind.CAPTURE:
+            assert c is not None
+            parts += [c.phase.value, self.graph_mode.value, self.check.value, c.method.value,
+                      c.label()]
+        elif self.kind is ClaimKind.REFUSAL:
+            assert c is not None
+            parts += [c.phase.value, c.method.value, self.check.value, self._refused_value()]
+        else:
+            assert c is not None
+            parts += [c.phase.value, c.method.value, c.label()]
+        return "/".join(parts)
+
+    def _refused_value(self) -> str:
+        c = self.combo
+        assert c is not None
+        return {
+            Check.PAGE_SIZE: f"p{c.page_size}",
+            Check.Q_DTYPE: f"q-{c.q_dtype}",
+            Check.KV_DTYPE: f"kv-{c.kv_dtype}",
+            Check.HEAD_DIMS: f"{c.head_dims[0]}x{c.head_dims[1]}",
+            Check.NUM_HEADS: f"h{c.num_heads}",
+            Check.INDEX_DTYPE: "int64",
+            Check.METHOD: c.method.value,
+        }.get(self.check, self.check.value)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "id": self.id, "backend": self.backend, "kind": self.kind.value,
+            "check": self.check.value, "statement": self.statement,
+            "combo": self.combo.to_dict() if self.combo else None,
+            "graph_mode": self.graph_mode.value,
+            "capture": self.capture.value if self.capture else None,
+            "fallback_to": self.fallback_to,
+            "pinned_method": self.pinned_method.value if self.pinned_method else None,
+            "split_kv": self.split_kv.value, "batches": list(self.batches),
+            "needs_device_graphs": self.needs_device_graphs,
+        }
+
+
+# ---------------------------------------------------------------------------
+# choosing values
+# ---------------------------------------------------------------------------
+
+_DTYPE_ORDER = (DType.BF16, DType.FP16, DType.FP32, DType.FP8_E4M3)
+#: Head counts tried per device: DeepSeek-V3's 128 heads split over TP 8 / TP 1.
+_HEADS = {"cpu": (2,), "cuda": (16, 128)}
+_PREFERRED_PAGE = 16
+
+
+def _ordered(dtypes: Iterable[DType]) -> list[DType]:
+    have = set(dtypes)
+    return [d for d in _DTYPE_ORDER if d in have]
+
+
+def _dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
+    """(q, kv) pairs the kernel should accept: kv equal to q, or an fp8 cache.
+
+    Mixed half types (bf16 queries over an fp16 cache) are not a pairing any
+    engine uses and declarations cannot express them, so they are not claimed.
+    For kernels reading no paged cache (ragged MHA) K/V come in the q dtype.
+    """
+    pairs: list[tuple[DType, DType]] = []
+    for q in _ordered(k.q_dtypes):
+        if q is DType.FP8_E4M3:
+            continue  # fp8 queries are not part of any built-in claim
+        if not k.page_sizes:
+            if q in k.kv_dtypes:
+                pairs.append((q, q))
+            continue
+        for kv in _ordered(k.kv_dtypes):
+            if kv is q or kv is DType.FP8_E4M3:
+                pairs.append((q, kv))
+    return pairs
+
+
+def _head_counts(k: KernelConstraints, device: str) -> list[int]:
+    if k.head_counts:
+        return sorted(k.head_counts)[:1] if device == "cpu" else sorted(k.head_counts)
+    wanted = [h for h in _HEADS.get(device, _HEADS["cuda"]) if k.accepts_heads(h)]
+    return wanted or [1]
+
+
+def _page_sizes(k: KernelConstraints, caps: Capabilities, phase: Phase) -> list[int]:
+    if k.page_sizes:
+        sizes = list(k.page_sizes)
+        # the base configuration goes first
+        if _PREFERRED_PAGE in sizes:
+            sizes.remove(_PREFERRED_PAGE)
+            sizes.insert(0, _PREFERRED_PAGE)
+        return sizes
+    # A ragged kernel reads no cache, but the pass still writes the new tokens
+    # into the pool: use a page size some paged kernel of the backend takes.
+    for other in caps.kernels:
+        if other.page_sizes:
+            return [_PREFERRED_PAGE if _PREFERRED_PAGE in other.page_sizes
+                    else other.page_sizes[0]]
+    return [_PREFERRED_PAGE]
+
+
+def _combos(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
+            exhaustive: bool) -> list[Combo]:
+    pairs = _dtype_pairs(k)
+    pages = _page_sizes(k, caps, phase)
+    heads = _head_counts(k, device)
+    dims = [d for d in k.head_dims if head_dims_config(k.method, d) is not None]
+    if not (pairs and pages and heads and dims):
+        return []
+    if exhaustive:
+        return [Combo(k.method, phase, q, kv, p, h, d)
+                for (q, kv), p, h, d in itertools.product(pairs, pages, heads, dims)]
+    base = Combo(k.method, phase, pairs[0][0], pairs[0][1], pages[0], heads[0], dims[0])
+    out = [base]
+    for q, kv in pairs[1:]:
+        out.append(replace(base, q_dtype=q, kv_dtype=kv))
+    for p in pages[1:]:
+        out.append(replace(base, page_size=p))
+    for h in heads[1:]:
+        out.append(replace(base, num_heads=h))
+    for d in dims[1:]:
+        out.append(replace(base, head_dims=d))
+    return out
+
+
+def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
+               device: str) -> Combo | None:
+    """The base configuration of ``method`` in ``phase`` (None if not declared)."""
+    for k in caps.kernels_for(method, phase):
+        combos = _combos(caps, k, phase, device, exhaustive=False)
+        if combos:
+            return combos[0]
+    return None
+
+
+# ---------------------------------------------------------------------------
+# eager claims
+# ---------------------------------------------------------------------------
+
+def _eager_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[Claim]:
+    claims: list[Claim] = []
+    seen: set[Combo] = set()
+    for k in caps.kernels:
+        for phase in (Phase.DECODE, Phase.PREFILL):
+            if phase not in k.phases:
+                continue
+            for combo in _combos(caps, k, phase, device, exhaustive):
+                if combo in seen:
+                    continue
+                seen.add(combo)
+                specs = EAGER_SPECS[phase]
+                claims.append(Claim(
+                    caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
+                    f"{combo.describe()} matches the float32 oracle on "
+                    f"{', '.join(specs)} and writes only its own KV slots",
+                    batches=specs))
+    return claims
+
+
+# ---------------------------------------------------------------------------
+# refusal claims
+# ---------------------------------------------------------------------------
+
+_PAGE_CANDIDATES = (3, 7, 128, 2, 5)
+_DTYPE_CANDIDATES = (DType.FP32, DType.FP8_E4M3, DType.FP16, DType.BF16)
+_DIMS_CANDIDATES = {
+    ForwardMethod.MLA: ((320, 256), (576 + 64, 576)),
+    ForwardMethod.MHA: ((256, 128), (96, 64), (192, 192)),
+    ForwardMethod.MHA_CHUNKED_KV: ((256, 128), (96, 64), (192, 192)),
+}
+
+
+def _refused(caps: Capabilities, combo: Combo, **fields: object) -> bool:
+    """Whether the declaration rejects ``combo`` (with the given fields) for its method."""
+    return bool(caps.check_request(combo.method, combo.phase, **fields))  # type: ignore[arg-type]
+
+
+def _refusal_claims(caps: Capabilities, device: str) -> list[Claim]:
+    claims: list[Claim] = []
+
+    def add(check: Check, combo: Combo, what: str) -> None:
+        claims.append(Claim(
+            caps.backend, ClaimKind.REFUSAL, check, combo,
+            f"{combo.phase} {combo.method} with {what} (undeclared) is refused with "
+            "UnsupportedError before any kernel launch"))
+
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        methods = caps.methods(phase)
+        for method in methods:
+            base = base_combo(caps, method, phase, device)
+            if base is None:
+                continue
+            # page size: only meaningful where a paged cache is read
+            if any(k.page_sizes for k in caps.kernels_for(method, phase)):
+                for p in _PAGE_CANDIDATES:
+                    if _refused(caps, base, page_size=p):
+                        add(Check.PAGE_SIZE, replace(base, page_size=p), f"page size {p}")
+                        break
+            for dt in _DTYPE_CANDIDATES:
+                if dt is not base.q_dtype and _refused(caps, base, q_dtype=dt):
+                    kv = dt if not any(k.page_sizes for k in caps.kernels_for(method, phase)) \
+                        else base.kv_dtype
+                    add(Check.Q_DTYPE, replace(base, q_dtype=dt, kv_dtype=kv), f"q dtype {dt}")
+                    break
+            if any(k.page_sizes for k in caps.kernels_for(method, phase)):
+                for dt in _DTYPE_CANDIDATES:
+                    if dt is not base.kv_dtype and _refused(caps, base, kv_dtype=dt):
+                        add(Check.KV_DTYPE, replace(base, kv_dtype=dt), f"kv dtype {dt}")
+                        break
+            for dims in _DIMS_CANDIDATES.get(method, ()):
+                if _refused(caps, base, head_dims=dims) and head_dims_config(method, dims):
+                    add(Check.HEAD_DIMS, replace(base, head_dims=dims),
+                        f"head dims {dims[0]}/{dims[1]}")
+                    break
+            max_heads = max(k.max_heads for k in caps.kernels_for(method, phase))
+            too_many = max_heads + 1
+            if _refused(caps, base, num_heads=too_many):
+                add(Check.NUM_HEADS, replace(base, num_heads=too_many), f"{too_many} heads")
+            claims.append(Claim(
+                caps.backend, ClaimKind.REFUSAL, Check.INDEX_DTYPE, base,
+                f"{phase} {method} with int64 index tensors (sequence lengths, page table; "
+                "the runtime contract is int32) is refused with UnsupportedError before any "
+                "kernel launch"))
+        # an undeclared forward method for a phase the backend serves
+        if methods:
+            for method in ForwardMethod:
+                if method in methods:
+                    continue
+                donor = base_combo(caps, methods[0], phase, device)
+                if donor is None:
+                    continue
+                dims = {ForwardMethod.MLA: (576, 512)}.get(method, (192, 128))
+                if method is ForwardMethod.MHA_CHUNKED_KV:
+                    continue  # needs a chunked prefix driver; covered by MHA
+                if phase is Phase.DECODE and method is not ForwardMethod.MLA:
+                    # decode runs through forward_decode, which takes no method
+                    continue
+                add(Check.METHOD, replace(donor, method=method, head_dims=dims),
+                    f"forward method {method}")
+    return claims
+
+
+# ---------------------------------------------------------------------------
+# capture claims
+# ---------------------------------------------------------------------------
+
+def _capture_methods(caps: Capabilities, entry: GraphModeSupport) -> list[ForwardMethod]:
+    """The forward methods that can run under ``entry``'s capture mode."""
+    declared = caps.methods(entry.phase)
+    if entry.pinned_method is not None:
+        return [entry.pinned_method] if entry.pinned_method in declared else []
+    if entry.phase is Phase.DECODE:
+        return [m for m in declared if m is ForwardMethod.MLA]
+    return [m for m in declared if m is not ForwardMethod.MHA_CHUNKED_KV]
+
+
+def _capture_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[Claim]:
+    claims: list[Claim] = []
+    for entry in caps.graph_modes:
+        if entry.mode is GraphMode.DISABLED or not caps.serves(entry.phase):
+            continue
+        phase, mode, sup = entry.phase, entry.mode, entry.capture
+        common: dict[str, object] = {
+            "graph_mode": mode, "capture": sup.kind, "fallback_to": sup.fallback_to,
+                  "pinned_method": entry.pinned_method, "split_kv": entry.split_kv}
+        where = f"{phase} under {mode}"
+        methods = _capture_methods(caps, entry)
+        if sup.is_unsupported:
+            method = methods[0] if methods else caps.methods(phase)[0]
+            combo = base_combo(caps, method, phase, device)
+            if combo is not None:
+                claims.append(Claim(
+                    caps.backend, ClaimKind.CAPTURE, Check.REFUSES_CAPTURE, combo,
+                    f"{where} is declared unsupported ({sup.reason}); the backend refuses "
+                    "to prepare a capture with UnsupportedError", **common))  # type: ignore[arg-type]
+            continue
+        how = "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
+        replay_specs = CAPTURE_REPLAY_SPECS[phase]
+        for method in methods:
+            base = base_combo(caps, method, phase, device)
+            if base is None:
+                continue
+
+            def add(check: Check, statement: str, combo: Combo = base,
+                    needs_graphs: bool = True, batches: Sequence[str] = replay_specs,
+                    common: dict[str, object] = common) -> None:
+                claims.append(Claim(caps.backend, ClaimKind.CAPTURE, check, combo,
+                                    statement, batches=tuple(batches),
+                                    needs_device_graphs=needs_graphs,
+                                    **common))  # type: ignore[arg-type]
+
+            add(Check.CAPTURE_PATH,
+                f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
+                "code path (capture metadata, then replay metadata for each batch) is "
+                "driven without a device graph", needs_graphs=False)
+            if entry.pinned_method is not None and phase is Phase.PREFILL:
+                # decode has one form (forward_decode takes no method): nothing to pin
+                add(Check.PINNING,
+                    f"{where} every extend batch (prefix or not) runs the pinned "
+                    f"{entry.pinned_method} method, never another one", needs_graphs=False)
+            if mode is GraphMode.TC_PIECEWISE:
+                add(Check.PIECEWISE,
+                    f"{where}, {method} runs eagerly between captured graph pieces (static "
+                    "input/output buffers, replayed pieces) and matches the oracle "
+                    f"on {', '.join(replay_specs)}")
+                continue
+            kv_variants = [base]
+            if exhaustive or device != "cpu":
+                kv_variants += [replace(base, kv_dtype=kv, q_dtype=q)
+                                for q, kv in _pairs_for(caps, method, phase)
+                                if (q, kv) != (base.q_dtype, base.kv_dtype)]
+            for combo in kv_variants:
+                add(Check.REPLAY,
+                    f"{where}, {method} captured once replays {', '.join(replay_specs)} "
+                    "(new lengths and contents each time) and matches the oracle, leaving "
+                    "every KV slot outside the written ones untouched", combo=combo)
+            add(Check.ALLOCATOR_CHURN,
+                f"{where}, replays stay correct after large tensors are allocated and "
+                "freed between them (storage the graph recorded was not freed)")
+            add(Check.NO_SYNC_ALLOC,
+                f"{where}, nothing in the captured region synchronises with the host or "
+                "allocates outside the graph's pool", batches=replay_specs[:1])
+            if entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED, SplitKV.SINGLE):
+                longs = tuple(s for s in replay_specs if s.startswith("long_kv")) or \
+                    replay_specs
+                short = replay_specs[0]
+                what = {SplitKV.DYNAMIC: "device-side split counts follow each replay's "
+                                         "lengths",
+                        SplitKV.HOST_PLANNED: "split counts re-planned on the host before "
+                                              "each replay follow its lengths",
+                        SplitKV.SINGLE: "one split under capture"}[entry.split_kv]
+                add(Check.SPLIT_KV,
+                    f"{where}, split-KV is {entry.split_kv} ({what}): a graph captured on "
+                    "short sequences replays long ones correctly",
+                    batches=(short,) + longs)
+    return claims
+
+
+def _pairs_for(caps: Capabilities, method: ForwardMethod,
+               phase: Phase) -> list[tuple[DType, DType]]:
+    out: list[tuple[DType, DType]] = []
+    for k in caps.kernels_for(method, phase):
+        for pair in _dtype_pairs(k):
+            if pair not in out:
+                out.append(pair)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------
+
+def expand_claims(caps: Capabilities, device: str = "cpu", *,
+                  exhaustive: bool = False) -> list[Claim]:
+    """All claims of one declaration, for a run on ``device`` (``cpu`` or ``cuda``).
+
+    Parameters
+    ----------
+    caps
+        The backend's declaration on the platform under test.
+    device
+        ``cpu`` keeps head counts and the capture dtype variants minimal;
+        ``cuda`` adds 128 heads and one replay claim per declared kv dtype.
+    exhaustive
+        Expand the full product of declared values instead of covering each
+        value once.
+
+    Examples
+    --------
+    >>> from attnreg.registry import get_registry
+    >>> caps = get_registry().declaration("reference", "cpu")
+    >>> claims = expand_claims(caps, "cpu")
+    >>> sorted({c.kind.value for c in claims})
+    ['capture', 'eager', 'refusal']
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    claims = (_eager_claims(caps, device, exhaustive) + _refusal_claims(caps, device)
+              + _capture_claims(caps, device, exhaustive))
+    if device == "cpu":
+        claims = [replace(c, skip_reason="no CUDA graphs on cpu: needs real capture and "
+                                         "replay (run with --device cuda)")
+                  if c.needs_device_graphs else c for c in claims]
+    ids = [c.id for c in claims]
+    dupes = {i for i in ids if ids.count(i) > 1}
+    if dupes:  # a bug here would silently merge two claims in the report
+        raise AssertionError(f"duplicate claim ids: {sorted(dupes)}")
+    return claims
+
+
+def unavailable_claim(backend: str, reason: str) -> Claim:
+    """A placeholder claim for a requested backend that cannot run here (always skipped)."""
+    return Claim(backend, ClaimKind.AVAILABILITY, Check.AVAILABLE, None,
+                 f"{backend} can run here", skip_reason=f"backend not available: {reason}")

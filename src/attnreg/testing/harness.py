@@ -1,0 +1,586 @@
+"""Runs one claim against one backend and raises :class:`ClaimRefuted` when it does not hold.
+
+Imported lazily by the pytest plugin (it imports torch and the runtime).
+Every check drives the backend only through the public runtime interface of
+``docs/runtime.md``, as an engine would; nothing reaches into a backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from attnreg.backends.base import AttentionBackend, MLAConfig
+from attnreg.backends.kv_pool import MLAKVPool
+from attnreg.graph_policy.capture import capturing
+from attnreg.registry import (
+    BackendRegistry,
+    ForwardMethod,
+    GraphMode,
+    Phase,
+    Platform,
+    UnsupportedError,
+)
+
+from .batches import BatchSpec, batch_spec
+from .capture_harness import AllocatorChurn, CapturedForward
+from .claims import Check, Claim, ClaimKind, Combo
+from .errors import ClaimRefuted, HarnessLimitation
+from .workload import (
+    Workload,
+    check_pool_after,
+    compare,
+    make_config,
+    make_pool,
+    make_workload,
+)
+
+__all__ = ["Harness"]
+
+#: Host scales of the BREAKABLE eager region, per replay (powers of two: exact).
+_HOST_SCALES = (1.0, 0.5, 2.0, 0.25, 4.0)
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame that raised ``exc``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{f.filename.rsplit('/', 2)[-1] if '/' in f.filename else f.filename}:{f.lineno} " \
+           f"in {f.name}"
+
+
+@contextlib.contextmanager
+def explained(what: str) -> Iterator[None]:
+    """Turn anything a backend raises while running a *declared* input into ClaimRefuted."""
+    try:
+        yield
+    except (ClaimRefuted, HarnessLimitation):
+        raise
+    except UnsupportedError as exc:
+        raise ClaimRefuted(f"{what}: refused an input its declaration accepts: {exc}") from exc
+    except AssertionError as exc:
+        raise ClaimRefuted(
+            f"{what}: an assertion fired inside the backend or its kernel library "
+            f"({_where(exc)}: {str(exc) or 'AssertionError'}); a backend must refuse inputs "
+            "it cannot run with UnsupportedError before launching, or declare less") from exc
+    except Exception as exc:
+        raise ClaimRefuted(f"{what}: raised {type(exc).__name__} ({_where(exc)}): {exc}") from exc
+
+
+class Harness:
+    """Checks claims on one device.
+
+    Parameters
+    ----------
+    registry
+        Where backends are created (``registry.create(name, config)``).
+    device
+        ``cpu`` or ``cuda``; also selects the batch-size profile.
+    platform
+        The platform the declarations were evaluated on.
+    """
+
+    def __init__(self, registry: BackendRegistry, device: str, platform: Platform) -> None:
+        self.registry = registry
+        self.device = device
+        self.platform = platform
+        self.profile = "cpu" if device == "cpu" else "cuda"
+        self.real_graphs = device == "cuda"
+
+    # ------------------------------------------------------------------------------
+    def run(self, claim: Claim) -> None:
+        """Check ``claim``; raise ClaimRefuted (or pytest's skip) when it does not hold."""
+        try:
+            self._dispatch(claim)
+        except HarnessLimitation as exc:
+            import pytest
+
+            pytest.skip(f"harness limitation: {exc}")
+
+    def _dispatch(self, claim: Claim) -> None:
+        if claim.kind is ClaimKind.EAGER:
+            self.check_eager(claim)
+        elif claim.kind is ClaimKind.REFUSAL:
+            self.check_refusal(claim)
+        elif claim.kind is ClaimKind.CAPTURE:
+            if claim.check is Check.REFUSES_CAPTURE:
+                self.check_refuses_capture(claim)
+            elif claim.check is Check.PINNING:
+                self.check_pinning(claim)
+            elif claim.graph_mode is GraphMode.TC_PIECEWISE:
+                self.check_piecewise(claim)
+            else:
+                self.check_graph(claim)
+        else:
+            raise HarnessLimitation(f"nothing to run for a {claim.kind} claim")
+
+    # ------------------------------------------------------------------------------
+    # helpers
+    # ------------------------------------------------------------------------------
+    def create(self, claim: Claim, config: MLAConfig) -> AttentionBackend:
+        with explained(f"creating {claim.backend} for {config}"):
+            return self.registry.create(claim.backend, config, platform=self.platform)
+
+    def specs(self, names: Sequence[str]) -> list[BatchSpec]:
+        return [batch_spec(n, self.profile) for n in names]
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    @staticmethod
+    def eager_forward(backend: AttentionBackend, work: Workload, pool: MLAKVPool
+                      ) -> torch.Tensor:
+        backend.init_forward_metadata(work.batch)
+        if work.spec.phase is Phase.DECODE:
+            return backend.forward_decode(work.q, work.latent_new, work.rope_new, pool,
+                                          work.batch)
+        return backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, work.batch,
+                                      method=work.method, k=work.k, v=work.v)
+
+    # ------------------------------------------------------------------------------
+    # eager correctness
+    # ------------------------------------------------------------------------------
+    def check_eager(self, claim: Claim) -> None:
+        combo = _combo(claim)
+        config = make_config(combo, self.device)
+        specs = self.specs(claim.batches)
+        backend = self.create(claim, config)
+        pool = make_pool(config, specs)
+        problems: list[str] = []
+        written: list[int] = []
+        for i, spec in enumerate(specs):
+            work = make_workload(config, pool, spec, combo.method, seed=100 + i)
+            with explained(f"{spec.describe()}, eager"):
+                out = self.eager_forward(backend, work, pool)
+                self.sync()
+            msg = compare(out, work.expected, combo.q_dtype, spec)
+            if msg:
+                problems.append(msg)
+            problems += check_pool_after(pool, work, written)
+            written += work.written_slots
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+    # ------------------------------------------------------------------------------
+    # refusals
+    # ------------------------------------------------------------------------------
+    def check_refusal(self, claim: Claim) -> None:
+        combo = _combo(claim)
+        # always the tiny cpu sizes: a refusal must come before any work; several
+        # sequences of different lengths, so wrongly read lengths show in the output
+        spec = batch_spec("ragged_decode" if combo.phase is Phase.DECODE
+                          else "mixed_lengths", "cpu")
+        if claim.check is Check.INDEX_DTYPE:
+            groups: list[tuple[str, ...]] = [("seq_lens",), ("page_table",), ("out_cache_loc",)]
+            if combo.phase is Phase.PREFILL:
+                groups += [("qo_indptr", "kv_indptr"), ("prefix_lens", "extend_lens")]
+            for fields in groups:
+                self._expect_refusal(claim, combo, spec, f"int64 {'/'.join(fields)}",
+                                     int64_fields=fields)
+            return
+        self._expect_refusal(claim, combo, spec, _refused_what(claim))
+
+    def _expect_refusal(self, claim: Claim, combo: Combo, spec: BatchSpec, what: str, *,
+                        int64_fields: Sequence[str] = ()) -> None:
+        stage = "creating the backend"
+        try:
+            config = make_config(combo, self.device)
+            backend = self.registry.create(claim.backend, config, platform=self.platform)
+            stage = "building the input"
+            pool = make_pool(config, [spec])
+            work = make_workload(config, pool, spec, combo.method, seed=7,
+                                 q_dtype=combo.q_dtype)
+            if int64_fields:
+                work = work.with_index_dtype(torch.int64, int64_fields)
+            stage = "running it"
+            out = self.eager_forward(backend, work, pool)
+            self.sync()
+        except UnsupportedError:
+            return
+        except Exception as exc:
+            if stage == "building the input":
+                raise HarnessLimitation(f"cannot build {what} here: {type(exc).__name__}: "
+                                        f"{exc}") from exc
+            raise ClaimRefuted(
+                f"{spec.name} with {what} (outside the declaration): {stage} raised "
+                f"{type(exc).__name__} ({_where(exc)}: {exc}) instead of UnsupportedError; "
+                "refuse undeclared inputs in Python before any kernel launch") from exc
+        wrong = compare(out, work.expected, combo.q_dtype, spec)
+        verdict = (f" and its output is wrong ({wrong})" if wrong
+                   else " (its output happens to be right)")
+        raise ClaimRefuted(
+            f"{spec.name} with {what} (outside the declaration) was accepted without "
+            f"UnsupportedError{verdict}; "
+            + ("index tensors must be int32: a kernel reading int64 lengths as int32 reads "
+               "garbage" if int64_fields else
+               "either refuse it before launching or declare it"))
+
+    # ------------------------------------------------------------------------------
+    # capture: unsupported modes
+    # ------------------------------------------------------------------------------
+    def check_refuses_capture(self, claim: Claim) -> None:
+        combo = _combo(claim)
+        config = make_config(combo, self.device)
+        backend = self.create(claim, config)
+        phase, mode = combo.phase, claim.graph_mode
+        spec = batch_spec("ragged_decode" if phase is Phase.DECODE else "mixed_lengths",
+                          self.profile)
+        pool = make_pool(config, [spec])
+        work = make_workload(config, pool, spec, combo.method, seed=11)
+        stage = "init_cuda_graph_state"
+        try:
+            with capturing(mode):
+                backend.init_cuda_graph_state(spec.batch_size, max(spec.num_tokens,
+                                                                   spec.batch_size),
+                                              max_seq_len=spec.max_seq_len,
+                                              graph_modes={phase: mode})
+                stage = "init_forward_metadata_capture"
+                backend.init_forward_metadata_capture(spec.batch_size, spec.num_tokens
+                                                      if phase is Phase.PREFILL
+                                                      else spec.batch_size, batch=work.batch)
+                stage = "the forward under capture"
+                if phase is Phase.DECODE:
+                    backend.forward_decode(work.q, work.latent_new, work.rope_new, pool, None)
+                else:
+                    backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, None,
+                                           method=combo.method, k=work.k, v=work.v)
+        except UnsupportedError:
+            return
+        except Exception as exc:
+            raise ClaimRefuted(
+                f"{phase} under {mode} is declared unsupported, but {stage} raised "
+                f"{type(exc).__name__} ({_where(exc)}: {exc}) instead of UnsupportedError"
+            ) from exc
+        raise ClaimRefuted(
+            f"{phase} under {mode} is declared unsupported, yet init_cuda_graph_state, "
+            "init_forward_metadata_capture and the forward all ran under capturing("
+            f"{mode}) without UnsupportedError: an engine trusting the declaration would "
+            "never capture it, one that does not would get no warning")
+
+    # ------------------------------------------------------------------------------
+    # capture: pinning
+    # ------------------------------------------------------------------------------
+    def check_pinning(self, claim: Claim) -> None:
+        """Under the mode, the pinned method runs (prefix or not) and no other one does."""
+        combo = _combo(claim)
+        pinned = claim.pinned_method
+        assert pinned is not None
+        phase, mode = combo.phase, claim.graph_mode
+        specs = self.specs(("extend_no_prefix", "extend_with_prefix"))
+        config = make_config(combo, self.device)
+        backend = self.create(claim, config)
+        caps = backend.capabilities
+        problems: list[str] = []
+        # 1. the pinned method runs and is right, with and without a prefix
+        self._run_capture_path(claim, backend, config, specs, pinned)
+        # 2. every other declared method is refused under the mode
+        others = [m for m in caps.methods(phase) if m is not pinned]
+        for method in others:
+            pool = make_pool(config, specs[:1])
+            work = make_workload(config, pool, specs[0], method, seed=21)
+            try:
+                with capturing(mode):
+                    if mode in (GraphMode.FULL, GraphMode.BREAKABLE):
+                        backend.init_cuda_graph_state(work.batch.batch_size,
+                                                      work.batch.num_tokens,
+                                                      max_seq_len=work.batch.max_seq_len,
+                                                      graph_modes={phase: mode})
+                        backend.init_forward_metadata_capture(work.batch.batch_size,
+                                                              work.batch.num_tokens,
+                                                              batch=work.batch)
+                        batch = None
+                    else:
+                        backend.init_forward_metadata(work.batch)
+                        batch = work.batch
+                    backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, batch,
+                                           method=method, k=work.k, v=work.v)
+                self.sync()
+            except UnsupportedError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - any other error is the finding
+                problems.append(f"forward_extend(method={method}) under {mode} raised "
+                                f"{type(exc).__name__} ({_where(exc)}: {exc}) instead of "
+                                "UnsupportedError")
+                continue
+            problems.append(
+                f"{phase}/{mode} declares {pinned} pinned, but forward_extend(method={method}) "
+                f"ran under capturing({mode}) instead of raising UnsupportedError: the "
+                f"{method} companion would be captured, and batches with a prefix replayed "
+                "through it (seed 000); refuse every other method under a pinning mode")
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+    # ------------------------------------------------------------------------------
+    # capture: FULL / BREAKABLE
+    # ------------------------------------------------------------------------------
+    def _bounds(self, specs: Sequence[BatchSpec]) -> dict[str, int]:
+        return {
+            "max_bs": max(s.batch_size for s in specs),
+            "max_tokens": max(s.num_tokens for s in specs),
+            "max_seq_len": max(s.max_seq_len for s in specs),
+            "max_kv_rows": max(sum(s.seq_lens) for s in specs),
+        }
+
+    def _run_capture_path(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
+                          specs: Sequence[BatchSpec], method: ForwardMethod) -> None:
+        """Drive the capture-mode path without a device graph; refute on any wrong batch."""
+        mode = claim.graph_mode
+        if mode is GraphMode.TC_PIECEWISE:
+            self._piecewise_eager(claim, backend, config, specs, method)
+            return
+        pool = make_pool(config, list(specs) + [specs[0]])
+        captured = CapturedForward(backend, config, pool, phase=_combo(claim).phase, mode=mode,
+                                   method=method, real_graphs=False,
+                                   **self._bounds(specs))  # type: ignore[arg-type]
+        problems = self._drive(captured, config, pool, specs, method, _combo(claim),
+                               label=f"{mode} capture path (no device graph)")
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+    def _drive(self, captured: CapturedForward, config: MLAConfig, pool: MLAKVPool,
+               specs: Sequence[BatchSpec], method: ForwardMethod, combo: Combo, *, label: str,
+               churn: AllocatorChurn | None = None) -> list[str]:
+        """prepare -> warm up -> capture -> replay every spec; the problems found."""
+        problems: list[str] = []
+        # Every input is built (and every prefix written) before capture: nothing the
+        # harness needs may be allocated after capture, where a block freed during
+        # capture could be handed to it and overwritten by a replay.
+        capture_work = make_workload(config, pool, specs[0], method, seed=1)
+        works = [make_workload(config, pool, spec, method, seed=200 + i)
+                 for i, spec in enumerate(specs)]
+        written = list(capture_work.written_slots)
+        for w in works:
+            written += w.prefix_slots
+        with explained(f"{label}: preparing the capture ({specs[0].describe()})"):
+            captured.prepare(capture_work)
+        with explained(f"{label}: warm-up run under capturing({captured.mode}) on "
+                       f"{specs[0].describe()}"):
+            warm = captured.warm_up(capture_work)
+        msg = compare(warm, capture_work.expected, combo.q_dtype, specs[0])
+        if msg:
+            problems.append(f"warm-up under capture: {msg}")
+        problems += [f"warm-up: {p}" for p in check_pool_after(pool, capture_work, written)]
+        with explained(f"{label}: capturing"):
+            captured.capture()
+        for i, (spec, work) in enumerate(zip(specs, works)):
+            between = None
+            if churn is not None:
+                def between(c: AllocatorChurn = churn) -> None:
+                    c.scramble()
+                    c.fill()
+            scale = _HOST_SCALES[i % len(_HOST_SCALES)]
+            with explained(f"{label}: replay {i + 1} ({spec.describe()})"):
+                out = captured.replay(work, host_scale=scale, between=between)
+            msg = compare(out, work.expected, combo.q_dtype, spec)
+            if msg:
+                problems.append(f"replay {i + 1}: {msg}")
+            problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
+            written += work.new_slots
+            if churn is not None:
+                bad = churn.corrupted()
+                if bad:
+                    problems.append(
+                        f"replay {i + 1} ({spec.name}): wrote into {len(bad)} of "
+                        f"{len(churn.tensors)} tensors allocated after capture (their bytes "
+                        "changed): the graph uses storage that was freed during capture and "
+                        "handed out again (seed 000 defect 3: a dispose that ignores the "
+                        "capture mode)")
+                churn.release()
+        return problems
+
+    def check_graph(self, claim: Claim) -> None:
+        combo = _combo(claim)
+        phase, mode = combo.phase, claim.graph_mode
+        method = combo.method
+        specs = self.specs(claim.batches)
+        config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
+                                                                      for s in specs))
+        backend = self.create(claim, config)
+        if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
+            self._run_capture_path(claim, backend, config, specs, method)
+            return
+        pool = make_pool(config, list(specs) + [specs[0]])
+        captured = CapturedForward(backend, config, pool, phase=phase, mode=mode, method=method,
+                                   real_graphs=True,
+                                   sync_check=claim.check is Check.NO_SYNC_ALLOC,
+                                   **self._bounds(specs))  # type: ignore[arg-type]
+        churn = AllocatorChurn(pool.device) if claim.check is Check.ALLOCATOR_CHURN else None
+        label = f"{phase} {mode} graph"
+        problems = self._drive(captured, config, pool, specs, method, combo, label=label,
+                               churn=churn)
+        if claim.check is Check.NO_SYNC_ALLOC and captured.memory is not None:
+            problems += captured.memory.problems()
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+    # ------------------------------------------------------------------------------
+    # capture: TC_PIECEWISE
+    # ------------------------------------------------------------------------------
+    def _piecewise_eager(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
+                         specs: Sequence[BatchSpec], method: ForwardMethod) -> None:
+        """Attention under capturing(TC_PIECEWISE) runs the eager path: check each batch."""
+        combo = _combo(claim)
+        pool = make_pool(config, specs)
+        problems: list[str] = []
+        written: list[int] = []
+        for i, spec in enumerate(specs):
+            work = make_workload(config, pool, spec, method, seed=300 + i)
+            with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
+                with capturing(GraphMode.TC_PIECEWISE):
+                    out = self.eager_forward(backend, work, pool)
+                self.sync()
+            msg = compare(out, work.expected, combo.q_dtype, spec)
+            if msg:
+                problems.append(msg)
+            problems += check_pool_after(pool, work, written)
+            written += work.written_slots
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+    def check_piecewise(self, claim: Claim) -> None:
+        combo = _combo(claim)
+        specs = self.specs(claim.batches)
+        config = make_config(combo, self.device)
+        backend = self.create(claim, config)
+        if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
+            self._piecewise_eager(claim, backend, config, specs, combo.method)
+            return
+        problems = _Piecewise(self, backend, config, combo, specs).run()
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+
+class _Piecewise:
+    """torch.compile-style piecewise graphs around an eager attention.
+
+    Piece A (captured) computes the attention inputs into static buffers from
+    static "hidden" buffers; attention runs eagerly on views of those buffers
+    under ``capturing(TC_PIECEWISE)``; piece B (captured) consumes the output.
+    Replays: fill the hidden buffers, replay A, run attention, replay B.
+    """
+
+    def __init__(self, harness: Harness, backend: AttentionBackend, config: MLAConfig,
+                 combo: Combo, specs: Sequence[BatchSpec]) -> None:
+        self.h = harness
+        self.backend = backend
+        self.config = config
+        self.combo = combo
+        self.specs = list(specs)
+
+    def run(self) -> list[str]:
+        combo, config = self.combo, self.config
+        method = combo.method
+        pool = make_pool(config, self.specs)
+        works = [make_workload(config, pool, s, method, seed=400 + i)
+                 for i, s in enumerate(self.specs)]
+        rows = max(w.rows for w in works)
+        kv_rows = max((w.k.shape[0] for w in works if w.k is not None), default=0)
+        first = works[0]
+        dev = pool.device
+
+        def buf(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=dev)
+
+        hidden = {name: buf(getattr(first, name), rows) for name in ("q", "latent_new",
+                                                                      "rope_new")}
+        hidden_kv = {name: buf(getattr(first, name), kv_rows) for name in ("k", "v")}
+        static = {name: torch.zeros_like(t) for name, t in hidden.items() if t is not None}
+        static_kv = {name: torch.zeros_like(t) for name, t in hidden_kv.items()
+                     if t is not None}
+        out_dim = config.kv_lora_rank if method is ForwardMethod.MLA else config.v_head_dim
+        attn_out = torch.zeros(rows, config.num_heads, out_dim, dtype=first.q.dtype,
+                               device=dev)
+        final = torch.zeros_like(attn_out)
+
+        def piece_a() -> None:
+            for name, t in hidden.items():
+                if t is not None:
+                    static[name].copy_(t)
+            for name, t in hidden_kv.items():
+                if t is not None:
+                    static_kv[name].copy_(t)
+
+        def piece_b() -> None:
+            final.copy_(attn_out)
+
+        graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        mempool = torch.cuda.graph_pool_handle()
+        with capturing(GraphMode.TC_PIECEWISE):
+            piece_a()
+            piece_b()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph_a, pool=mempool):
+                piece_a()
+            with torch.cuda.graph(graph_b, pool=mempool):
+                piece_b()
+        problems: list[str] = []
+        churn = AllocatorChurn(dev)
+        written = [slot for w in works for slot in w.prefix_slots]
+        for i, work in enumerate(works):
+            n = work.rows
+            for name, t in hidden.items():
+                if t is not None:
+                    t.zero_()
+                    t[:n].copy_(getattr(work, name))
+            for name, t in hidden_kv.items():
+                if t is not None:
+                    t.zero_()
+                    t[:getattr(work, name).shape[0]].copy_(getattr(work, name))
+            churn.scramble()
+            churn.fill()
+            with explained(f"tc_piecewise replay {i + 1} ({work.spec.describe()})"):
+                graph_a.replay()
+                with capturing(GraphMode.TC_PIECEWISE):
+                    self.backend.init_forward_metadata(work.batch)
+                    kt = static_kv.get("k")
+                    vt = static_kv.get("v")
+                    if work.spec.phase is Phase.DECODE:
+                        self.backend.forward_decode(static["q"][:n], static["latent_new"][:n],
+                                                    static["rope_new"][:n], pool, work.batch,
+                                                    out=attn_out[:n])
+                    else:
+                        tk = work.k.shape[0] if work.k is not None else 0
+                        self.backend.forward_extend(
+                            static["q"][:n], static["latent_new"][:n], static["rope_new"][:n],
+                            pool, work.batch, method=method,
+                            k=kt[:tk] if kt is not None else None,
+                            v=vt[:tk] if vt is not None else None, out=attn_out[:n])
+                graph_b.replay()
+                torch.cuda.synchronize()
+            msg = compare(final[:n], work.expected, combo.q_dtype, work.spec)
+            if msg:
+                problems.append(f"replay {i + 1}: {msg}")
+            problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
+            written += work.new_slots
+            bad = churn.corrupted()
+            if bad:
+                problems.append(f"replay {i + 1}: wrote into {len(bad)} tensors allocated after "
+                                "capture: storage recorded by a piece was freed")
+            churn.release()
+        return problems
+
+
+def _combo(claim: Claim) -> Combo:
+    if claim.combo is None:
+        raise HarnessLimitation(f"claim {claim.id} has no input configuration")
+    return claim.combo
+
+
+def _refused_what(claim: Claim) -> str:
+    c = _combo(claim)
+    return {
+        Check.PAGE_SIZE: f"page size {c.page_size}",
+        Check.Q_DTYPE: f"q dtype {c.q_dtype}",
+        Check.KV_DTYPE: f"kv dtype {c.kv_dtype}",
+        Check.HEAD_DIMS: f"head dims {c.head_dims[0]}/{c.head_dims[1]}",
+        Check.NUM_HEADS: f"{c.num_heads} heads",
+        Check.METHOD: f"forward method {c.method}",
+    }.get(claim.check, str(claim.check))

@@ -1,0 +1,225 @@
+"""The claims report: one row per claim (verified / refuted / skipped), as text and JSON.
+
+JSON schema (``schema_version`` 1; stable, additive changes only)::
+
+    {
+      "schema_version": 1,
+      "header": {"backends": [...], "device": "cuda", "platform": "cuda:sm90",
+                 "libraries": {"attnreg": "0.1.0", "torch": "2.11.0", ...},
+                 "device_name": "NVIDIA H200", "exhaustive": false,
+                 "unavailable": {"trtllm_mla": "reason"}, "python": "3.12.3"},
+      "summary": {"verified": 40, "refuted": 1, "skipped": 7,
+                  "by_backend": {"triton": {"verified": 40, "refuted": 1, "skipped": 7}}},
+      "claims": [{"id", "backend", "kind", "check", "statement", "status",
+                  "message", "duration_s", "combo", "graph_mode", "capture",
+                  "fallback_to", "pinned_method", "split_kv", "batches",
+                  "needs_device_graphs"}]
+    }
+
+``status`` is ``verified``, ``refuted`` or ``skipped``; ``message`` is the
+refutation (what failed and where) or the skip reason.  Nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import platform as _pyplatform
+import textwrap
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnreg.registry.spec import installed_version
+
+__all__ = ["LIBRARIES", "SCHEMA_VERSION", "ClaimResult", "Report", "Status", "library_versions"]
+
+SCHEMA_VERSION = 1
+
+#: Distributions whose versions the report header names.
+LIBRARIES = ("attnreg", "torch", "triton", "flashinfer-python", "flash-attn-4",
+             "nvidia-cutlass-dsl", "pluggy", "pytest")
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions of :data:`LIBRARIES` (None when absent), without importing them."""
+    return {name: installed_version(name) for name in LIBRARIES}
+
+
+class Status(str, enum.Enum):
+    VERIFIED = "verified"
+    REFUTED = "refuted"
+    SKIPPED = "skipped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class ClaimResult:
+    """The outcome of one claim.  ``claim`` is :meth:`Claim.to_dict` output."""
+
+    claim: dict[str, Any]
+    status: Status
+    message: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return str(self.claim["id"])
+
+    @property
+    def backend(self) -> str:
+        return str(self.claim["backend"])
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.claim)
+        out.update(status=self.status.value, message=self.message,
+                   duration_s=round(self.duration_s, 4))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClaimResult:
+        claim = {k: v for k, v in data.items() if k not in ("status", "message", "duration_s")}
+        return cls(claim, Status(data["status"]), data.get("message", ""),
+                   float(data.get("duration_s", 0.0)))
+
+
+@dataclass
+class Report:
+    """All claim results of one run plus the header that identifies the run."""
+
+    header: dict[str, Any] = field(default_factory=dict)
+    results: list[ClaimResult] = field(default_factory=list)
+
+    def add(self, result: ClaimResult) -> None:
+        """Add or replace (same claim id: a later phase of the same test wins if worse)."""
+        for i, old in enumerate(self.results):
+            if old.id == result.id:
+                if _rank(result.status) >= _rank(old.status):
+                    self.results[i] = result
+                return
+        self.results.append(result)
+
+    # -- summaries -----------------------------------------------------------
+    def counts(self, backend: str | None = None) -> dict[str, int]:
+        out = {s.value: 0 for s in Status}
+        for r in self.results:
+            if backend is None or r.backend == backend:
+                out[r.status.value] += 1
+        return out
+
+    def backends(self) -> list[str]:
+        seen: list[str] = []
+        for r in self.results:
+            if r.backend not in seen:
+                seen.append(r.backend)
+        return seen
+
+    @property
+    def refuted(self) -> list[ClaimResult]:
+        return [r for r in self.results if r.status is Status.REFUTED]
+
+    @property
+    def ok(self) -> bool:
+        """True when no claim was refuted."""
+        return not self.refuted
+
+    # -- serialisation -------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        summary: dict[str, Any] = dict(self.counts())
+        summary["by_backend"] = {b: self.counts(b) for b in self.backends()}
+        return {"schema_version": SCHEMA_VERSION, "header": self.header, "summary": summary,
+                "claims": [r.to_dict() for r in self.results]}
+
+    def write_json(self, path: str | Path) -> Path:
+        p = Path(path)
+        if p.parent and not p.parent.exists():
+            p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return p
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"conformance report schema_version {data.get('schema_version')!r}"
+                             f" is not {SCHEMA_VERSION}; re-run with this attnreg version")
+        return cls(dict(data.get("header", {})),
+                   [ClaimResult.from_dict(c) for c in data.get("claims", [])])
+
+    @classmethod
+    def read_json(cls, path: str | Path) -> Report:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # -- text ----------------------------------------------------------------
+    def header_lines(self) -> list[str]:
+        h = self.header
+        libs = h.get("libraries", {})
+        lib_text = ", ".join(f"{k} {v}" for k, v in libs.items() if v)
+        lines = [f"attnreg conformance: backends {', '.join(h.get('backends', [])) or '-'} "
+                 f"on {h.get('platform', '?')} (device {h.get('device', '?')}"
+                 + (f", {h['device_name']}" if h.get("device_name") else "") + ")"]
+        if lib_text:
+            lines.append(f"libraries: {lib_text}")
+        for name, reason in (h.get("unavailable") or {}).items():
+            lines.append(f"not available here: {name}: {reason}")
+        return lines
+
+    def to_text(self, *, verbose: bool = False, width: int = 100) -> str:
+        """The claims table: each refuted claim with its message, skips grouped by reason.
+
+        Verified claims (and every skipped id) are listed only when ``verbose``.
+        """
+        lines = self.header_lines()
+        for backend in self.backends():
+            c = self.counts(backend)
+            lines.append("")
+            lines.append(f"{backend}: {c['verified']} verified, {c['refuted']} refuted, "
+                         f"{c['skipped']} skipped")
+            rows = [r for r in self.results if r.backend == backend]
+            for r in rows:
+                if r.status is Status.REFUTED or (verbose and r.status is Status.VERIFIED):
+                    lines.append(f"  {r.status.value.upper():<9} {r.id}")
+                    lines.extend(_wrapped(r.message, width))
+            # skips share a handful of reasons: list each reason once, then its claims
+            by_reason: dict[str, list[str]] = {}
+            for r in rows:
+                if r.status is Status.SKIPPED:
+                    by_reason.setdefault(" ".join(r.message.split()), []).append(r.id)
+            for reason, ids in by_reason.items():
+                lines.append(f"  SKIPPED   {len(ids)} claim{'s' if len(ids) > 1 else ''}: "
+                             f"{reason}")
+                if verbose or len(ids) <= 3:
+                    lines.extend(f"{' ' * 12}{i}" for i in ids)
+            if not verbose and c["verified"]:
+                lines.append(f"  ({c['verified']} verified claims not listed; -v lists them)")
+        total = self.counts()
+        lines.append("")
+        verdict = "REFUTED" if total["refuted"] else ("OK" if total["verified"]
+                                                      else "NOTHING VERIFIED")
+        lines.append(f"{verdict}: {total['verified']} verified, {total['refuted']} refuted, "
+                     f"{total['skipped']} skipped")
+        return "\n".join(lines)
+
+
+def _wrapped(message: str, width: int) -> list[str]:
+    text = " ".join(message.split())
+    return textwrap.wrap(text, width=width, initial_indent=" " * 12,
+                         subsequent_indent=" " * 12) if text else []
+
+
+def _rank(status: Status) -> int:
+    return {Status.VERIFIED: 0, Status.SKIPPED: 1, Status.REFUTED: 2}[status]
+
+
+def base_header(backends: Iterable[str], device: str, platform: str,
+                **extra: Any) -> dict[str, Any]:
+    """The report header: what ran where, with which library versions."""
+    header: dict[str, Any] = {
+        "backends": list(backends), "device": device, "platform": platform,
+        "libraries": library_versions(), "python": _pyplatform.python_version(),
+    }
+    header.update(extra)
+    return header

@@ -1,0 +1,23 @@
+"""Planted-defect backends: test-only attnreg plugins, each the Triton backend with one
+thing broken, registered through the same hook as any third-party plugin.
+
+The conformance suite must refute each one, with a message pointing at the cause:
+
+* ``planted_ragged_absorbed`` (a): under capture, extend goes to a ragged MHA kernel
+  that asserts on absorbed (576, 576, 512) tensors, as trtllm's ragged kernel does;
+* ``planted_split_assert`` (b): declares split-KV under BREAKABLE capture for an
+  absorbed extend kernel that asserts with more than one split (flash_attn's qv path);
+* ``planted_dispose_inputs`` (c): frees its input tensors after the KV write with a
+  dispose guarded only for TC_PIECEWISE (seed 000 defect 3);
+  ``planted_dispose_in_graph`` (c, GPU): frees a pre-capture scratch buffer the graph
+  recorded, during real stream capture;
+* ``planted_frozen_splits`` (d): decode split plan (chunk size) frozen at capture from the
+  capture batch, never re-planned at replay (sglang #26019);
+* ``planted_int64_lengths`` (e): declares int32 index tensors but skips the dtype check,
+  and its decode reads an int64 ``seq_lens`` buffer as int32;
+* ``planted_pin_mismatch`` (f): declares MLA pinned under BREAKABLE but runs the MHA
+  companion when asked to.
+
+Load one with ``--attnreg-plugin planted.<module>`` (``tests/conformance`` on
+``PYTHONPATH``) or ``load_registry(extra_plugins=[("planted", module)])``.
+"""

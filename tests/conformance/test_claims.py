@@ -1,0 +1,153 @@
+"""Claims expansion: declarations of the built-in backends -> claims (pure, no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from attnreg.registry import DType, ForwardMethod, GraphMode, Phase, SupportKind, get_registry
+from attnreg.testing.claims import (
+    CPU_RUNNABLE_CAPTURE_CHECKS,
+    Check,
+    ClaimKind,
+    expand_claims,
+    head_dims_config,
+)
+
+
+def _claims(name: str, platform: str, device: str, **kw):
+    return expand_claims(get_registry().declaration(name, platform), device, **kw)
+
+
+@pytest.mark.parametrize("name,platform,device", [
+    ("reference", "cpu", "cpu"), ("triton", "cuda:sm90", "cuda"),
+    ("flashinfer_mla", "cuda:sm90", "cuda"), ("flash_attn_cute", "cuda:sm90", "cuda"),
+    ("flash_attn_cute", "cuda:sm100", "cuda"), ("trtllm_mla", "cuda:sm100", "cuda"),
+])
+def test_every_declared_value_is_covered_by_an_eager_claim(name, platform, device):
+    caps = get_registry().declaration(name, platform)
+    claims = expand_claims(caps, device)
+    eager = [c.combo for c in claims if c.kind is ClaimKind.EAGER]
+    for k in caps.kernels:
+        for phase in k.phases:
+            mine = [c for c in eager if c.method is k.method and c.phase is phase]
+            assert mine, f"no eager claim for {k.method} {phase}"
+            for page in k.page_sizes:
+                assert any(c.page_size == page for c in mine), (k.kernel, page)
+            for dims in k.head_dims:
+                assert any(c.head_dims == dims for c in mine), (k.kernel, dims)
+            for q in k.q_dtypes - {DType.FP8_E4M3}:
+                assert any(c.q_dtype is q for c in mine), (k.kernel, q)
+            if k.page_sizes:
+                for kv in k.kv_dtypes:
+                    assert any(c.kv_dtype is kv for c in mine), (k.kernel, kv)
+            # every eager combination is one the declaration accepts
+            for c in mine:
+                assert caps.check_request(c.method, c.phase, head_dims=c.head_dims,
+                                          q_dtype=c.q_dtype, kv_dtype=c.kv_dtype,
+                                          page_size=c.page_size if k.page_sizes else None,
+                                          num_heads=c.num_heads) == []
+
+
+@pytest.mark.parametrize("name,platform", [("reference", "cpu"), ("triton", "cuda:sm90"),
+                                           ("flashinfer_mla", "cuda:sm90"),
+                                           ("trtllm_mla", "cuda:sm100")])
+def test_refusal_claims_ask_for_something_the_declaration_rejects(name, platform):
+    caps = get_registry().declaration(name, platform)
+    refusals = [c for c in expand_claims(caps, "cuda") if c.kind is ClaimKind.REFUSAL]
+    checks = {c.check for c in refusals}
+    assert {Check.NUM_HEADS, Check.INDEX_DTYPE, Check.HEAD_DIMS} <= checks
+    for c in refusals:
+        if c.check is Check.INDEX_DTYPE:
+            continue  # int32 is the runtime contract, not a declared field
+        combo = c.combo
+        paged = any(k.page_sizes for k in caps.kernels_for(combo.method, combo.phase))
+        reasons = caps.check_request(combo.method, combo.phase, head_dims=combo.head_dims,
+                                     q_dtype=combo.q_dtype, kv_dtype=combo.kv_dtype,
+                                     page_size=combo.page_size if paged else None,
+                                     num_heads=combo.num_heads)
+        assert reasons, f"{c.id} is declared, so refusing it would be wrong"
+
+
+def test_unsupported_capture_modes_become_refusal_claims():
+    claims = _claims("reference", "cpu", "cpu")
+    refuse = {(c.combo.phase, c.graph_mode) for c in claims if c.check is Check.REFUSES_CAPTURE}
+    assert refuse == {(Phase.DECODE, GraphMode.FULL), (Phase.PREFILL, GraphMode.BREAKABLE)}
+    # tc_piecewise is native for the reference: its eager path is claimed under it
+    assert any(c.graph_mode is GraphMode.TC_PIECEWISE and c.check is Check.CAPTURE_PATH
+               for c in claims)
+
+
+def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
+    claims = _claims("triton", "cuda:sm90", "cuda")
+    full = {c.check for c in claims if c.graph_mode is GraphMode.FULL}
+    assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
+                    Check.NO_SYNC_ALLOC, Check.SPLIT_KV}
+    breakable = {c.check for c in claims if c.graph_mode is GraphMode.BREAKABLE}
+    assert Check.PINNING in breakable and Check.SPLIT_KV not in breakable  # triton: none
+    # a replay claim per declared kv dtype of the pinned kernel (fp8 + graphs broke engines)
+    kv = {c.combo.kv_dtype for c in claims if c.check is Check.REPLAY
+          and c.graph_mode is GraphMode.FULL}
+    assert kv == {DType.BF16, DType.FP16, DType.FP8_E4M3}
+    split = next(c for c in claims if c.check is Check.SPLIT_KV)
+    assert split.batches[0] == "ragged_decode" and "long_kv" in split.batches
+
+
+def test_pinned_mode_captures_only_the_pinned_method_and_unpinned_mode_every_method():
+    pinned = _claims("triton", "cuda:sm90", "cuda")
+    methods = {c.combo.method for c in pinned if c.graph_mode is GraphMode.BREAKABLE}
+    assert methods == {ForwardMethod.MLA}
+    unpinned = _claims("flash_attn_cute", "cuda:sm90", "cuda")
+    bk = [c for c in unpinned if c.graph_mode is GraphMode.BREAKABLE]
+    assert bk and {c.combo.method for c in bk} == {ForwardMethod.MHA}
+    assert not any(c.check is Check.PINNING for c in bk)
+
+
+def test_fallback_modes_are_claimed_with_their_fallback():
+    claims = _claims("trtllm_mla", "cuda:sm100", "cuda")
+    fb = [c for c in claims if c.capture is SupportKind.FALLBACK]
+    assert fb and all(c.fallback_to == "flashinfer_mla" for c in fb)
+    assert {c.graph_mode for c in fb} == {GraphMode.BREAKABLE, GraphMode.TC_PIECEWISE}
+
+
+def test_cpu_skips_exactly_the_claims_that_need_device_graphs():
+    for c in _claims("triton", "cpu", "cpu"):
+        if c.kind is ClaimKind.CAPTURE and c.check not in CPU_RUNNABLE_CAPTURE_CHECKS:
+            assert c.skip_reason.startswith("no CUDA graphs on cpu"), c.id
+        else:
+            assert not c.skip_reason, c.id
+
+
+def test_exhaustive_is_the_full_product_and_a_superset():
+    cover = {c.id for c in _claims("triton", "cuda:sm90", "cuda")}
+    full = {c.id for c in _claims("triton", "cuda:sm90", "cuda", exhaustive=True)}
+    assert cover < full
+    # decode MLA: 4 (q, kv) pairs x 4 page sizes x 2 head counts x 1 dims
+    decode = [i for i in full if i.startswith("triton/eager/decode/")]
+    assert len(decode) == 4 * 4 * 2
+
+
+def test_claim_ids_are_unique_and_k_friendly():
+    for name, plat in (("reference", "cpu"), ("triton", "cuda:sm90"),
+                       ("flashinfer_mla", "cuda:sm90")):
+        ids = [c.id for c in _claims(name, plat, "cuda", exhaustive=True)]
+        assert len(ids) == len(set(ids))
+        assert all(" " not in i for i in ids)
+
+
+def test_head_dims_map_to_config_fields():
+    assert head_dims_config(ForwardMethod.MHA, (192, 128)) == {
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "qk_rope_head_dim": 64}
+    assert head_dims_config(ForwardMethod.MLA, (320, 256))["kv_lora_rank"] == 256
+    assert head_dims_config(ForwardMethod.MLA, (576, 576)) is None
+
+
+def test_importing_the_plugin_and_expanding_claims_does_not_import_torch():
+    code = ("import sys; import attnreg.testing.plugin, attnreg.testing.suite; "
+            "from attnreg.testing.claims import expand_claims; "
+            "from attnreg.registry import get_registry; "
+            "expand_claims(get_registry().declaration('triton', 'cuda:sm90'), 'cuda'); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

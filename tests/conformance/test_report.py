@@ -1,0 +1,51 @@
+"""The claims report: text table, JSON round trip."""
+
+from __future__ import annotations
+
+import json
+
+from attnreg.testing.report import SCHEMA_VERSION, ClaimResult, Report, Status
+
+
+def _result(cid: str, status: Status, message: str = "", backend: str = "b") -> ClaimResult:
+    return ClaimResult({"id": cid, "backend": backend, "kind": "eager", "check": "x"},
+                       status, message)
+
+
+def test_text_lists_refutations_with_their_message_and_groups_skips():
+    report = Report({"backends": ["b"], "device": "cpu", "platform": "cpu",
+                     "libraries": {"torch": "2.13"}})
+    report.add(_result("b/eager/1", Status.VERIFIED))
+    report.add(_result("b/capture/2", Status.REFUTED, "replay 2: output differs"))
+    for i in range(5):
+        report.add(_result(f"b/capture/s{i}", Status.SKIPPED, "no CUDA graphs on cpu"))
+    text = report.to_text()
+    assert "b: 1 verified, 1 refuted, 5 skipped" in text
+    assert "REFUTED   b/capture/2" in text and "replay 2: output differs" in text
+    assert "SKIPPED   5 claims: no CUDA graphs on cpu" in text
+    assert "b/eager/1" not in text and "b/eager/1" in report.to_text(verbose=True)
+    assert text.splitlines()[-1].startswith("REFUTED: 1 verified, 1 refuted, 5 skipped")
+    assert not report.ok
+
+
+def test_a_worse_outcome_of_the_same_claim_wins():
+    report = Report()
+    report.add(_result("c", Status.VERIFIED))
+    report.add(_result("c", Status.REFUTED, "teardown failed"))
+    report.add(_result("c", Status.VERIFIED))
+    assert [r.status for r in report.results] == [Status.REFUTED]
+
+
+def test_json_round_trip(tmp_path):
+    report = Report({"backends": ["b"], "device": "cuda", "platform": "cuda:sm90"})
+    report.add(_result("b/x", Status.REFUTED, "why"))
+    report.add(_result("b/y", Status.SKIPPED, "because"))
+    path = report.write_json(tmp_path / "sub" / "r.json")
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert data["summary"] == {"verified": 0, "refuted": 1, "skipped": 1,
+                               "by_backend": {"b": {"verified": 0, "refuted": 1, "skipped": 1}}}
+    assert data["claims"][0]["status"] == "refuted" and data["claims"][0]["message"] == "why"
+    again = Report.read_json(path)
+    assert [(r.id, r.status, r.message) for r in again.results] == \
+        [(r.id, r.status, r.message) for r in report.results]
