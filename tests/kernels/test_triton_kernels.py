@@ -59,7 +59,8 @@ def make_paged_kv(lens, page_size, kv_dtype, *, device=DEV, seed=0, spare_pages=
         else:
             vals = vals.to(kv_dtype).float()
         for j in range(need[b]):
-            p = int(perm[k]); k += 1
+            p = int(perm[k])
+            k += 1
             table[b, j] = p
             lo, hi = j * page_size, min(L, (j + 1) * page_size)
             if hi > lo:

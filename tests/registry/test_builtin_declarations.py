@@ -77,9 +77,9 @@ def test_reference_refuses_device_capture_but_not_piecewise(reg):
 
 
 def test_triton_on_cpu_needs_the_interpreter(reg, monkeypatch):
-    from attnreg.registry.spec import DeclarationContext
     from attnreg.backends.declarations import triton
     from attnreg.registry import Platform
+    from attnreg.registry.spec import DeclarationContext
 
     off = triton.capabilities(DeclarationContext(Platform.parse("cpu"), triton_interpreter=False))
     assert "TRITON_INTERPRET=1" in off.platform_reason and not off.kernels

@@ -3,7 +3,7 @@ hook third-party plugins use.  Imports only declarations (no torch)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from attnreg.registry import BackendSpec, hookimpl
 

@@ -18,30 +18,36 @@ Vocabulary (see docs/concepts.md):
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TypeVar
+
+from typing_extensions import Self
 
 from .platform import Platform, Vendor
 
 __all__ = [
-    "Phase",
+    "CAPTURE_GRAPH_MODES",
+    "METHOD_HEAD_DIMS",
+    "VALID_GRAPH_MODES",
+    "Capabilities",
+    "CaptureMemory",
+    "CaptureSupport",
+    "Cost",
+    "DType",
+    "ForwardMethod",
     "ForwardMode",
     "GraphMode",
-    "ForwardMethod",
-    "DType",
-    "Cost",
-    "SupportKind",
-    "SplitKV",
-    "CaptureSupport",
-    "CaptureMemory",
     "GraphModeSupport",
     "KernelConstraints",
+    "Phase",
     "Requirement",
-    "Capabilities",
-    "CAPTURE_GRAPH_MODES",
-    "VALID_GRAPH_MODES",
-    "METHOD_HEAD_DIMS",
+    "SplitKV",
+    "SupportKind",
 ]
+
+
+_E = TypeVar("_E", bound="_StrEnum")
 
 
 class _StrEnum(str, enum.Enum):
@@ -51,7 +57,7 @@ class _StrEnum(str, enum.Enum):
         return str(self.value)
 
     @classmethod
-    def parse(cls, text: "str | _StrEnum") -> "_StrEnum":
+    def parse(cls, text: str | _StrEnum) -> Self:
         """Parse a value case-insensitively (``"tc_piecewise"``, ``"TC_PIECEWISE"``)."""
         if isinstance(text, cls):
             return text
@@ -177,7 +183,7 @@ class CaptureSupport:
     reason: str = ""
 
     @classmethod
-    def native(cls, reason: str = "") -> "CaptureSupport":
+    def native(cls, reason: str = "") -> CaptureSupport:
         return cls(SupportKind.NATIVE, reason=reason)
 
     @classmethod
@@ -187,13 +193,13 @@ class CaptureSupport:
         cost: Cost,
         reason: str,
         costs_by_kv_dtype: Mapping[DType, Cost] | None = None,
-    ) -> "CaptureSupport":
+    ) -> CaptureSupport:
         pairs = tuple(sorted((costs_by_kv_dtype or {}).items(), key=lambda kv: kv[0].value))
         return cls(SupportKind.FALLBACK, fallback_to=to, cost=cost, costs_by_kv_dtype=pairs,
                    reason=reason)
 
     @classmethod
-    def unsupported(cls, reason: str) -> "CaptureSupport":
+    def unsupported(cls, reason: str) -> CaptureSupport:
         return cls(SupportKind.UNSUPPORTED, reason=reason)
 
     @property

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "AttnregError",
-    "UnknownBackendError",
-    "PluginError",
-    "DuplicateBackendError",
     "BackendUnavailableError",
-    "UnsupportedError",
+    "DuplicateBackendError",
     "GraphPolicyError",
+    "PluginError",
+    "UnknownBackendError",
+    "UnsupportedError",
     "closest_names",
 ]
 

@@ -6,7 +6,7 @@ surface small: a hook is added only when a real extension needs it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

@@ -22,9 +22,10 @@ import importlib
 import importlib.metadata
 import os
 import traceback
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import pluggy
 
@@ -41,13 +42,13 @@ from .spec import BackendSpec, DeclarationContext, installed_version
 from .validation import validate_capabilities, validate_spec
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
     "BUILTIN_PLUGINS",
-    "PluginInfo",
+    "ENTRY_POINT_GROUP",
     "Availability",
     "BackendRegistry",
-    "load_registry",
+    "PluginInfo",
     "get_registry",
+    "load_registry",
 ]
 
 ENTRY_POINT_GROUP = "attnreg.backends"

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Vendor", "Platform"]
+__all__ = ["Platform", "Vendor"]
 
 
 class Vendor(str, enum.Enum):
@@ -40,7 +40,7 @@ class Platform:
     arch: str = ""
 
     @classmethod
-    def parse(cls, text: "str | Platform") -> "Platform":
+    def parse(cls, text: str | Platform) -> Platform:
         """Parse ``vendor[:arch]``: ``cuda:sm90``, ``cuda:sm_100a``, ``rocm:gfx942``, ``cpu``."""
         if isinstance(text, Platform):
             return text
@@ -66,7 +66,7 @@ class Platform:
         return cls(vendor, arch)
 
     @classmethod
-    def detect(cls) -> "Platform":
+    def detect(cls) -> Platform:
         """Detect the current device, cheaply.
 
         Order: ``ATTNREG_PLATFORM`` (e.g. ``cuda:sm100``) if set; torch if it is
@@ -87,9 +87,9 @@ class Platform:
         return cls._detect_with_torch()
 
     @classmethod
-    def _detect_with_torch(cls) -> "Platform":
+    def _detect_with_torch(cls) -> Platform:
         try:
-            import torch  # noqa: PLC0415 - lazy on purpose: startup must not need torch
+            import torch
         except ImportError:
             return cls(Vendor.CPU)
         try:
@@ -129,7 +129,7 @@ def _has_gpu_device_nodes() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
-def _nvidia_smi_platform() -> "Platform | None":
+def _nvidia_smi_platform() -> Platform | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None

@@ -7,13 +7,13 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
 
 from .capabilities import Capabilities, Requirement
 from .platform import Platform
 
-__all__ = ["BackendSpec", "DeclarationContext", "installed_version", "NAME_RE"]
+__all__ = ["NAME_RE", "BackendSpec", "DeclarationContext", "installed_version"]
 
 #: Backend names: lower-case identifiers, so they work as CLI values and in env vars.
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -104,7 +104,7 @@ class BackendSpec:
     distribution: str = ""
     distribution_version: str = ""
 
-    def stamped(self, plugin: str, distribution: str, version: str) -> "BackendSpec":
+    def stamped(self, plugin: str, distribution: str, version: str) -> BackendSpec:
         return replace(self, plugin=plugin, distribution=distribution,
                        distribution_version=version)
 
@@ -112,9 +112,7 @@ class BackendSpec:
         missing = []
         for req in self.requires:
             have = ctx.version(req.distribution) if ctx else installed_version(req.distribution)
-            if have is None and not _importable(req.import_name):
-                missing.append(req)
-            elif have is not None and req.min_version and \
+            if have is None and not _importable(req.import_name) or have is not None and req.min_version and \
                     _version_tuple(have) < _version_tuple(req.min_version):
                 missing.append(req)
         return missing

@@ -16,7 +16,7 @@ from .capabilities import (
 )
 from .spec import NAME_RE, BackendSpec
 
-__all__ = ["validate_spec", "validate_capabilities"]
+__all__ = ["validate_capabilities", "validate_spec"]
 
 
 def validate_spec(spec: Any) -> list[str]:

@@ -6,8 +6,16 @@ so it is a real, honest backend.
 
 import attnreg
 from attnreg import (
-    Capabilities, CaptureSupport, DType, ForwardMethod, GraphMode, GraphModeSupport,
-    KernelConstraints, Phase, Requirement, Vendor,
+    Capabilities,
+    CaptureSupport,
+    DType,
+    ForwardMethod,
+    GraphMode,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    Requirement,
+    Vendor,
 )
 
 

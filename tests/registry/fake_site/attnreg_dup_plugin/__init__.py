@@ -1,5 +1,4 @@
 import attnreg
-
 from attnreg.backends.declarations import reference
 
 
