@@ -100,6 +100,10 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
     report = Path(args.json).resolve() if args.json else report_path
     if report is not None:
         argv += ["--attnreg-report", str(report)]
+        if not args.json:
+            # the report lives in a temporary directory deleted after the run:
+            # do not tell the user a path that will not exist
+            argv.append("--attnreg-report-quiet")
     if args.exhaustive:
         argv.append("--attnreg-exhaustive")
     for module in args.plugin:

@@ -202,6 +202,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="device to run claims on (default: cuda if torch sees a GPU)")
     group.addoption("--attnreg-report", default=None, dest="attnreg_report", metavar="PATH",
                     help="write the claims report as JSON to PATH")
+    group.addoption("--attnreg-report-quiet", action="store_true", default=False,
+                    dest="attnreg_report_quiet",
+                    help="do not print where the JSON report was written (used by "
+                         "`attnreg conformance` for its internal, temporary report)")
     group.addoption("--attnreg-exhaustive", action="store_true", default=False,
                     dest="attnreg_exhaustive",
                     help="expand the full product of declared values (default: cover each "
@@ -314,6 +318,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
         terminalreporter.write_line(line)
     if session.report_path:
         path = report.write_json(session.report_path)
-        terminalreporter.write_line(f"claims report written to {path}")
+        if not config.getoption("attnreg_report_quiet"):
+            terminalreporter.write_line(f"claims report written to {path}")
 
 
