@@ -154,7 +154,7 @@ def test_unsupported_page_size_and_query_dtype_are_refused() -> None:
     cfg16 = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
     tri16, _ = backends(cfg16)
     sc16 = make_scenario(cfg16, [0], [3], q_dtype=torch.float32)
-    with pytest.raises(UnsupportedError, match=r"q dtype fp32 not in \['bf16', 'fp16'\]"):
+    with pytest.raises(UnsupportedError, match=r"q dtype fp32 not in \['bf16'\]"):
         tri16.forward_extend(sc16.q, None, None, sc16.pool, sc16.batch)
 
 
@@ -168,13 +168,19 @@ def test_int64_page_table_is_refused() -> None:
 
 
 def test_kernel_value_errors_become_unsupported_errors() -> None:
-    """fp16 queries over a bf16 pool pass the declaration (each dtype is declared) but
-    the kernel refuses the mix: that refusal must surface as UnsupportedError."""
+    """A query with a strided last dimension passes the declaration and the base
+    checks, but the kernel refuses it before launching: that refusal must surface
+    as UnsupportedError.  (A bf16 pool under fp16 queries, used here before, is now
+    refused by the declaration itself.)"""
     cfg = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
     tri, _ = backends(cfg)
-    sc = make_scenario(cfg, [4], [1], decode=True, q_dtype=torch.float16)
-    with pytest.raises(UnsupportedError, match="kv_cache: expected dtype") as info:
-        tri.forward_decode(sc.q, None, None, sc.pool, sc.batch)
+    sc = make_scenario(cfg, [4], [1], decode=True)
+    wide = torch.zeros(*sc.q.shape[:-1], 2 * sc.q.shape[-1], dtype=sc.q.dtype,
+                       device=sc.q.device)
+    q = wide[..., ::2]
+    q.copy_(sc.q)
+    with pytest.raises(UnsupportedError, match="last dimension must be contiguous") as info:
+        tri.forward_decode(q, None, None, sc.pool, sc.batch)
     assert isinstance(info.value.__cause__, ValueError)
 
 

@@ -314,18 +314,40 @@ class AttentionBackend:
         """The declared :class:`CaptureSupport` for (phase, mode)."""
         return self.capabilities.graph_support(phase, mode).capture
 
-    def check_graph_mode(self, phase: Phase | str, mode: GraphMode | str,
-                         method: ForwardMethod | str | None = None) -> None:
-        """Raise UnsupportedError when (phase, mode) or the method under it is not declared.
+    def forward_method_for(self, phase: Phase | str,
+                           mode: GraphMode | str | None = None) -> ForwardMethod | None:
+        """The forward method this backend pins for ``phase`` under ``mode``.
 
-        A mode the declaration marks UNSUPPORTED is refused; under a mode that
-        *pins* a forward method, any other method is refused (the seed-000 rule:
-        a pinned MLA means the MHA companion is never captured).
+        Read from the declaration (``GraphModeSupport.pinned_method``), so an
+        engine (or the conformance suite) can ask which attention form a
+        captured prefill will run before it builds the inputs, instead of
+        knowing backend names.  The forward methods refuse any other method
+        under that mode (see :meth:`check_graph_mode`).
+
+        Parameters
+        ----------
+        phase : Phase or str
+        mode : GraphMode or str, optional
+            Default: the mode the calling code runs under
+            (:meth:`active_graph_mode`; DISABLED outside any capture and
+            inside an ``eager_break``).
+
+        Returns
+        -------
+        ForwardMethod or None
+            The pinned method; None when nothing is pinned (eager, or a mode
+            without pinning): the caller chooses among
+            ``capabilities.methods(phase)``, and the MHA companion may run.
+
+        Raises
+        ------
+        UnsupportedError
+            When the declaration marks ``(phase, mode)`` UNSUPPORTED.
         """
         phase = _phase(phase)
-        mode = _graph_mode(mode)
+        mode = self.active_graph_mode(phase) if mode is None else _graph_mode(mode)
         if mode is GraphMode.DISABLED:
-            return
+            return None
         support = self.capabilities.graph_support(phase, mode)
         if support.capture.is_unsupported:
             raise UnsupportedError(
@@ -333,14 +355,29 @@ class AttentionBackend:
                 support.capture.reason or "declared unsupported",
                 f"run {phase} eagerly (graph mode disabled) or choose a backend that declares "
                 f"{mode} for {phase}; `attnreg compat` shows what each backend declares")
-        if method is not None and support.pinned_method is not None:
+        return support.pinned_method
+
+    def check_graph_mode(self, phase: Phase | str, mode: GraphMode | str,
+                         method: ForwardMethod | str | None = None) -> None:
+        """Raise UnsupportedError when (phase, mode) or the method under it is not declared.
+
+        A mode the declaration marks UNSUPPORTED is refused; under a mode that
+        *pins* a forward method (:meth:`forward_method_for`), any other method
+        is refused (the seed-000 rule: a pinned MLA means the MHA companion is
+        never captured).
+        """
+        phase = _phase(phase)
+        mode = _graph_mode(mode)
+        pinned = self.forward_method_for(phase, mode)
+        if method is not None and pinned is not None:
             method = _method(method)
-            if method is not support.pinned_method:
+            if method is not pinned:
                 raise UnsupportedError(
                     self.name, f"forward method {method} under {mode} capture of {phase}",
-                    f"{self.name} pins {support.pinned_method} under {phase}/{mode}",
-                    f"call forward_extend(..., method=ForwardMethod.{support.pinned_method.name})"
-                    f" under capture, or run this batch eagerly")
+                    f"{self.name} pins {pinned} under {phase}/{mode}",
+                    f"call forward_extend(..., method=ForwardMethod.{pinned.name})"
+                    f" under capture (forward_method_for(phase) says which), or run this "
+                    f"batch eagerly")
 
     # ------------------------------------------------------------------------------
     # eager metadata

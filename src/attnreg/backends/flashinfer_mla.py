@@ -250,14 +250,28 @@ class FlashInferMLAKernels:
                              kv_indices=torch.cat(indices),
                              kv_lens=torch.tensor(seq, dtype=torch.int32))
 
-    @staticmethod
-    def _page_indices(page_table: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
-        """The first ``pages[b]`` entries of each page-table row, concatenated (on device)."""
-        if not pages:
-            return torch.empty((0,), dtype=torch.int32, device=page_table.device)
-        cols = torch.arange(page_table.shape[1], device=page_table.device)
-        counts = torch.tensor(list(pages), device=page_table.device)
-        return page_table[: len(pages)][cols[None, :] < counts[:, None]].to(torch.int32)
+    def _page_indices(self, page_table: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
+        """The first ``pages[b]`` entries of each page-table row, concatenated (on device).
+
+        The (row, column) pairs are built on the host, where the counts are
+        known: a boolean mask over the device table would make torch wait for
+        the device to size the result, once per plan, i.e. before every replay.
+        """
+        dev = page_table.device
+        counts = torch.tensor([int(p) for p in pages], dtype=torch.int64)
+        total = int(counts.sum()) if len(pages) else 0
+        if total == 0:
+            return torch.empty((0,), dtype=torch.int32, device=dev)
+        width = page_table.shape[1]
+        if int(counts.max()) > width:
+            raise UnsupportedError(self.owner, "page table",
+                                   f"a sequence needs {int(counts.max())} pages, the page "
+                                   f"table has {width} columns",
+                                   "build batches with decode_batch() / extend_batch()")
+        rows = torch.repeat_interleave(torch.arange(len(pages)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        cols = torch.arange(total) - torch.repeat_interleave(starts, counts)
+        return page_table[rows.to(dev), cols.to(dev)].to(torch.int32)
 
     # -- MLA plan ----------------------------------------------------------------------
     def _check_kv_dtype(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:

@@ -7,6 +7,7 @@ from attnreg.registry import (
     CaptureMemory,
     CaptureSupport,
     DeclarationContext,
+    DType,
     ForwardMethod,
     GraphMode,
     GraphModeSupport,
@@ -16,7 +17,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF, HALF_AND_FP8, MHA_DIMS, MLA_DIMS, TORCH, TRITON
+from ._common import HALF, MHA_DIMS, MLA_DIMS, TORCH, TRITON
 
 MIN_SM = 80
 PAGE_SIZES = (1, 16, 32, 64)
@@ -39,13 +40,18 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         reason = f"not validated on {plat.vendor} (declared for cuda sm{MIN_SM}+ only)"
     kernels: tuple[KernelConstraints, ...] = ()
     if not reason:
-        kernels = (
-            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS, HALF,
-                              HALF_AND_FP8, page_sizes=PAGE_SIZES, max_heads=128,
-                              kernel="triton mla_decode (split-KV)", split_kv=SplitKV.DYNAMIC),
-            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS, HALF,
-                              HALF_AND_FP8, page_sizes=PAGE_SIZES, max_heads=128,
-                              kernel="triton mla_extend"),
+        # The kernels convert an fp8 cache to the query dtype in registers, but a
+        # 16-bit cache must already be in the query dtype (bf16/bf16 or fp16/fp16;
+        # they refuse bf16 queries over an fp16 cache): one entry per query dtype.
+        kernels = tuple(
+            KernelConstraints(ForwardMethod.MLA, frozenset({phase}), MLA_DIMS, frozenset({dt}),
+                              frozenset({dt, DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
+                              max_heads=128, kernel=name, split_kv=split)
+            for phase, name, split in (
+                (Phase.DECODE, "triton mla_decode (split-KV)", SplitKV.DYNAMIC),
+                (Phase.PREFILL, "triton mla_extend", SplitKV.NONE))
+            for dt in (DType.BF16, DType.FP16)
+        ) + (
             KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS, HALF,
                               HALF, max_heads=128, kernel="triton mha_prefill"),
         )
