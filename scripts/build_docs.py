@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the generated parts of docs/*.md, or check that they are current.
 
-Three kinds of marked blocks are rewritten in place; everything between
+Four kinds of marked blocks are rewritten in place; everything between
 markers is hand-written prose and left alone::
 
     <!-- embed: examples/attnreg-example-backend/src/attnreg_example_backend/plugin.py -->
@@ -16,6 +16,10 @@ markers is hand-written prose and left alone::
     <!-- output[example]: attnreg backends --platform cpu -->
     ...the command and what it printed, from a real run...
     <!-- /output -->
+
+    <!-- table: policy-rules -->     (a name in TABLES: policy-rules, feature-rules, gate-rules)
+    ...a markdown table built from attnreg.graph_policy.RULES / FEATURE_RULES...
+    <!-- /table -->
 
 ``output`` runs the command in a subprocess with a clean environment (no
 ``ATTNREG_*`` or ``TRITON_INTERPRET`` from the caller, plugin autoload off),
@@ -61,9 +65,10 @@ _SENSITIVE_ENV = ("ATTNREG_PLUGINS", "ATTNREG_DISABLE", "ATTNREG_DISABLE_PLUGIN_
                   "ATTNREG_PLATFORM", "TRITON_INTERPRET", "COLUMNS", "PYTHONPATH")
 
 _BLOCK_RE = re.compile(
-    r"(?P<open><!-- (?P<kind>embed|cli|output(?:\[(?P<variant>[a-z]+)\])?): (?P<arg>.+?) -->\n)"
+    r"(?P<open><!-- (?P<kind>embed|cli|table|output(?:\[(?P<variant>[a-z]+)\])?): "
+    r"(?P<arg>.+?) -->\n)"
     r"(?P<body>.*?)"
-    r"(?P<close><!-- /(?P<closekind>embed|cli|output) -->)",
+    r"(?P<close><!-- /(?P<closekind>embed|cli|table|output) -->)",
     re.DOTALL)
 
 _LANGUAGES = {".py": "python", ".toml": "toml", ".md": "markdown", ".json": "json",
@@ -75,7 +80,7 @@ class Block:
     """One marked block of one page."""
 
     page: Path
-    kind: str  # embed | cli | output
+    kind: str  # embed | cli | table | output
     variant: str  # "" or "example" (output only)
     arg: str
     body: str
@@ -231,6 +236,59 @@ def render_cli(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# table
+# ---------------------------------------------------------------------------------------
+def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    def cell(text: str) -> str:
+        return " ".join(text.split()).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _rules_table(kinds: Sequence[str], columns: Sequence[str]) -> str:
+    """The RULES entries of ``kinds``; a column not named here shows the description."""
+    from attnreg.graph_policy import RULES
+
+    rows = []
+    for rule in RULES.values():
+        if rule.kind in kinds:
+            cells = {"rule id": f"`{rule.id}`", "severity": rule.severity,
+                     "source": rule.source, "reads": rule.reads}
+            rows.append([cells.get(c, rule.description) for c in columns])
+    return _markdown_table(columns, rows)
+
+
+def _feature_rules_table() -> str:
+    """One row per (feature, severity, reason), its modes merged."""
+    from attnreg.graph_policy import FEATURE_RULES
+
+    merged: dict[tuple[str, str, str], list[str]] = {}
+    for rule in FEATURE_RULES:
+        key = (rule.rule_id, rule.severity.value, rule.reason)
+        merged.setdefault(key, []).extend(sorted(m.value for m in rule.modes))
+    rows = [[f"`{rule_id}`", ", ".join(sorted(modes)), severity, reason]
+            for (rule_id, severity, reason), modes in merged.items()]
+    return _markdown_table(("rule id", "mode", "severity", "why"), rows)
+
+
+#: ``<!-- table: NAME -->`` generators.
+TABLES: dict[str, Callable[[], str]] = {
+    "policy-rules": lambda: _rules_table(("plan", "error"),
+                                         ("rule id", "severity", "source", "reads", "effect")),
+    "feature-rules": _feature_rules_table,
+    "gate-rules": lambda: _rules_table(("gate",), ("rule id", "severity", "reads", "eager when")),
+}
+
+
+def render_table(name: str) -> str:
+    if name not in TABLES:
+        raise KeyError(f"table: no generator {name!r}; have {sorted(TABLES)}")
+    return TABLES[name]()
+
+
+# ---------------------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------------------
 def clean_env(with_example: bool = False, site: Path | None = None) -> dict[str, str]:
@@ -360,6 +418,8 @@ def render_block(block: Block, example: ExampleSite) -> str:
         return render_embed(block.arg)
     if block.kind == "cli":
         return render_cli(block.arg)
+    if block.kind == "table":
+        return render_table(block.arg)
     if block.variant not in ("", "example"):
         raise ValueError(f"{block.label}: unknown output variant {block.variant!r}")
     if block.variant == "example":
@@ -367,7 +427,10 @@ def render_block(block: Block, example: ExampleSite) -> str:
     return render_output(block.arg)
 
 
-def iter_blocks(kinds: Sequence[str] = ("embed", "cli", "output"),
+ALL_KINDS = ("embed", "cli", "table", "output")
+
+
+def iter_blocks(kinds: Sequence[str] = ALL_KINDS,
                 pages: Sequence[Path] | None = None) -> Iterator[Block]:
     for page in pages if pages is not None else doc_pages():
         for block in find_blocks(page):
@@ -375,7 +438,7 @@ def iter_blocks(kinds: Sequence[str] = ("embed", "cli", "output"),
                 yield block
 
 
-def stale_blocks(kinds: Sequence[str] = ("embed", "cli", "output"),
+def stale_blocks(kinds: Sequence[str] = ALL_KINDS,
                  pages: Sequence[Path] | None = None) -> list[tuple[Block, str]]:
     """(block, what it should contain) for every block whose text is not current."""
     example = ExampleSite()
@@ -386,7 +449,7 @@ def stale_blocks(kinds: Sequence[str] = ("embed", "cli", "output"),
         example.close()
 
 
-def rewrite(kinds: Sequence[str] = ("embed", "cli", "output"),
+def rewrite(kinds: Sequence[str] = ALL_KINDS,
             pages: Sequence[Path] | None = None,
             log: Callable[[str], None] = print) -> int:
     """Rewrite the stale blocks in place; the number rewritten."""
@@ -417,10 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if any generated block or page is stale")
-    parser.add_argument("--kind", action="append", choices=("embed", "cli", "output"),
+    parser.add_argument("--kind", action="append", choices=ALL_KINDS,
                         help="only these block kinds (repeatable; default: all)")
     args = parser.parse_args(argv)
-    kinds = tuple(args.kind or ("embed", "cli", "output"))
+    kinds = tuple(args.kind or ALL_KINDS)
     caps = _capability_reference()
     if args.check:
         stale = stale_blocks(kinds)

@@ -93,7 +93,7 @@ def test_a_changed_output_is_detected(build_docs, tmp_path):
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
 def test_block_markers_are_balanced(build_docs, page):
     text = (DOCS / page).read_text()
-    opened = re.findall(r"<!-- (embed|cli|output(?:\[[a-z]+\])?): ", text)
+    opened = re.findall(r"<!-- (embed|cli|table|output(?:\[[a-z]+\])?): ", text)
     assert len(build_docs.find_blocks(DOCS / page)) == len(opened), (
         f"{page}: a marker is not closed by its <!-- /kind --> line")
 

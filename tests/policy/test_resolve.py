@@ -24,6 +24,7 @@ from attnreg.registry import (
     Capabilities,
     CaptureMemory,
     DType,
+    ForwardMethod,
     GraphMode,
     GraphModeSupport,
     GraphPolicyError,
@@ -259,3 +260,40 @@ def test_resolve_accepts_a_preset_name_and_plain_strings() -> None:
     plan = resolve("cuda:sm90", "deepseek-v2-lite", {"prefill": "triton", "decode": "triton"},
                    assume_installed=True)
     assert plan.model.num_heads == 16 and plan.prefill.backend == "triton"
+
+
+# -- backend.pinning agrees with the replay gate -------------------------------------
+@pytest.mark.parametrize("pinned, replays", [(ForwardMethod.MLA, True),
+                                             (ForwardMethod.MHA, False), (None, False)])
+def test_pinning_decision_says_what_the_gate_does_with_prefix_batches(pinned, replays):
+    from attnreg.graph_policy import ReplayBatch, ReplayGate
+
+    caps = declaration(pinned={(Phase.PREFILL, GraphMode.BREAKABLE): pinned})
+    plan = resolve("cuda:sm90", TEXT_MLA, caps)
+    [note] = [d for d in plan.decisions if d.rule == "backend.pinning"]
+    ok, reason = ReplayGate(plan).can_replay(
+        ReplayBatch("extend", batch_size=1, num_tokens=128, prefix_lens=[64]))
+    assert ok is replays, reason
+    if replays:
+        assert "may replay" in note.message and "gate.cost_model" in note.message
+    else:
+        assert "run eagerly" in note.message and reason.rule in note.message
+
+
+# -- GraphPolicyError says what to do -------------------------------------------------
+def test_policy_error_hint_for_an_unusable_backend():
+    with pytest.raises(GraphPolicyError) as info:
+        sim("cpu", TEXT_MLA, backends="trtllm_mla")
+    hint = info.value.hint
+    assert "choose a prefill backend" in hint and "choose a decode backend" in hint
+    assert "unlock" not in hint and "attnreg backends --platform cpu" in hint
+    assert hint in str(info.value)
+
+
+def test_policy_error_hint_for_a_locked_mode():
+    with pytest.raises(GraphPolicyError) as info:
+        sim("cuda:sm90", TEXT_MLA, backends="reference",
+            config=GraphConfig.from_user(decode="full"))
+    hint = info.value.hint
+    assert "unlock decode" in hint and "captures full on cuda:sm90" in hint
+    assert "prefill" not in hint

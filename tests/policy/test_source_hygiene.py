@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import re
@@ -71,3 +72,40 @@ def test_docstring_examples_run(module: str) -> None:
     mod = importlib.import_module(f"attnreg.graph_policy.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+
+# -- DESIGN.md "who imports whom" ------------------------------------------------------
+_LAYERS = {
+    # package -> the attnreg subpackages it must never import (at any point, lazily or not)
+    "registry": ("graph_policy", "backends", "testing", "commands", "cli"),
+    "graph_policy": ("backends", "testing", "commands", "cli"),
+}
+
+
+def _attnreg_imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """``attnreg...`` names imported by a module of ``attnreg.<package>``; for
+    ``from M import n`` both ``M`` and ``M.n`` (``n`` may be a submodule)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = ["attnreg", package][: 3 - node.level] if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            out += [(node.lineno, base)]
+            out += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return [(n, m) for n, m in out if m == "attnreg" or m.startswith("attnreg.")]
+
+
+@pytest.mark.parametrize("package", sorted(_LAYERS))
+def test_package_imports_only_the_layers_below(package: str) -> None:
+    root = PACKAGE.parent / package
+    files = sorted(root.glob("*.py"))
+    assert len(files) >= 5, files
+    forbidden = [f"attnreg.{name}" for name in _LAYERS[package]]
+    imported = [(f"{p.name}:{n}", m) for p in files for n, m in _attnreg_imports(p, package)]
+    assert any(m.startswith("attnreg.registry") for _, m in imported)  # the scan sees imports
+    hits = [f"{where}: {m}" for where, m in imported
+            if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert hits == [], f"attnreg.{package} imports a layer above it:\n" + "\n".join(hits)

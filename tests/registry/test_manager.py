@@ -165,3 +165,32 @@ def test_missing_runtime_module_is_unavailable_not_a_crash():
     reg = load_registry(autoload=False, extra_plugins=[("ghostly", Plugin())])
     with pytest.raises(BackendUnavailableError, match="could not be imported"):
         reg.load("ghost", "cpu")
+
+
+def _spec_requiring(distribution: str, import_name: str, min_version: str | None = None):
+    from attnreg.registry import Requirement
+
+    return BackendSpec(name="needy", summary="needs a library", capabilities=reference.capabilities,
+                       runtime="attnreg.backends.reference:ReferenceBackend",
+                       requires=(Requirement(import_name, distribution, "needy", min_version),))
+
+
+def test_a_given_version_overrides_what_is_importable_here():
+    from attnreg.registry import DeclarationContext, Platform
+
+    # "json" is always importable; an explicit None in versions still means "not installed".
+    spec = _spec_requiring("attnreg-no-such-dist", "json")
+    assert spec.missing_requirements(DeclarationContext(Platform.parse("cpu"))) == []
+    simulated = DeclarationContext(Platform.parse("cpu"), {"attnreg-no-such-dist": None})
+    assert [r.distribution for r in spec.missing_requirements(simulated)] == [
+        "attnreg-no-such-dist"]
+
+
+def test_a_version_below_the_minimum_is_missing():
+    from attnreg.registry import DeclarationContext, Platform
+
+    spec = _spec_requiring("somelib", "json", min_version="1.2")
+    old = DeclarationContext(Platform.parse("cpu"), {"somelib": "1.1.9"})
+    new = DeclarationContext(Platform.parse("cpu"), {"somelib": "1.10.0"})
+    assert spec.missing_requirements(old) == list(spec.requires)
+    assert spec.missing_requirements(new) == []

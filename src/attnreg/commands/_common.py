@@ -25,13 +25,18 @@ def registry_from(args: argparse.Namespace) -> BackendRegistry:
 
 
 def parse_platform(text: str | None) -> tuple[Platform, bool]:
-    """The platform to report on and whether it was simulated (given) or detected."""
+    """The platform to report on and whether it was simulated (given) or detected.
+
+    A platform that does not parse is bad input: the message goes to stderr and
+    the command exits 2, like an argparse error.
+    """
     if text is None or text == "detect":
         return Platform.detect(), False
     try:
         return Platform.parse(text), True
     except ValueError as exc:
-        raise SystemExit(f"attnreg: error: --platform: {exc}") from None
+        print(f"attnreg: error: --platform: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def print_json(data: Any) -> None:

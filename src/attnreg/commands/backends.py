@@ -60,14 +60,17 @@ def summarize(caps: Capabilities | None) -> str:
     return " ".join(parts) + ("  |  " + " ".join(modes) if modes else "")
 
 
-def collect(args: argparse.Namespace) -> dict[str, Any]:
+def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Capabilities | None]]:
+    """The JSON document, and each backend's declaration here (None when it is broken)."""
     reg = registry_from(args)
     platform, simulated = parse_platform(args.platform)
     assume = args.assume_installed or simulated
     rows = []
+    caps: dict[str, Capabilities | None] = {}
     for name in reg.names():
         spec = reg.get(name)
         a = reg.availability(name, platform, assume_installed=assume)
+        caps[name] = a.capabilities
         rows.append({
             "name": name,
             "plugin": spec.plugin,
@@ -78,21 +81,19 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "unavailable_reason": a.reason or None,
             "capabilities": a.capabilities.to_dict() if a.capabilities else None,
         })
-    return {
+    data = {
         "schema_version": SCHEMA_VERSION,
         "platform": str(platform),
         "simulated": simulated,
         "assume_installed": assume,
         "backends": rows,
         "errors": [e.to_dict() for e in reg.errors],
-        "_caps": {n: reg.availability(n, platform, assume_installed=assume).capabilities
-                  for n in reg.names()},
     }
+    return data, caps
 
 
 def run(args: argparse.Namespace) -> int:
-    data = collect(args)
-    caps = data.pop("_caps")
+    data, caps = collect(args)
     if args.json:
         print_json(data)
         return 0

@@ -3,7 +3,9 @@
 Prints the plan as a table and the numbered decision trace (or ``--json``:
 ``GraphPlan.to_dict()`` plus ``simulated``/``assume_installed``).  Exit codes:
 0 a plan; 2 a policy error (a locked mode breaks a hard rule, no backend fits)
-with every reason on stderr, or bad input such as an unknown backend name.
+with every reason and what to do on stderr (with ``--json``, also
+``{"error": "graph_policy", "platform", "reasons", "hint"}`` on stdout), or
+bad input such as an unknown backend name.
 
 JSON keys (``schema_version`` 1): ``platform``, ``model``, ``features``,
 ``config``, ``phases.{prefill,decode}.{mode, default_mode, locked, backend,
@@ -215,9 +217,10 @@ def run(args: argparse.Namespace) -> int:
         print("attnreg compat: the requested graph configuration cannot run:", file=sys.stderr)
         for reason in exc.reasons:
             print(f"  - {reason}", file=sys.stderr)
+        print(exc.hint, file=sys.stderr)
         if args.json:
             print_json({"error": "graph_policy", "platform": str(platform),
-                        "reasons": exc.reasons})
+                        "reasons": exc.reasons, "hint": exc.hint})
         return 2
     cross = crossover(plan, args.cost_profile)
     if args.json:

@@ -389,17 +389,15 @@ class CostProfile:
     def predict_graph_absorbed(self, batch: PrefillShape, *,
                                graph_tokens: int | None = None) -> float:
         """Per-layer time of replaying the absorbed graph (tokens padded to ``graph_tokens``)."""
-        t = self.predict_terms(batch, graph_tokens=graph_tokens)
-        return max(t["graph_host"], t["layer_gpu_graph"] + t["absorbed_attention"])
+        return self.compare(batch, graph_tokens=graph_tokens).graph_us
 
     def predict_eager_mha(self, batch: PrefillShape) -> float:
         """Per-layer time of the eager layer running the MHA companion."""
-        t = self.predict_terms(batch)
-        return max(t["eager_host"], t["layer_gpu"] + t["mha_attention"] + t["decompress"])
+        return self.compare(batch).eager_us
 
     def compare(self, batch: PrefillShape, *, graph_tokens: int | None = None
                 ) -> CostComparison:
-        """Both predictions and the terms behind them."""
+        """Both predictions and the terms behind them (the model's two formulas)."""
         t = self.predict_terms(batch, graph_tokens=graph_tokens)
         graph = max(t["graph_host"], t["layer_gpu_graph"] + t["absorbed_attention"])
         eager = max(t["eager_host"], t["layer_gpu"] + t["mha_attention"] + t["decompress"])

@@ -1,42 +1,20 @@
 """Decisions: one entry per rule that looked at a phase's graph mode.
 
 A :class:`Decision` is what a user reads to learn *why* a mode was chosen:
-a stable rule id, how binding the rule is, where the fact came from, the
+a stable rule id (one of :data:`~attnreg.graph_policy.RULES`; any other id
+is a ``ValueError``), how binding the rule is, where the fact came from, the
 mode before and after, and a message.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from ..registry.capabilities import GraphMode, Phase
+from .rule_ids import check_rule_id
+from .severity import Severity, Source
 
 __all__ = ["Decision", "Severity", "Source", "Violation"]
-
-
-class Severity(str, enum.Enum):
-    """HARD: always holds.  SOFT: adjusts defaults, yields to locks.  INFO: no change."""
-
-    HARD = "hard"
-    SOFT = "soft"
-    INFO = "info"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Source(str, enum.Enum):
-    """Where the fact behind a decision comes from."""
-
-    USER = "user"
-    BACKEND = "backend"
-    PLATFORM = "platform"
-    FEATURE = "feature"
-    MODEL = "model"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -47,6 +25,9 @@ class Violation:
     severity: Severity
     source: Source
     message: str
+
+    def __post_init__(self) -> None:
+        check_rule_id(self.rule)
 
 
 @dataclass(frozen=True)
@@ -65,6 +46,9 @@ class Decision:
     before: GraphMode | None
     after: GraphMode | None
     message: str
+
+    def __post_init__(self) -> None:
+        check_rule_id(self.rule)
 
     @property
     def changed(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..registry.capabilities import GraphMode, Phase
-from .decisions import Severity
+from .severity import Severity
 
 __all__ = ["FEATURE_HELP", "FEATURE_RULES", "FeatureRule", "ServerFeatures"]
 

@@ -43,6 +43,7 @@ from .cost_profile import (
     load_profile,
 )
 from .plan import GraphPlan
+from .rule_ids import RULES, check_rule_id
 
 __all__ = ["GATE_RULES", "CostProfileArg", "HiddenCapture", "ReplayBatch", "ReplayGate",
            "ReplayReason"]
@@ -111,7 +112,8 @@ class ReplayBatch:
 
 @dataclass(frozen=True)
 class ReplayReason:
-    """A stable rule id and a message; ``str()`` is ``"rule: message"``.
+    """A stable rule id (one of :data:`GATE_RULES`) and a message; ``str()`` is
+    ``"rule: message"``.
 
     ``cost`` holds both per-layer predictions when the cost model decided.
     """
@@ -120,26 +122,15 @@ class ReplayReason:
     message: str
     cost: CostComparison | None = None
 
+    def __post_init__(self) -> None:
+        check_rule_id(self.rule)
+
     def __str__(self) -> str:
         return f"{self.rule}: {self.message}"
 
 
-#: Every rule id the gate can return, in evaluation order.
-GATE_RULES: tuple[str, ...] = (
-    "gate.spec_forward_mode",
-    "gate.phase_disabled",
-    "gate.batch_slots",
-    "gate.lora",
-    "gate.input_embeds",
-    "gate.replace_embeds",
-    "gate.mha_companion_prefix",
-    "gate.hidden_capture",
-    "gate.logprob_without_eager_tail",
-    "gate.num_tokens_above_max",
-    "gate.padding_waste",
-    "gate.cost_model",
-    "gate.ok",
-)
+#: Every rule id the gate can return, in evaluation order (from :data:`RULES`).
+GATE_RULES: tuple[str, ...] = tuple(r.id for r in RULES.values() if r.kind == "gate")
 
 _PHASE_OF_MODE = {ForwardMode.DECODE: Phase.DECODE, ForwardMode.EXTEND: Phase.PREFILL}
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..registry.capabilities import Capabilities, GraphMode, Phase, SplitKV
+from ..registry.capabilities import Capabilities, ForwardMethod, GraphMode, Phase, SplitKV
 from ..registry.errors import GraphPolicyError
 from ..registry.manager import BackendRegistry, get_registry
 from ..registry.platform import Platform
@@ -174,14 +174,18 @@ def _phase_plan(ctx: RuleContext, mode: GraphMode, config: GraphConfig,
                            f"{mode} (cost {cost} for a {ctx.model.kv_dtype} KV pool): "
                            f"{support.capture.reason}"))
     if captured and mode is GraphMode.BREAKABLE and ctx.model.has_mha_companion:
-        if support.pinned_method is not None:
+        # Mirrors gate.mha_companion_prefix: only an MLA pin keeps prefix batches on the graph.
+        if support.pinned_method is ForwardMethod.MLA:
             msg = (f"{ctx.caps.backend} pins {support.pinned_method} under {mode} on "
-                   f"{ctx.platform}: the MHA companion is never captured, prefix batches "
-                   "replay")
+                   f"{ctx.platform}: the MHA companion is never captured, so prefix batches "
+                   "may replay (subject to the cost model when a profile is loaded: "
+                   "gate.cost_model)")
         else:
-            msg = (f"{ctx.caps.backend} pins no forward method under {mode} on "
-                   f"{ctx.platform}: the MHA companion may be captured, so prefix batches "
-                   "run eagerly (gate.mha_companion_prefix)")
+            pins = (f"pins {support.pinned_method}" if support.pinned_method is not None
+                    else "pins no forward method")
+            msg = (f"{ctx.caps.backend} {pins} under {mode} on {ctx.platform}: the MHA "
+                   "companion may be captured, so prefix batches run eagerly "
+                   "(gate.mha_companion_prefix)")
         trace.add(Decision("backend.pinning", Severity.INFO, Source.BACKEND, ctx.phase, mode,
                            mode, msg))
     if captured and support.split_kv is SplitKV.SINGLE:
@@ -266,11 +270,14 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
 
     trace = _Trace()
     errors: list[str] = []
+    hints: list[str] = []
     selected: dict[Phase, SelectedBackend] = {}
     for phase in _PHASES:
         sel, errs = select_backend(phase, choice.for_phase(phase), plat, facts, reg,
                                    assume_installed, versions)
         errors.extend(f"{phase}: {e}" for e in errs)
+        if errs:
+            hints.append(f"choose a {phase} backend that runs this model on {plat}")
         if sel is not None:
             selected[phase] = sel
             trace.add(Decision("user.backend" if sel.by_user else "backend.selected",
@@ -289,7 +296,11 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
                                platform_default, requested,
                                f"{phase} set to {requested} by the user: soft rules yield to "
                                "it, hard rules must allow it"))
+            n_errors = len(errors)
             modes[phase] = _resolve_locked(ctx, requested, trace, errors)
+            if len(errors) > n_errors:
+                hints.append(f"unlock {phase} (drop the explicit {phase} mode) or choose a "
+                             f"{phase} backend that captures {requested} on {plat}")
         else:
             source = Source.PLATFORM if requested is platform_default else Source.USER
             trace.add(Decision("default.mode", Severity.INFO, source, phase, platform_default,
@@ -298,7 +309,8 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
                                + ("" if source is Source.PLATFORM else " (engine config)")))
             modes[phase] = _resolve_unlocked(ctx, requested, trace)
     if errors:
-        raise GraphPolicyError(errors)
+        raise GraphPolicyError(errors, hint=f"To fix: {'; '.join(hints)} (`attnreg backends "
+                               f"--platform {plat}` lists what each backend declares).")
 
     _apply_budget(ctxs, modes, cfg, trace)
     plans = {p: _phase_plan(ctxs[p], modes[p], cfg, selected[p], trace) for p in _PHASES}

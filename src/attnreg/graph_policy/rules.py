@@ -3,7 +3,7 @@
 Every rule reads declarations (platform, backend capabilities, model facts,
 feature rules), never a backend or architecture name.  Hard rules always
 hold; soft rules adjust defaults and yield to user locks.  Rule ids are
-stable strings, listed in docs/policy.md.
+stable strings, each listed in :data:`~attnreg.graph_policy.RULES`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from ..registry.capabilities import METHOD_HEAD_DIMS, Capabilities, DType, Forwa
 from ..registry.manager import BackendRegistry
 from ..registry.platform import Platform
 from .model import AttentionKind, ModelFacts
+from .rule_ids import tagged
 
 __all__ = ["BackendChoice", "BackendsArg", "SelectedBackend", "model_rejections",
            "normalize_backends", "pinned_method_rejections", "select_backend"]
@@ -155,14 +156,17 @@ def select_backend(phase: Phase, ref: BackendRef, platform: Platform, model: Mod
             unavailable = avail.reason if not avail.available else ""
         name = caps.backend
         if unavailable:
-            return None, [f"backend.unavailable: {name} cannot run on {platform}: {unavailable}"]
+            return None, [tagged("backend.unavailable",
+                                 f"{name} cannot run on {platform}: {unavailable}")]
         if not caps.serves(phase):
-            return None, [(f"backend.phase_unserved: {name} has no {phase} kernel on {platform}; "
-                          f"choose another {phase} backend")]
+            return None, [tagged("backend.phase_unserved",
+                                 f"{name} has no {phase} kernel on {platform}; choose another "
+                                 f"{phase} backend")]
         rejected = model_rejections(caps, phase, model)
         if rejected:
-            return None, [f"backend.model_unsupported: {name} cannot serve {phase} of this "
-                          f"model: " + "; ".join(rejected)]
+            return None, [tagged("backend.model_unsupported",
+                                 f"{name} cannot serve {phase} of this model: "
+                                 + "; ".join(rejected))]
         return SelectedBackend(caps, True, f"{name} chosen by the user for {phase}"), []
 
     skipped: list[str] = []
@@ -179,6 +183,7 @@ def select_backend(phase: Phase, ref: BackendRef, platform: Platform, model: Mod
             how += "; skipped: " + ", ".join(skipped)
         return SelectedBackend(caps, False, how), []
     detail = "; ".join(skipped) if skipped else "no backend serving it is available"
-    return None, [(f"backend.none_fits: no backend can serve {phase} of this "
-                  f"{model.attention} model ({model.kv_dtype} KV, {model.num_heads} heads) on "
-                  f"{platform}: {detail}")]
+    return None, [tagged("backend.none_fits",
+                         f"no backend can serve {phase} of this {model.attention} model "
+                         f"({model.kv_dtype} KV, {model.num_heads} heads) on {platform}: "
+                         f"{detail}")]

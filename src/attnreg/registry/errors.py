@@ -105,11 +105,19 @@ class UnsupportedError(AttnregError, ValueError):
 
 
 class GraphPolicyError(AttnregError):
-    """A locked graph configuration violates hard incompatibilities."""
+    """The graph configuration cannot run: a locked mode breaks a hard rule, or no
+    backend can serve a phase.
 
-    def __init__(self, reasons: Sequence[str]):
+    ``reasons`` lists every reason (each starts with the policy rule id);
+    ``hint`` says what to do.
+    """
+
+    DEFAULT_HINT = ("Unlock the mode (drop the explicit flag) or choose a backend that "
+                    "supports it.")
+
+    def __init__(self, reasons: Sequence[str], hint: str = DEFAULT_HINT):
         self.reasons = list(reasons)
+        self.hint = hint
         body = "\n".join(f"  - {r}" for r in self.reasons)
-        super().__init__(
-            "the requested graph configuration cannot run:\n" + body +
-            "\nUnlock the mode (drop the explicit flag) or choose a backend that supports it.")
+        super().__init__("the requested graph configuration cannot run:\n" + body +
+                         "\n" + hint)

@@ -73,6 +73,19 @@ def _importable(import_name: str) -> bool:
         return False
 
 
+def _satisfied(req: Requirement, ctx: DeclarationContext | None) -> bool:
+    """Whether ``req`` is installed at a new enough version (see ``missing_requirements``)."""
+    if ctx is not None and req.distribution in ctx.versions:
+        have = ctx.versions[req.distribution]
+        if have is None:
+            return False
+    else:
+        have = installed_version(req.distribution)
+        if have is None:
+            return _importable(req.import_name)
+    return not req.min_version or _version_tuple(have) >= _version_tuple(req.min_version)
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One backend, as registered by a plugin.
@@ -109,13 +122,15 @@ class BackendSpec:
                        distribution_version=version)
 
     def missing_requirements(self, ctx: DeclarationContext | None = None) -> list[Requirement]:
-        missing = []
-        for req in self.requires:
-            have = ctx.version(req.distribution) if ctx else installed_version(req.distribution)
-            if have is None and not _importable(req.import_name) or have is not None and req.min_version and \
-                    _version_tuple(have) < _version_tuple(req.min_version):
-                missing.append(req)
-        return missing
+        """The requirements not installed (or older than their ``min_version``).
+
+        A version given in ``ctx.versions`` is taken as is (None = not
+        installed), so a simulated environment does not depend on this
+        machine.  Otherwise a distribution without metadata still counts as
+        installed when its module can be found (e.g. a source checkout on
+        ``PYTHONPATH``).
+        """
+        return [req for req in self.requires if not _satisfied(req, ctx)]
 
     def load_runtime(self) -> type:
         """Import and return the runtime class named by ``runtime``."""

@@ -1,0 +1,242 @@
+"""RULES: every rule id the graph policy can emit, with what it means.
+
+The single source of truth for rule ids.  Every :class:`Decision`,
+:class:`Violation` and :class:`ReplayReason`, and every rule-tagged
+:class:`~attnreg.registry.GraphPolicyError` reason, carries an id listed
+here (the constructors refuse any other); ``tests/policy/test_rule_ids.py``
+checks that every entry is emitted somewhere, and the rule tables of
+docs/policy.md are generated from this module (``scripts/build_docs.py``).
+
+An entry says how binding the rule is (its severities), where the fact
+behind it comes from (its sources), what it reads and what it does.  A soft
+rule that yields to a user's lock is recorded at INFO severity; that is
+not listed per rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from .features import FEATURE_RULES, FeatureRule
+from .severity import Severity, Source
+
+__all__ = ["RULES", "RuleInfo", "RuleKind", "check_rule_id", "rule_info", "tagged"]
+
+#: What part of the policy emits a rule: a Decision of the plan (startup), a
+#: reason of GraphPolicyError (no plan at all), a feature rule (FEATURE_RULES,
+#: recorded as a Decision too), or a ReplayReason of the gate (per batch).
+RuleKind = Literal["plan", "error", "feature", "gate"]
+PLAN: RuleKind = "plan"
+ERROR: RuleKind = "error"
+FEATURE: RuleKind = "feature"
+GATE: RuleKind = "gate"
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """One rule id and its meaning.
+
+    Parameters
+    ----------
+    id
+        the stable id (``"backend.high_cost_fallback"``).
+    kind
+        ``"plan"``, ``"error"``, ``"feature"`` or ``"gate"``.
+    severities
+        the severities the rule's records carry (first = the usual one); for a
+        gate rule: HARD when the graph cannot serve the batch, SOFT when
+        eager is only expected to be faster, INFO for ``gate.ok``.
+    sources
+        where the fact behind it comes from.
+    reads
+        the declared facts, config or batch fields it reads.
+    description
+        what it does, in one line.
+    """
+
+    id: str
+    kind: RuleKind
+    severities: tuple[Severity, ...]
+    sources: tuple[Source, ...]
+    reads: str
+    description: str
+
+    @property
+    def severity(self) -> str:
+        """The severities as docs show them (``"soft / info"``)."""
+        return " / ".join(s.value for s in self.severities)
+
+    @property
+    def source(self) -> str:
+        """The sources as docs show them (``"platform / user"``)."""
+        return " / ".join(s.value for s in self.sources)
+
+
+_H, _S, _I = Severity.HARD, Severity.SOFT, Severity.INFO
+
+
+def _rule(rule_id: str, kind: RuleKind, severities: tuple[Severity, ...] | Severity,
+          sources: tuple[Source, ...] | Source, reads: str, description: str) -> RuleInfo:
+    sev = severities if isinstance(severities, tuple) else (severities,)
+    src = sources if isinstance(sources, tuple) else (sources,)
+    return RuleInfo(rule_id, kind, sev, src, reads, description)
+
+
+_PLAN_RULES = (
+    _rule("default.mode", PLAN, _I, (Source.PLATFORM, Source.USER),
+          "platform vendor; an unlocked `GraphConfig` mode",
+          "the mode asked for before any rule: the platform default, or the engine's "
+          "unlocked value (source user)"),
+    _rule("user.locked", PLAN, _I, Source.USER, "`GraphConfig.locked`",
+          "the user set this phase's mode: soft rules yield to it, hard rules must allow it"),
+    _rule("user.backend", PLAN, _I, Source.USER, "the backend named for the phase",
+          "the user chose the phase's backend"),
+    _rule("backend.selected", PLAN, _I, Source.BACKEND,
+          "declared `priority`, availability, kernel acceptance (`check_request`)",
+          "the default backend: highest declared priority among the available ones whose "
+          "kernels accept the model; the message lists the skipped ones and why"),
+    _rule("platform.no_device_graphs", PLAN, _H, Source.PLATFORM,
+          "`Platform.has_device_graphs`",
+          "`full` and `breakable` need device graphs (cpu, npu, xpu have none); "
+          "`tc_piecewise` is not ruled out by the platform"),
+    _rule("backend.capture_unsupported", PLAN, _H, Source.BACKEND,
+          "`graph_support(phase, mode).capture`",
+          "a mode the backend declares UNSUPPORTED (or does not declare) is impossible"),
+    _rule("backend.pinned_kernel_rejects_model", PLAN, _H, Source.BACKEND,
+          "`pinned_method` and that method's kernels",
+          "a mode that pins a method whose kernels reject the model is impossible (e.g. an "
+          "absorbed kernel without FP8 KV, pinned under breakable, with an FP8 pool)"),
+    _rule("model.piecewise_upgrade", PLAN, (_S, _I), Source.MODEL,
+          "`piecewise_validated`, `graph_support(prefill, tc_piecewise).capture.is_native`, "
+          "every rule against tc_piecewise",
+          "soft: an unlocked default `breakable` prefill becomes `tc_piecewise` where the "
+          "backend captures it natively; info: why the upgrade was not applied"),
+    _rule("model.multimodal_piecewise_unvalidated", PLAN, _S, Source.MODEL,
+          "`multimodal`, `piecewise_validated`",
+          "no default `tc_piecewise` prefill for a multimodal model it was not validated for"),
+    _rule("backend.high_cost_fallback", PLAN, _S, Source.BACKEND,
+          "`capture.is_fallback`, `capture.cost_for(kv_dtype)`",
+          "no default into a capture FALLBACK whose cost for this KV dtype is HIGH"),
+    _rule("budget.capture_memory", PLAN, _S, Source.USER,
+          "`CaptureMemory.estimate(slots)` + model capture pool vs "
+          "`capture_memory_budget_bytes`",
+          "over budget: drop unlocked captures, prefill first (decode graphs carry the "
+          "per-token latency)"),
+    _rule("backend.fallback_in_effect", PLAN, _I, Source.BACKEND,
+          "`capture.fallback_to`, `capture.cost_for(kv_dtype)`",
+          "the planned mode runs another backend's implementation, at this cost"),
+    _rule("backend.pinning", PLAN, _I, Source.BACKEND,
+          "`pinned_method` under breakable, `has_mha_companion`",
+          "whether prefix batches of an MLA model may replay (MLA pinned; subject to "
+          "`gate.cost_model` with a cost profile) or run eagerly (`gate.mha_companion_prefix`)"),
+    _rule("backend.split_kv_single", PLAN, _I, Source.BACKEND, "`split_kv == single`",
+          "split-KV forced to one split under capture (correct, slower on long KV)"),
+)
+
+_ERROR_RULES = (
+    _rule("backend.unavailable", ERROR, _H, Source.BACKEND,
+          "availability: platform, optional libraries",
+          "the backend named for a phase cannot run on the platform: no plan"),
+    _rule("backend.phase_unserved", ERROR, _H, Source.BACKEND, "`Capabilities.serves(phase)`",
+          "the backend named for a phase has no kernel for that phase: no plan"),
+    _rule("backend.model_unsupported", ERROR, _H, Source.BACKEND, "`check_request`",
+          "the backend named for a phase has no kernel that accepts the model: no plan"),
+    _rule("backend.none_fits", ERROR, _H, Source.BACKEND,
+          "availability and `check_request` of every backend",
+          "no available backend can serve the phase of this model: no plan"),
+)
+
+_GATE_RULES = (  # in evaluation order: the first that fails is the reason
+    _rule("gate.spec_forward_mode", GATE, _H, Source.BATCH, "`forward_mode`",
+          "TARGET_VERIFY or DRAFT_EXTEND (graphs are captured as DECODE/EXTEND without "
+          "speculative state)"),
+    _rule("gate.phase_disabled", GATE, _H, Source.BATCH, "`forward_mode`, the plan's mode",
+          "the phase's mode is `disabled`"),
+    _rule("gate.batch_slots", GATE, _H, Source.BATCH, "`batch_size`",
+          "more requests than captured slots (decode: largest batch size; prefill: "
+          "`prefill_max_requests`)"),
+    _rule("gate.lora", GATE, _H, Source.BATCH, "`lora`, features `lora`, `dp_attention`",
+          "a LoRA batch and LoRA was off at capture, or prefill under DP attention"),
+    _rule("gate.input_embeds", GATE, _H, Source.BATCH, "`has_input_embeds`",
+          "input embeddings bypass the captured embedding lookup"),
+    _rule("gate.replace_embeds", GATE, _H, Source.BATCH, "`has_replace_embeds`",
+          "replaced (multimodal) embeddings are not part of the captured graph"),
+    _rule("gate.mha_companion_prefix", GATE, _H, Source.BATCH,
+          "`prefix_lens`, the prefill `pinned_method`, `has_mha_companion`",
+          "prefill under `breakable`, a model with an MHA companion, a non-zero prefix, and "
+          "the prefill backend does **not** pin MLA for `breakable` on this platform (this "
+          "replaces the engine-wide \"is it CUDA?\" test)"),
+    _rule("gate.hidden_capture", GATE, _H, Source.BATCH, "`capture_hidden`",
+          "the batch wants more hidden states than were captured"),
+    _rule("gate.logprob_without_eager_tail", GATE, _H, Source.BATCH, "`return_logprob`",
+          "a prefill batch wants logprobs and the engine runs no eager tail"),
+    _rule("gate.num_tokens_above_max", GATE, _H, Source.BATCH, "`num_tokens` / `extend_lens`",
+          "prefill tokens above the largest captured bucket"),
+    _rule("gate.padding_waste", GATE, _S, Source.BATCH, "`num_tokens` / `extend_lens`",
+          "the prefill bucket exceeds the tokens by more than `padding_waste_factor` (2x)"),
+    _rule("gate.cost_model", GATE, _S, Source.BATCH,
+          "`prefix_lens`, `extend_lens` (or `num_tokens`), the cost profile",
+          "only with a cost profile: a prefill batch under a `breakable` graph that runs "
+          "absorbed MLA, and the profile predicts eager MHA no slower (ties run eagerly)"),
+    _rule("gate.ok", GATE, _I, Source.BATCH, "everything above",
+          "replay (with a cost profile, the message and `reason.cost` carry both "
+          "predictions)"),
+)
+
+
+def _feature_entries(rules: Iterable[FeatureRule]) -> tuple[RuleInfo, ...]:
+    """One entry per feature id; its severities are those of its FEATURE_RULES rows."""
+    by_id: dict[str, list[FeatureRule]] = {}
+    for rule in rules:
+        by_id.setdefault(rule.rule_id, []).append(rule)
+    out = []
+    for rule_id, rows in by_id.items():
+        severities = tuple(s for s in (_H, _S) if any(r.severity is s for r in rows))
+        modes = sorted({m.value for r in rows for m in r.modes})
+        out.append(_rule(rule_id, FEATURE, severities, Source.FEATURE,
+                         f"`ServerFeatures.{rows[0].feature}`",
+                         f"{rows[0].feature} cannot be captured under {', '.join(modes)} "
+                         "prefill (see the feature table)"))
+    return tuple(out)
+
+
+def _index(entries: Iterable[RuleInfo]) -> Mapping[str, RuleInfo]:
+    out: dict[str, RuleInfo] = {}
+    for entry in entries:
+        if entry.id in out:
+            raise ValueError(f"rule id {entry.id!r} is listed twice in RULES")
+        out[entry.id] = entry
+    return MappingProxyType(out)
+
+
+#: Every rule id the policy can emit -> its :class:`RuleInfo`; insertion order is
+#: the order of the docs tables (gate rules: evaluation order).
+RULES: Mapping[str, RuleInfo] = _index((*_PLAN_RULES, *_ERROR_RULES,
+                                        *_feature_entries(FEATURE_RULES), *_GATE_RULES))
+
+
+def _unknown(rule_id: str) -> ValueError:
+    return ValueError(f"unknown graph-policy rule id {rule_id!r}: every id must be listed in "
+                      "RULES (attnreg/graph_policy/rule_ids.py); add an entry there and "
+                      "regenerate docs/policy.md with `python scripts/build_docs.py`")
+
+
+def check_rule_id(rule_id: str) -> None:
+    """Raise ``ValueError`` unless ``rule_id`` is in :data:`RULES`."""
+    if rule_id not in RULES:
+        raise _unknown(rule_id)
+
+
+def rule_info(rule_id: str) -> RuleInfo:
+    """The entry of ``rule_id``; ``ValueError`` (saying what to do) for an unknown id."""
+    check_rule_id(rule_id)
+    return RULES[rule_id]
+
+
+def tagged(rule_id: str, message: str) -> str:
+    """``"rule_id: message"``, the form of a rule-tagged error reason (id checked)."""
+    check_rule_id(rule_id)
+    return f"{rule_id}: {message}"

@@ -1,0 +1,38 @@
+"""How binding a rule is (:class:`Severity`) and where its fact comes from (:class:`Source`).
+
+A module of its own so that the rule registry (:mod:`.rule_ids`), the
+feature rules and the decision records can all import these without an
+import cycle.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Severity", "Source"]
+
+
+class Severity(str, enum.Enum):
+    """HARD: always holds.  SOFT: adjusts defaults, yields to locks.  INFO: no change."""
+
+    HARD = "hard"
+    SOFT = "soft"
+    INFO = "info"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Source(str, enum.Enum):
+    """Where the fact behind a decision comes from."""
+
+    USER = "user"
+    BACKEND = "backend"
+    PLATFORM = "platform"
+    FEATURE = "feature"
+    MODEL = "model"
+    #: the batch being scheduled (replay-gate rules only)
+    BATCH = "batch"
+
+    def __str__(self) -> str:
+        return self.value
