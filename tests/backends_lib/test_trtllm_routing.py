@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from attnreg.backends.base import MLAConfig
-from attnreg.graph_policy.capture import break_handler, capturing, eager_break
+from attnreg.graph_policy.capture import (
+    break_handler,
+    capturing,
+    eager_break,
+    recording_served,
+)
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, load_registry
 
 from ._cases import assert_close, expected, make_case, make_pool
@@ -64,6 +69,22 @@ def test_absorbed_extend_goes_to_flashinfer_paged_mla(reg, monkeypatch, kv_dtype
     assert len(calls.mla_runs) == 1
     # an fp8 pool reaches flashinfer converted to the query dtype
     assert calls.mla_plans[-1]["kv_dtype"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_capture_fallback_reports_the_declared_target(reg, monkeypatch, mode: GraphMode) -> None:
+    """What ran under capture is what the declaration's FALLBACK names."""
+    install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=2, page_size=32, kv_dtype="fp8_e4m3")
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 300)
+    case = make_case(cfg, pool, [40, 0], [6, 9], seed=2)
+    trt.init_forward_metadata(case.batch)
+    declared = trt.capabilities.graph_support("prefill", mode).capture.fallback_to
+    with recording_served() as served, capturing(mode):
+        trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    assert [s.implementation for s in served] == [declared] == ["flashinfer_mla"]
+    assert served[0].mode is mode
 
 
 @pytest.mark.parametrize("mode", CAPTURE_MODES)

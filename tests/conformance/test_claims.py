@@ -151,3 +151,16 @@ def test_importing_the_plugin_and_expanding_claims_does_not_import_torch():
             "expand_claims(get_registry().declaration('triton', 'cuda:sm90'), 'cuda'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fallback_modes_claim_that_the_declared_fallback_serves_them():
+    claims = _claims("trtllm_mla", "cuda:sm100", "cuda")
+    served = [c for c in claims if c.check is Check.FALLBACK_SERVED]
+    fallback_modes = {(g.phase, g.mode) for g in get_registry().declaration(
+        "trtllm_mla", "cuda:sm100").graph_modes if g.capture.is_fallback}
+    assert {(c.combo.phase, c.graph_mode) for c in served} == fallback_modes
+    assert all(c.fallback_to == "flashinfer_mla" and not c.needs_device_graphs
+               and "flashinfer_mla" in c.statement for c in served)
+    # native-only declarations make no such claim
+    assert not [c for c in _claims("triton", "cuda:sm90", "cuda")
+                if c.check is Check.FALLBACK_SERVED]

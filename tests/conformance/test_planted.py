@@ -124,3 +124,70 @@ def test_gpu_defects_are_refuted_under_real_capture(tmp_path, backend):
     for cid, needle in expected.items():
         assert cid in refuted, (cid, sorted(refuted), out[-3000:])
         assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
+
+
+# (g) FALLBACK declarations against what served the forward (note_served_by), and
+# backends with their own eager break inside attention (cpu: the break is a no-op)
+FALLBACK_REFUTED = {
+    "planted_fallback_mismatch/capture/prefill/tc_piecewise/fallback_served/mla/"
+    f"{P}": "declares FALLBACK to reference, but 5 of 5 forwards under capture were served "
+            "by planted_fallback_mismatch",
+    "planted_native_but_fallback/capture/prefill/tc_piecewise/capture_path/mla/"
+    f"{P}": "is declared NATIVE, but 5 of 5 forwards under capture were served by reference",
+}
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("served")
+    args = ["--device", "cpu", "--plugin", "planted.fallback", "--plugin",
+            "planted.eager_segment",
+            "-k", "(fallback and tc_piecewise and /mla/ and (capture_path or fallback_served)) "
+                  "or (eager_ and breakable and /mla/ and capture_path)"]
+    for name in ("planted_fallback_mismatch", "planted_native_but_fallback",
+                 "planted_fallback_honest", "planted_fallback_silent",
+                 "planted_eager_attention", "planted_eager_with_block"):
+        args += ["--backend", name]
+    return conformance(tmp, *args)
+
+
+def test_a_fallback_that_did_not_run_is_refuted_and_only_that(served_run):
+    code, out, data = served_run
+    assert code == 1, out
+    refuted = by_status(data, "refuted")
+    assert set(refuted) == set(FALLBACK_REFUTED), out
+    for cid, needle in FALLBACK_REFUTED.items():
+        assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
+
+
+def test_an_honest_fallback_verifies_and_an_unreported_one_is_skipped_with_the_fix(served_run):
+    _, out, data = served_run
+    verified = by_status(data, "verified")
+    assert f"planted_fallback_honest/capture/prefill/tc_piecewise/fallback_served/mla/{P}" \
+        in verified, out
+    skipped = by_status(data, "skipped")
+    msg = skipped[f"planted_fallback_silent/capture/prefill/tc_piecewise/fallback_served/mla/{P}"]
+    assert "does not report which implementation" in msg and "note_served_by" in msg
+
+
+def test_own_eager_breaks_are_no_ops_on_the_cpu_capture_path(served_run):
+    _, out, data = served_run
+    verified = by_status(data, "verified")
+    for name in ("planted_eager_attention", "planted_eager_with_block"):
+        assert f"{name}/capture/prefill/breakable/capture_path/mla/{P}" in verified, out
+
+
+@pytest.mark.gpu
+def test_a_replayable_own_eager_break_replays_and_a_with_block_is_skipped(tmp_path):
+    code, out, data = conformance(
+        tmp_path, "--device", "cuda", "--plugin", "planted.eager_segment",
+        "--backend", "planted_eager_attention", "--backend", "planted_eager_with_block",
+        "-k", "prefill/breakable and (replay/ or allocator_churn)")
+    assert data is not None, out
+    assert not by_status(data, "refuted"), out
+    verified = by_status(data, "verified")
+    assert any(c.startswith("planted_eager_attention/capture/prefill/breakable/replay/")
+               for c in verified), out
+    skipped = by_status(data, "skipped")
+    mine = {c: m for c, m in skipped.items() if c.startswith("planted_eager_with_block/")}
+    assert mine and all("as a `with` block" in m for m in mine.values()), out

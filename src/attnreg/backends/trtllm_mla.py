@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from attnreg.graph_policy.capture import current_capture, in_eager_break
+from attnreg.graph_policy.capture import current_capture, in_eager_break, note_served_by
 from attnreg.registry import ForwardMethod, Phase, UnsupportedError
 
 from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
@@ -154,6 +154,7 @@ class TRTLLMMLABackend(AttentionBackend):
                 qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
                 max_seq_len=md.max_seq_len, out=out.unsqueeze(1),
                 bmm1_scale=cfg.softmax_scale * scale, bmm2_scale=scale)
+        note_served_by(self.name, self.name, "trtllm-gen decode")
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
                              md: ForwardMetadata, out: torch.Tensor, *,
@@ -167,6 +168,9 @@ class TRTLLMMLABackend(AttentionBackend):
             # eagerly and under every capture mode (the declared fallback).
             assert pool is not None  # checked by the base class
             self.fallback.run_mla(q, self._fallback_cache(pool, q.dtype), md, out)
+            # what ran is flashinfer_mla's paged MLA: the conformance suite checks
+            # this against the declared FALLBACK target
+            note_served_by(self.name, "flashinfer_mla", "paged MLA")
             return
         if mode is not None or md.is_graph:
             raise UnsupportedError(
@@ -176,8 +180,10 @@ class TRTLLMMLABackend(AttentionBackend):
         assert k is not None and v is not None
         if md.prefix_lens_cpu is None or any(p > 0 for p in md.prefix_lens_cpu):
             self.fallback.run_ragged(q, k, v, md, out)
+            note_served_by(self.name, "flashinfer_mla", "ragged prefill with prefix")
         else:
             self._run_ragged_kernel(q, k, v, md, out)
+            note_served_by(self.name, self.name, "trtllm ragged prefill")
 
     def _fallback_cache(self, pool: MLAKVPool, q_dtype: torch.dtype) -> torch.Tensor:
         """The pool as flashinfer's paged MLA reads it: an FP8 pool converted in full."""

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exhaustive", action="store_true",
                         help="expand the full product of declared values (default: cover each "
                              "declared dtype, page size, head count and head dims once)")
+    parser.add_argument("--heads", action="append", default=[], type=_positive_int,
+                        metavar="N",
+                        help="run every configuration with N query heads (repeatable) instead "
+                             "of the device's defaults, e.g. 32 for 128 heads over "
+                             "tensor-parallel 4")
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE and register it as an attnreg plugin for this run "
                              "(a backend package that is not installed as an entry point)")
@@ -59,6 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to pytest as is (repeatable)")
     add_registry_arguments(parser)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a head count must be >= 1, got {value}")
+    return value
 
 
 def _plugin_autoloads() -> bool:
@@ -106,6 +121,8 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
             argv.append("--attnreg-report-quiet")
     if args.exhaustive:
         argv.append("--attnreg-exhaustive")
+    for heads in args.heads:
+        argv += ["--attnreg-heads", str(heads)]
     for module in args.plugin:
         argv += ["--attnreg-plugin", module]
     for name in args.disable:
@@ -157,13 +174,15 @@ def _unavailable_requested(args: argparse.Namespace, report_path: Path) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cpu":
+        # before anything imports triton or evaluates a declaration (declarations are
+        # cached per process, and triton's reads TRITON_INTERPRET): kernels then run
+        # in the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     problem = _check_inputs(args)
     if problem:
         print(f"attnreg conformance: error: {problem}", file=sys.stderr)
         return 2
-    if args.device == "cpu":
-        # before anything imports triton: kernels then run in the interpreter
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     import pytest
 
     with tempfile.TemporaryDirectory(prefix="attnreg-conformance-") as tmp:

@@ -10,7 +10,11 @@ static buffers -> for each batch ``init_forward_metadata_replay`` + replay.
   :func:`~attnreg.graph_policy.capture.eager_break` owned by the harness ends
   it (the break handler closes the segment), eager code runs (and runs again
   at every replay, reading a host value that changes per replay), and a second
-  segment is captured after it, as a breakable-graph runner does.
+  segment is captured after it, as a breakable-graph runner does.  Breaks the
+  backend takes itself inside attention split the capture the same way; the
+  replay callable they hand the handler (decorator or ``eager_break.run``
+  form) runs between the same segments at every replay.  A ``with``-form
+  break cannot be re-run: such a backend is a harness limitation (a skip).
 * ``real_graphs=False`` (cpu): no device graph exists; "capture" runs the
   forward once under ``capturing(mode)`` with the graph metadata, and each
   "replay" runs it again after ``init_forward_metadata_replay``.  This checks
@@ -35,16 +39,27 @@ import torch
 
 from attnreg.backends.base import AttentionBackend, MLAConfig
 from attnreg.backends.kv_pool import MLAKVPool
-from attnreg.graph_policy.capture import break_handler, capturing, eager_break
+from attnreg.graph_policy.capture import (
+    EagerReplay,
+    ServedForward,
+    break_handler,
+    capturing,
+    eager_break,
+    recording_served,
+)
 from attnreg.registry import ForwardMethod, ForwardMode, GraphMode, Phase
 
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import Workload
 
-__all__ = ["HARNESS_BREAK", "AllocatorChurn", "CapturedForward", "MemoryDelta"]
+__all__ = ["HARNESS_BREAK", "AllocatorChurn", "CapturedForward", "MemoryDelta", "Served"]
 
 #: Label of the harness's own eager break in BREAKABLE capture.
 HARNESS_BREAK = "attnreg.conformance.harness"
+
+#: What :func:`~attnreg.graph_policy.capture.note_served_by` reported per forward the
+#: harness drove: (when, e.g. "warm-up" or "replay of long_kv", the records).
+Served = list[tuple[str, list[ServedForward]]]
 
 
 @dataclass
@@ -72,47 +87,101 @@ class MemoryDelta:
         return out
 
 
-class _Segments:
-    """Breakable capture: consecutive graphs separated by harness-owned eager regions."""
+class _CudaSegments:
+    """Opens and closes CUDA-graph segments (what :class:`_Segments` records into)."""
 
-    def __init__(self, mempool: Any, eager_fn: Callable[[], None]) -> None:
+    def __init__(self, mempool: Any) -> None:
         self.mempool = mempool
-        self.eager_fn = eager_fn
-        self.plan: list[tuple[str, Any]] = []
-        self.foreign: list[str] = []
-        self._current: tuple[torch.cuda.CUDAGraph, Any] | None = None
 
-    def begin(self) -> None:
+    def begin(self) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
         ctx = torch.cuda.graph(graph, pool=self.mempool)
         ctx.__enter__()
-        self._current = (graph, ctx)
+        return graph, ctx
+
+    @staticmethod
+    def end(handle: tuple[Any, Any], exc: BaseException | None = None) -> Any:
+        graph, ctx = handle
+        if exc is None:
+            ctx.__exit__(None, None, None)
+        else:
+            ctx.__exit__(type(exc), exc, None)
+        return graph
+
+    @staticmethod
+    @contextlib.contextmanager
+    def eager() -> Iterator[None]:
+        """Eager regions may synchronise: lift a sync guard set around the capture."""
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+class _Segments:
+    """Breakable capture: consecutive graphs separated by eager regions.
+
+    Installed with ``break_handler(seg.handler, with_replay=True)``.  Each
+    break ends the current segment, adds an eager step to the replay plan and
+    begins the next segment when the region is left.  The harness's own break
+    replays ``eager_fn``; a backend's break replays the callable it handed
+    over; a ``with``-form break of the backend has none and is listed in
+    :attr:`unreplayable` (:meth:`check_replayable` then raises).
+
+    ``segments`` opens and closes segments (CUDA graphs by default; the cpu
+    tests pass a fake one to check the plan).
+    """
+
+    def __init__(self, mempool: Any, eager_fn: Callable[[], None], *,
+                 segments: Any = None) -> None:
+        self.segments = segments if segments is not None else _CudaSegments(mempool)
+        self.eager_fn = eager_fn
+        self.plan: list[tuple[str, Any]] = []
+        self.unreplayable: list[str] = []
+        self.backend_breaks: list[str] = []
+        self._current: Any = None
+
+    def begin(self) -> None:
+        self._current = self.segments.begin()
 
     def end(self) -> None:
         assert self._current is not None
-        graph, ctx = self._current
-        ctx.__exit__(None, None, None)
-        self.plan.append(("graph", graph))
-        self._current = None
+        handle, self._current = self._current, None
+        self.plan.append(("graph", self.segments.end(handle)))
 
     def abort(self) -> None:
         if self._current is not None:
-            _graph, ctx = self._current
-            self._current = None
+            handle, self._current = self._current, None
             with contextlib.suppress(Exception):
-                ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
+                self.segments.end(handle, RuntimeError("aborted"))
 
-    def handler(self, label: str) -> contextlib.AbstractContextManager[None]:
+    def handler(self, label: str, replay: EagerReplay | None
+                ) -> contextlib.AbstractContextManager[None]:
         @contextlib.contextmanager
         def split() -> Iterator[None]:
             self.end()
             if label == HARNESS_BREAK:
                 self.plan.append(("eager", self.eager_fn))
+            elif replay is not None:
+                self.backend_breaks.append(label)
+                self.plan.append(("eager", replay))
             else:
-                self.foreign.append(label)
-            yield
+                self.unreplayable.append(label)
+            with self.segments.eager():
+                yield
             self.begin()
         return split()
+
+    def check_replayable(self) -> None:
+        """Raise HarnessLimitation when the backend took a break no runner can re-run."""
+        if self.unreplayable:
+            raise HarnessLimitation(
+                f"the backend entered eager_break({self.unreplayable[0]!r}) as a `with` block "
+                "inside attention: a breakable-graph runner cannot re-run that code at replay "
+                "(the handler gets no callable); use the decorator form or "
+                "eager_break.run(label, fn, *args) so the region can be replayed")
 
     def replay(self) -> None:
         for kind, step in self.plan:
@@ -186,6 +255,8 @@ class CapturedForward:
         self._empty_graphs: list[torch.cuda.CUDAGraph] = []
         self._mempool = torch.cuda.graph_pool_handle() if real_graphs else None
         self._storage = {name: _storage_of(t) for name, t in self._statics().items()}
+        #: note_served_by reports per forward driven here (see :data:`Served`).
+        self.served: Served = []
 
     def _statics(self) -> dict[str, torch.Tensor]:
         named = {"q": self.q, "latent_new": self.latent, "rope_new": self.rope, "out": self.out}
@@ -223,7 +294,7 @@ class CapturedForward:
         self._fill(capture_work)
         # not under the sync guard: first launches compile kernels and may set up state
         with capturing(self.mode):
-            self._forward()
+            self._forward("warm-up")
         self.check_storage("warm-up")
         if self.real_graphs:
             torch.cuda.synchronize()
@@ -242,10 +313,10 @@ class CapturedForward:
         if self.mode is GraphMode.BREAKABLE:
             seg = _Segments(self._mempool, self._eager_region)
             try:
-                with capturing(self.mode), break_handler(seg.handler):
+                with capturing(self.mode), break_handler(seg.handler, with_replay=True):
                     seg.begin()
                     with self._sync_guard():
-                        self._forward()
+                        self._forward("capture")
                     with eager_break(HARNESS_BREAK):
                         self._eager_region()
                     self.final.copy_(self.mid)
@@ -253,17 +324,13 @@ class CapturedForward:
             except BaseException:
                 seg.abort()
                 raise
-            if seg.foreign:
-                raise HarnessLimitation(
-                    f"the backend entered eager_break({seg.foreign[0]!r}) inside attention; the "
-                    "harness cannot re-run a backend's own eager region at replay (eager_break "
-                    "hands the runner a label, not a callable)")
+            seg.check_replayable()
             self._segments = seg
         else:
             graph = torch.cuda.CUDAGraph()
             capture = torch.cuda.graph(graph, pool=self._mempool)
             with capturing(self.mode), capture, self._sync_guard():
-                self._forward()
+                self._forward("capture")
             self._graph = graph
         self.check_storage("capture")
         torch.cuda.synchronize()
@@ -318,7 +385,7 @@ class CapturedForward:
             between()
         if not self.real_graphs:
             with capturing(self.mode):
-                self._forward()
+                self._forward(f"replay of {work.spec.name}")
             self.check_storage(f"replay of {work.spec.name}")
             if self.mode is GraphMode.BREAKABLE:
                 self._eager_region()
@@ -350,13 +417,17 @@ class CapturedForward:
             self.k[t:].zero_()
             self.v[t:].zero_()
 
-    def _forward(self) -> None:
-        if self.phase is Phase.DECODE:
-            self.backend.forward_decode(self.q, self.latent, self.rope, self.pool, None,
-                                        out=self.out)
-        else:
-            self.backend.forward_extend(self.q, self.latent, self.rope, self.pool, None,
-                                        method=self.method, k=self.k, v=self.v, out=self.out)
+    def _forward(self, when: str) -> None:
+        """One forward over the static buffers; what served it goes to :attr:`served`."""
+        with recording_served() as records:
+            if self.phase is Phase.DECODE:
+                self.backend.forward_decode(self.q, self.latent, self.rope, self.pool, None,
+                                            out=self.out)
+            else:
+                self.backend.forward_extend(self.q, self.latent, self.rope, self.pool, None,
+                                            method=self.method, k=self.k, v=self.v,
+                                            out=self.out)
+        self.served.append((when, records))
 
     def _eager_region(self) -> None:
         torch.mul(self.out, self.host_scale, out=self.mid)

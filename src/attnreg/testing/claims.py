@@ -14,7 +14,10 @@ pytest plugin turns each claim into one test item.  Three kinds:
 * ``capture`` - each declared (phase, graph mode): NATIVE and FALLBACK modes
   run correctly through capture and replay (several batches, allocator churn,
   KV canaries, no sync or allocation while capturing, pinned forward method,
-  split-KV surviving capture); UNSUPPORTED modes are refused.
+  split-KV surviving capture); FALLBACK modes are served by the declared
+  ``fallback_to`` (as the backend reports through
+  :func:`~attnreg.graph_policy.capture.note_served_by`); UNSUPPORTED modes are
+  refused.
 
 Combinations: by default every declared value of every dimension is covered at
 least once (a base configuration, then one dimension varied at a time); with
@@ -80,6 +83,7 @@ class Check(str, enum.Enum):
     # capture
     REFUSES_CAPTURE = "refuses_capture"
     CAPTURE_PATH = "capture_path"
+    FALLBACK_SERVED = "fallback_served"
     PINNING = "pinning"
     REPLAY = "replay"
     ALLOCATOR_CHURN = "allocator_churn"
@@ -96,7 +100,7 @@ class Check(str, enum.Enum):
 #: Capture checks that are logic only (no CUDA graph object is needed): they
 #: run on cpu under ``capturing(mode)`` with the capture calls emulated.
 CPU_RUNNABLE_CAPTURE_CHECKS = frozenset({Check.REFUSES_CAPTURE, Check.CAPTURE_PATH,
-                                         Check.PINNING})
+                                         Check.FALLBACK_SERVED, Check.PINNING})
 
 #: DeepSeek-style MLA: (head_dim_qk, head_dim_v) -> the MLAConfig fields that give it.
 #: MLA: q/k = kv_lora_rank + rope, v = kv_lora_rank.  MHA: q/k = nope + rope, v = v_head_dim.
@@ -256,7 +260,12 @@ def _dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
     return pairs
 
 
-def _head_counts(k: KernelConstraints, device: str) -> list[int]:
+def _head_counts(k: KernelConstraints, device: str,
+                 heads: Sequence[int] | None = None) -> list[int]:
+    if heads:
+        # the caller fixed the head counts (e.g. one tensor-parallel rank's share):
+        # claim those the kernel declares, and nothing else
+        return sorted({h for h in heads if k.accepts_heads(h)})
     if k.head_counts:
         return sorted(k.head_counts)[:1] if device == "cpu" else sorted(k.head_counts)
     wanted = [h for h in _HEADS.get(device, _HEADS["cuda"]) if k.accepts_heads(h)]
@@ -281,10 +290,10 @@ def _page_sizes(k: KernelConstraints, caps: Capabilities, phase: Phase) -> list[
 
 
 def _combos(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
-            exhaustive: bool) -> list[Combo]:
+            exhaustive: bool, head_counts: Sequence[int] | None = None) -> list[Combo]:
     pairs = _dtype_pairs(k)
     pages = _page_sizes(k, caps, phase)
-    heads = _head_counts(k, device)
+    heads = _head_counts(k, device, head_counts)
     dims = [d for d in k.head_dims if head_dims_config(k.method, d) is not None]
     if not (pairs and pages and heads and dims):
         return []
@@ -305,10 +314,10 @@ def _combos(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
 
 
 def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
-               device: str) -> Combo | None:
+               device: str, heads: Sequence[int] | None = None) -> Combo | None:
     """The base configuration of ``method`` in ``phase`` (None if not declared)."""
     for k in caps.kernels_for(method, phase):
-        combos = _combos(caps, k, phase, device, exhaustive=False)
+        combos = _combos(caps, k, phase, device, exhaustive=False, head_counts=heads)
         if combos:
             return combos[0]
     return None
@@ -318,14 +327,15 @@ def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
 # eager claims
 # ---------------------------------------------------------------------------
 
-def _eager_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[Claim]:
+def _eager_claims(caps: Capabilities, device: str, exhaustive: bool,
+                  heads: Sequence[int] | None) -> list[Claim]:
     claims: list[Claim] = []
     seen: set[Combo] = set()
     for k in caps.kernels:
         for phase in (Phase.DECODE, Phase.PREFILL):
             if phase not in k.phases:
                 continue
-            for combo in _combos(caps, k, phase, device, exhaustive):
+            for combo in _combos(caps, k, phase, device, exhaustive, heads):
                 if combo in seen:
                     continue
                 seen.add(combo)
@@ -356,7 +366,8 @@ def _refused(caps: Capabilities, combo: Combo, **fields: object) -> bool:
     return bool(caps.check_request(combo.method, combo.phase, **fields))  # type: ignore[arg-type]
 
 
-def _refusal_claims(caps: Capabilities, device: str) -> list[Claim]:
+def _refusal_claims(caps: Capabilities, device: str,
+                    heads: Sequence[int] | None) -> list[Claim]:
     claims: list[Claim] = []
 
     def add(check: Check, combo: Combo, what: str) -> None:
@@ -368,7 +379,7 @@ def _refusal_claims(caps: Capabilities, device: str) -> list[Claim]:
     for phase in (Phase.DECODE, Phase.PREFILL):
         methods = caps.methods(phase)
         for method in methods:
-            base = base_combo(caps, method, phase, device)
+            base = base_combo(caps, method, phase, device, heads)
             if base is None:
                 continue
             # page size: only meaningful where a paged cache is read
@@ -407,7 +418,7 @@ def _refusal_claims(caps: Capabilities, device: str) -> list[Claim]:
             for method in ForwardMethod:
                 if method in methods:
                     continue
-                donor = base_combo(caps, methods[0], phase, device)
+                donor = base_combo(caps, methods[0], phase, device, heads)
                 if donor is None:
                     continue
                 dims = {ForwardMethod.MLA: (576, 512)}.get(method, (192, 128))
@@ -435,7 +446,8 @@ def _capture_methods(caps: Capabilities, entry: GraphModeSupport) -> list[Forwar
     return [m for m in declared if m is not ForwardMethod.MHA_CHUNKED_KV]
 
 
-def _capture_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[Claim]:
+def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
+                    heads: Sequence[int] | None) -> list[Claim]:
     claims: list[Claim] = []
     for entry in caps.graph_modes:
         if entry.mode is GraphMode.DISABLED or not caps.serves(entry.phase):
@@ -448,7 +460,7 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[C
         methods = _capture_methods(caps, entry)
         if sup.is_unsupported:
             method = methods[0] if methods else caps.methods(phase)[0]
-            combo = base_combo(caps, method, phase, device)
+            combo = base_combo(caps, method, phase, device, heads)
             if combo is not None:
                 claims.append(Claim(
                     caps.backend, ClaimKind.CAPTURE, Check.REFUSES_CAPTURE, combo,
@@ -458,7 +470,7 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[C
         how = "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
         replay_specs = CAPTURE_REPLAY_SPECS[phase]
         for method in methods:
-            base = base_combo(caps, method, phase, device)
+            base = base_combo(caps, method, phase, device, heads)
             if base is None:
                 continue
 
@@ -474,6 +486,11 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool) -> list[C
                 f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
                 "code path (capture metadata, then replay metadata for each batch) is "
                 "driven without a device graph", needs_graphs=False)
+            if sup.is_fallback:
+                add(Check.FALLBACK_SERVED,
+                    f"{where}, {method} is served by the declared fallback {sup.fallback_to} "
+                    "(as the backend reports through note_served_by), on every batch",
+                    needs_graphs=False)
             if entry.pinned_method is not None and phase is Phase.PREFILL:
                 # decode has one form (forward_decode takes no method): nothing to pin
                 add(Check.PINNING,
@@ -532,7 +549,7 @@ def _pairs_for(caps: Capabilities, method: ForwardMethod,
 # ---------------------------------------------------------------------------
 
 def expand_claims(caps: Capabilities, device: str = "cpu", *,
-                  exhaustive: bool = False) -> list[Claim]:
+                  exhaustive: bool = False, heads: Sequence[int] | None = None) -> list[Claim]:
     """All claims of one declaration, for a run on ``device`` (``cpu`` or ``cuda``).
 
     Parameters
@@ -545,6 +562,10 @@ def expand_claims(caps: Capabilities, device: str = "cpu", *,
     exhaustive
         Expand the full product of declared values instead of covering each
         value once.
+    heads
+        Run every configuration with these head counts only (e.g. ``(32,)``:
+        128 heads split over tensor-parallel 4) instead of the device's
+        defaults.  A kernel that declares none of them makes no claims.
 
     Examples
     --------
@@ -556,8 +577,11 @@ def expand_claims(caps: Capabilities, device: str = "cpu", *,
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    claims = (_eager_claims(caps, device, exhaustive) + _refusal_claims(caps, device)
-              + _capture_claims(caps, device, exhaustive))
+    if heads is not None and any(int(h) < 1 for h in heads):
+        raise ValueError(f"head counts must be >= 1, got {list(heads)}")
+    claims = (_eager_claims(caps, device, exhaustive, heads)
+              + _refusal_claims(caps, device, heads)
+              + _capture_claims(caps, device, exhaustive, heads))
     if device == "cpu":
         claims = [replace(c, skip_reason="no CUDA graphs on cpu: needs real capture and "
                                          "replay (run with --device cuda)")

@@ -15,18 +15,19 @@ import torch
 
 from attnreg.backends.base import AttentionBackend, MLAConfig
 from attnreg.backends.kv_pool import MLAKVPool
-from attnreg.graph_policy.capture import capturing
+from attnreg.graph_policy.capture import capturing, recording_served
 from attnreg.registry import (
     BackendRegistry,
     ForwardMethod,
     GraphMode,
     Phase,
     Platform,
+    SupportKind,
     UnsupportedError,
 )
 
 from .batches import BatchSpec, batch_spec
-from .capture_harness import AllocatorChurn, CapturedForward
+from .capture_harness import AllocatorChurn, CapturedForward, Served
 from .claims import Check, Claim, ClaimKind, Combo
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import (
@@ -112,6 +113,8 @@ class Harness:
                 self.check_refuses_capture(claim)
             elif claim.check is Check.PINNING:
                 self.check_pinning(claim)
+            elif claim.check is Check.FALLBACK_SERVED:
+                self.check_fallback_served(claim)
             elif claim.graph_mode is GraphMode.TC_PIECEWISE:
                 self.check_piecewise(claim)
             else:
@@ -328,12 +331,14 @@ class Harness:
         }
 
     def _run_capture_path(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
-                          specs: Sequence[BatchSpec], method: ForwardMethod) -> None:
-        """Drive the capture-mode path without a device graph; refute on any wrong batch."""
+                          specs: Sequence[BatchSpec], method: ForwardMethod) -> Served:
+        """Drive the capture-mode path without a device graph; refute on any wrong batch.
+
+        Returns what the backend reported served each forward (``note_served_by``).
+        """
         mode = claim.graph_mode
         if mode is GraphMode.TC_PIECEWISE:
-            self._piecewise_eager(claim, backend, config, specs, method)
-            return
+            return self._piecewise_eager(claim, backend, config, specs, method)
         pool = make_pool(config, list(specs) + [specs[0]])
         captured = CapturedForward(backend, config, pool, phase=_combo(claim).phase, mode=mode,
                                    method=method, real_graphs=False,
@@ -342,6 +347,7 @@ class Harness:
                                label=f"{mode} capture path (no device graph)")
         if problems:
             raise ClaimRefuted("; ".join(problems))
+        return captured.served
 
     def _drive(self, captured: CapturedForward, config: MLAConfig, pool: MLAKVPool,
                specs: Sequence[BatchSpec], method: ForwardMethod, combo: Combo, *, label: str,
@@ -403,7 +409,9 @@ class Harness:
                                                                       for s in specs))
         backend = self.create(claim, config)
         if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
-            self._run_capture_path(claim, backend, config, specs, method)
+            served = self._run_capture_path(claim, backend, config, specs, method)
+            if claim.check is Check.CAPTURE_PATH:
+                self._check_native_served(claim, served)
             return
         pool = make_pool(config, list(specs) + [specs[0]])
         captured = CapturedForward(backend, config, pool, phase=phase, mode=mode, method=method,
@@ -420,21 +428,69 @@ class Harness:
             raise ClaimRefuted("; ".join(problems))
 
     # ------------------------------------------------------------------------------
+    # capture: which implementation served the forward
+    # ------------------------------------------------------------------------------
+    def check_fallback_served(self, claim: Claim) -> None:
+        """A FALLBACK mode: every forward under capture is served by ``fallback_to``.
+
+        The backend reports what served a forward through
+        ``attnreg.graph_policy.capture.note_served_by``; a backend that reports
+        nothing cannot be checked (skipped, with the call to add).
+        """
+        combo = _combo(claim)
+        specs = self.specs(claim.batches)
+        config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
+                                                                      for s in specs))
+        backend = self.create(claim, config)
+        served = self._run_capture_path(claim, backend, config, specs, combo.method)
+        expected = claim.fallback_to or "?"
+        problems = _served_problems(served, expected)
+        if problems is None:
+            raise HarnessLimitation(
+                f"{claim.backend} does not report which implementation serves a forward, so "
+                f"the harness cannot tell whether its declared fallback {expected} ran under "
+                f"{claim.graph_mode}; call attnreg.graph_policy.capture.note_served_by("
+                f"self.name, {expected!r}) where the fallback runs (and note_served_by("
+                "self.name, self.name) on the native path)")
+        if problems:
+            raise ClaimRefuted(
+                f"{combo.phase}/{claim.graph_mode} declares FALLBACK to {expected}, but "
+                + "; ".join(problems)
+                + f": the graph policy prices this mode by {expected}'s cost, so the "
+                "declaration must name what actually runs (fix the routing under capture, or "
+                "declare the fallback that runs)")
+
+    @staticmethod
+    def _check_native_served(claim: Claim, served: Served) -> None:
+        """A NATIVE mode reported as served by another backend's kernels is refuted."""
+        if claim.capture is not SupportKind.NATIVE:
+            return
+        problems = _served_problems(served, claim.backend)
+        if problems:
+            raise ClaimRefuted(
+                f"{_combo(claim).phase}/{claim.graph_mode} is declared NATIVE, but "
+                + "; ".join(problems)
+                + ": declare CaptureSupport.fallback(to=..., cost=...) so the graph policy "
+                "sees the fallback and its cost")
+
+    # ------------------------------------------------------------------------------
     # capture: TC_PIECEWISE
     # ------------------------------------------------------------------------------
     def _piecewise_eager(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
-                         specs: Sequence[BatchSpec], method: ForwardMethod) -> None:
+                         specs: Sequence[BatchSpec], method: ForwardMethod) -> Served:
         """Attention under capturing(TC_PIECEWISE) runs the eager path: check each batch."""
         combo = _combo(claim)
         pool = make_pool(config, specs)
         problems: list[str] = []
         written: list[int] = []
+        served: Served = []
         for i, spec in enumerate(specs):
             work = make_workload(config, pool, spec, method, seed=300 + i)
             with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
-                with capturing(GraphMode.TC_PIECEWISE):
+                with capturing(GraphMode.TC_PIECEWISE), recording_served() as records:
                     out = self.eager_forward(backend, work, pool)
                 self.sync()
+            served.append((f"{spec.name} under capturing(tc_piecewise)", records))
             msg = compare(out, work.expected, combo.q_dtype, spec)
             if msg:
                 problems.append(msg)
@@ -442,6 +498,7 @@ class Harness:
             written += work.written_slots
         if problems:
             raise ClaimRefuted("; ".join(problems))
+        return served
 
     def check_piecewise(self, claim: Claim) -> None:
         combo = _combo(claim)
@@ -449,7 +506,9 @@ class Harness:
         config = make_config(combo, self.device)
         backend = self.create(claim, config)
         if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
-            self._piecewise_eager(claim, backend, config, specs, combo.method)
+            served = self._piecewise_eager(claim, backend, config, specs, combo.method)
+            if claim.check is Check.CAPTURE_PATH:
+                self._check_native_served(claim, served)
             return
         problems = _Piecewise(self, backend, config, combo, specs).run()
         if problems:
@@ -566,6 +625,35 @@ class _Piecewise:
                                 "capture: storage recorded by a piece was freed")
             churn.release()
         return problems
+
+
+def _served_problems(served: Served, expected: str) -> list[str] | None:
+    """What contradicts "``expected`` served every forward under capture" (None: no reports).
+
+    Only reports made under a capture mode and outside an eager break count
+    (eager code may run anything).  Once a backend reports at all, a forward
+    under capture without a report is a problem too: it would hide a path that
+    serves the batch with something else.
+    """
+    under = [(when, [r for r in records if r.under_capture]) for when, records in served]
+    if not any(records for _, records in under):
+        return None
+    silent: list[str] = []
+    wrong: dict[str, list[str]] = {}  # "X (detail)" -> the forwards it served
+    for when, records in under:
+        if not records:
+            silent.append(when)
+        others = {r.implementation + (f" ({r.detail})" if r.detail else "")
+                  for r in records if r.implementation != expected}
+        for what in sorted(others):  # one entry per forward, however often it reported
+            wrong.setdefault(what, []).append(when)
+    total = len(under)
+    problems = [f"{len(whens)} of {total} forwards under capture were served by {what}, not "
+                f"{expected} (first: {whens[0]})" for what, whens in wrong.items()]
+    if silent:
+        problems.append(f"{len(silent)} of {total} forwards under capture reported no "
+                        f"implementation while others did (first: {silent[0]})")
+    return problems
 
 
 def _combo(claim: Claim) -> Combo:

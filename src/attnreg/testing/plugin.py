@@ -17,6 +17,9 @@ Options
     Write the claims report as JSON (see :mod:`attnreg.testing.report`).
 ``--attnreg-exhaustive``
     Expand the full product of declared values instead of covering each once.
+``--attnreg-heads N``
+    Run every configuration with N query heads (repeatable) instead of the
+    device's defaults, e.g. one tensor-parallel rank's share of a model's heads.
 ``--attnreg-plugin MODULE``
     Import MODULE and register it as an attnreg plugin for this run (a
     backend package under development, not installed as an entry point).
@@ -58,6 +61,7 @@ class ConformanceSession:
         self.device_option: str | None = config.getoption("attnreg_device")
         self.report_path: str | None = config.getoption("attnreg_report")
         self.exhaustive: bool = bool(config.getoption("attnreg_exhaustive"))
+        self.heads: list[int] = list(config.getoption("attnreg_heads") or [])
         self.plugin_modules: list[str] = list(config.getoption("attnreg_plugins") or [])
         self.disable: list[str] = list(config.getoption("attnreg_disable") or [])
         self.report = Report()
@@ -144,7 +148,8 @@ class ConformanceSession:
                 claims.append(unavailable_claim(name, avail.reason))
                 continue
             claims.extend(expand_claims(avail.capabilities, self.device,
-                                        exhaustive=self.exhaustive))
+                                        exhaustive=self.exhaustive,
+                                        heads=self.heads or None))
         self.claims_generated = True
         return claims
 
@@ -168,6 +173,8 @@ class ConformanceSession:
     def header(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"exhaustive": self.exhaustive,
                                  "unavailable": dict(self.unavailable)}
+        if self.heads:
+            extra["heads"] = list(self.heads)
         if self.device == "cuda":
             with contextlib.suppress(Exception):  # the header must never fail the run
                 import torch
@@ -210,11 +217,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     dest="attnreg_exhaustive",
                     help="expand the full product of declared values (default: cover each "
                          "declared value once)")
+    group.addoption("--attnreg-heads", action="append", default=[], type=_positive_int,
+                    dest="attnreg_heads", metavar="N",
+                    help="run every configuration with N query heads (repeatable) instead "
+                         "of the device's defaults, e.g. one tensor-parallel rank's share")
     group.addoption("--attnreg-plugin", action="append", default=[], dest="attnreg_plugins",
                     metavar="MODULE",
                     help="import MODULE and register it as an attnreg plugin for this run")
     group.addoption("--attnreg-disable", action="append", default=[], dest="attnreg_disable",
                     metavar="NAME", help="block an attnreg plugin or backend by name")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"a head count must be >= 1, got {value}")
+    return value
 
 
 def pytest_configure(config: pytest.Config) -> None:
