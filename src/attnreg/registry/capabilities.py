@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from typing_extensions import Self
-
 from .platform import Platform, Vendor
 
 __all__ = [
@@ -57,7 +55,7 @@ class _StrEnum(str, enum.Enum):
         return str(self.value)
 
     @classmethod
-    def parse(cls, text: str | _StrEnum) -> Self:
+    def parse(cls: type[_E], text: str | _StrEnum) -> _E:
         """Parse a value case-insensitively (``"tc_piecewise"``, ``"TC_PIECEWISE"``)."""
         if isinstance(text, cls):
             return text
