@@ -6,23 +6,22 @@ not a code change.  Named presets live in :mod:`attnreg.graph_policy.presets`.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 from typing import Any, cast
+
+from attnreg.registry.strenum import StrEnum
 
 from ..registry.capabilities import DType
 
 __all__ = ["AttentionKind", "ModelFacts"]
 
 
-class AttentionKind(str, enum.Enum):
+class AttentionKind(StrEnum):
     """The attention form of a model."""
 
     MLA = "mla"
     MHA = "mha"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

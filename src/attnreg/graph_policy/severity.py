@@ -7,23 +7,21 @@ import cycle.
 
 from __future__ import annotations
 
-import enum
+from attnreg.registry.strenum import StrEnum
 
 __all__ = ["Severity", "Source"]
 
 
-class Severity(str, enum.Enum):
+class Severity(StrEnum):
     """HARD: always holds.  SOFT: adjusts defaults, yields to locks.  INFO: no change."""
 
     HARD = "hard"
     SOFT = "soft"
     INFO = "info"
 
-    def __str__(self) -> str:
-        return self.value
 
 
-class Source(str, enum.Enum):
+class Source(StrEnum):
     """Where the fact behind a decision comes from."""
 
     USER = "user"
@@ -34,5 +32,3 @@ class Source(str, enum.Enum):
     #: the batch being scheduled (replay-gate rules only)
     BATCH = "batch"
 
-    def __str__(self) -> str:
-        return self.value

@@ -17,12 +17,11 @@ Vocabulary (see docs/concepts.md):
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from .platform import Platform, Vendor
+from .strenum import StrEnum
 
 __all__ = [
     "CAPTURE_GRAPH_MODES",
@@ -45,34 +44,12 @@ __all__ = [
 ]
 
 
-_E = TypeVar("_E", bound="_StrEnum")
-
-
-class _StrEnum(str, enum.Enum):
-    """str-valued enum whose str() is its value (stable in JSON and tables)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    @classmethod
-    def parse(cls: type[_E], text: str | _StrEnum) -> _E:
-        """Parse a value case-insensitively (``"tc_piecewise"``, ``"TC_PIECEWISE"``)."""
-        if isinstance(text, cls):
-            return text
-        key = str(text).strip().lower().replace("-", "_")
-        for member in cls:
-            if member.value == key or member.name.lower() == key:
-                return member
-        allowed = ", ".join(m.value for m in cls)
-        raise ValueError(f"unknown {cls.__name__} {text!r}; expected one of: {allowed}")
-
-
-class Phase(_StrEnum):
+class Phase(StrEnum):
     DECODE = "decode"
     PREFILL = "prefill"
 
 
-class ForwardMode(_StrEnum):
+class ForwardMode(StrEnum):
     """What a batch is."""
 
     DECODE = "decode"
@@ -81,14 +58,14 @@ class ForwardMode(_StrEnum):
     DRAFT_EXTEND = "draft_extend"
 
 
-class GraphMode(_StrEnum):
+class GraphMode(StrEnum):
     DISABLED = "disabled"
     FULL = "full"
     BREAKABLE = "breakable"
     TC_PIECEWISE = "tc_piecewise"
 
 
-class ForwardMethod(_StrEnum):
+class ForwardMethod(StrEnum):
     """Which attention form runs.
 
     MLA: absorbed, q/k 576 (512 latent + 64 rope), v 512, over the latent cache.
@@ -101,14 +78,14 @@ class ForwardMethod(_StrEnum):
     MHA_CHUNKED_KV = "mha_chunked_kv"
 
 
-class DType(_StrEnum):
+class DType(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP8_E4M3 = "fp8_e4m3"
     FP32 = "fp32"
 
 
-class Cost(_StrEnum):
+class Cost(StrEnum):
     """Cost of a capture fallback.
 
     HIGH means the fallback does work proportional to the whole KV pool
@@ -120,13 +97,13 @@ class Cost(_StrEnum):
     HIGH = "high"
 
 
-class SupportKind(_StrEnum):
+class SupportKind(StrEnum):
     NATIVE = "native"
     FALLBACK = "fallback"
     UNSUPPORTED = "unsupported"
 
 
-class SplitKV(_StrEnum):
+class SplitKV(StrEnum):
     """What happens to split-KV parallelism under capture.
 
     DYNAMIC: a static grid sized by a maximum split count, with per-sequence

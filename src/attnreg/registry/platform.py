@@ -6,7 +6,6 @@ asks torch lazily (only if it is installed) and falls back to ``cpu``.
 
 from __future__ import annotations
 
-import enum
 import glob
 import os
 import re
@@ -15,18 +14,18 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .strenum import StrEnum
+
 __all__ = ["Platform", "Vendor"]
 
 
-class Vendor(str, enum.Enum):
+class Vendor(StrEnum):
     CUDA = "cuda"
     ROCM = "rocm"
     NPU = "npu"
     XPU = "xpu"
     CPU = "cpu"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 _ARCH_RE = re.compile(r"^(sm|gfx)(\d+)([a-z]?)$")

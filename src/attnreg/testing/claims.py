@@ -26,7 +26,6 @@ least once (a base configuration, then one dimension varied at a time); with
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -42,6 +41,7 @@ from attnreg.registry.capabilities import (
     SplitKV,
     SupportKind,
 )
+from attnreg.registry.strenum import StrEnum
 
 from .batches import CAPTURE_REPLAY_SPECS, EAGER_SPECS
 
@@ -57,17 +57,15 @@ __all__ = [
 ]
 
 
-class ClaimKind(str, enum.Enum):
+class ClaimKind(StrEnum):
     EAGER = "eager"
     REFUSAL = "refusal"
     CAPTURE = "capture"
     AVAILABILITY = "availability"
 
-    def __str__(self) -> str:
-        return self.value
 
 
-class Check(str, enum.Enum):
+class Check(StrEnum):
     """What one claim checks.  Values appear in claim ids and the report."""
 
     # eager
@@ -93,8 +91,6 @@ class Check(str, enum.Enum):
     # availability
     AVAILABLE = "available"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Capture checks that are logic only (no CUDA graph object is needed): they

@@ -23,7 +23,6 @@ torch.
 
 from __future__ import annotations
 
-import enum
 import json
 import platform as _pyplatform
 import textwrap
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from attnreg.registry.spec import installed_version
+from attnreg.registry.strenum import StrEnum
 
 __all__ = ["LIBRARIES", "SCHEMA_VERSION", "ClaimResult", "Report", "Status", "library_versions"]
 
@@ -48,13 +48,11 @@ def library_versions() -> dict[str, str | None]:
     return {name: installed_version(name) for name in LIBRARIES}
 
 
-class Status(str, enum.Enum):
+class Status(StrEnum):
     VERIFIED = "verified"
     REFUTED = "refuted"
     SKIPPED = "skipped"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
