@@ -1,15 +1,15 @@
-"""Inputs and expected outputs of one named batch: the float32 oracle of the suite.
+"""Inputs and expected outputs of one named batch: the oracle of the suite (float64).
 
 A :class:`Workload` holds a batch over a (canary-filled) KV pool whose prefix
 tokens the harness wrote itself, random queries and new KV rows, and the
-output a float32 dense computation over the *logical* sequences gives.
+output a float64 dense computation over the *logical* sequences gives.
 
 The oracle is deliberately independent of every backend, the reference one
 included: it never reads the pool through a page table, it attends over the
 per-sequence rows the harness generated, rounded exactly as the pool stores
 them (:meth:`MLAKVPool.quantize_roundtrip`).  So a paging bug in the reference
 backend is caught like any other.  The math is the reference backend's:
-float32 scores, bottom-right causal mask, softmax, weighted sum.
+float64 scores, bottom-right causal mask, softmax, weighted sum.
 """
 
 from __future__ import annotations
