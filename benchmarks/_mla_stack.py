@@ -21,22 +21,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from attnreg.commands.calibrate import LayerShape
+
 from .metrics import mla_layer_weight_bytes
 
 __all__ = ["DEEPSEEK", "MLAStack", "StackShape"]
 
 
 @dataclass(frozen=True)
-class StackShape:
-    """Layer count and projection widths (DeepSeek-V3 by default)."""
+class StackShape(LayerShape):
+    """Layer count and head count on top of one layer's projection widths
+    (:class:`attnreg.commands.calibrate.LayerShape`, DeepSeek-V3 by default)."""
 
     layers: int = 8
-    hidden: int = 7168
-    q_lora: int = 1536
-    kv_lora: int = 512
-    rope: int = 64
-    nope: int = 128
-    v_dim: int = 128
     heads: int = 128
 
     @property
