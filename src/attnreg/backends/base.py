@@ -283,6 +283,9 @@ class AttentionBackend:
             raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
         self.config = config
         self.capabilities = capabilities
+        #: requests already found inside the declaration: the declaration is
+        #: frozen, so the eager hot path checks each distinct request once
+        self._accepted_requests: set[tuple[object, ...]] = set()
         self.name = capabilities.backend
         self.device = resolve_device(config.device)
         self.forward_metadata: ForwardMetadata | None = None
@@ -815,11 +818,15 @@ class AttentionBackend:
             raise UnsupportedError(self.name, f"{method} {phase} query shape",
                                    f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}",
                                    "reshape q to 3-d")
+        key = (method, phase, tuple(head_dims), q_dt, str(kv_dtype), page_size, q.shape[1])
+        if key in self._accepted_requests:
+            return
         reasons = self.capabilities.check_request(
             method, phase, head_dims=head_dims, q_dtype=q_dt, kv_dtype=kv_dtype,
             page_size=page_size, num_heads=q.shape[1])
         if reasons:
             raise UnsupportedError(self.name, f"{method} {phase} request", reasons)
+        self._accepted_requests.add(key)
 
     def _validate_batch(self, batch: ForwardBatch) -> None:
         problems = []
