@@ -118,3 +118,29 @@ def test_a_requested_backend_that_cannot_run_here_fails_the_run(tmp_path):
     assert "flashinfer_mla" in data["header"]["unavailable"]
     assert by_status(data, "skipped")["flashinfer_mla/availability"].startswith(
         "backend not available: flashinfer kernels are CUDA-only")
+
+
+def test_merge_joins_reports_without_running_claims(tmp_path):
+    from attnreg.testing.report import ClaimResult, Report, Status
+
+    paths = []
+    for name, status in (("a", Status.VERIFIED), ("b", Status.REFUTED)):
+        rep = Report({"backends": [name], "device": "cuda", "platform": "cuda:sm90",
+                      "libraries": {"torch": "2.11.0"}})
+        rep.add(ClaimResult({"id": f"{name}/1", "backend": name}, status, "why"))
+        paths.append(rep.write_json(tmp_path / f"{name}.json"))
+    out = tmp_path / "all.json"
+    proc = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
+                           str(paths[0]), "--merge", str(paths[1]), "--json", str(out)],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 1, proc.stderr  # b's claim is refuted
+    assert "REFUTED   b/1" in proc.stdout and "a: 1 verified" in proc.stdout
+    assert Report.read_json(out).header["backends"] == ["a", "b"]
+    bad = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
+                          str(paths[0]), "--backend", "triton"],
+                         capture_output=True, text=True, env=env(), timeout=120)
+    assert bad.returncode == 2 and "drop --backend" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
+                              str(tmp_path / "nope.json")],
+                             capture_output=True, text=True, env=env(), timeout=120)
+    assert missing.returncode == 2 and "no such report" in missing.stderr

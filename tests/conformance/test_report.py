@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from attnreg.testing.report import SCHEMA_VERSION, ClaimResult, Report, Status
 
 
@@ -49,3 +51,43 @@ def test_json_round_trip(tmp_path):
     again = Report.read_json(path)
     assert [(r.id, r.status, r.message) for r in again.results] == \
         [(r.id, r.status, r.message) for r in report.results]
+
+
+def _run_report(backend: str, *results: ClaimResult, **header: object) -> Report:
+    base = {"backends": [backend], "device": "cuda", "platform": "cuda:sm90",
+            "device_name": "NVIDIA H200", "libraries": {"torch": "2.11.0"}, "unavailable": {}}
+    base.update(header)
+    report = Report(base)
+    for r in results:
+        report.add(r)
+    return report
+
+
+def test_merge_joins_per_backend_runs_of_one_machine():
+    a = _run_report("a", _result("a/1", Status.VERIFIED, backend="a"))
+    b = _run_report("b", _result("b/1", Status.SKIPPED, "not here", backend="b"),
+                    unavailable={"b": "needs sm100"})
+    merged = Report.merge([a, b])
+    assert merged.header["backends"] == ["a", "b"]
+    assert merged.header["unavailable"] == {"b": "needs sm100"}
+    assert merged.counts() == {"verified": 1, "refuted": 0, "skipped": 1}
+    assert merged.ok
+    # the inputs are not changed by the merge
+    assert a.header["backends"] == ["a"] and a.header["unavailable"] == {}
+
+
+def test_merge_keeps_the_worse_outcome_of_a_claim_run_twice():
+    first = _run_report("a", _result("a/1", Status.VERIFIED, backend="a"))
+    second = _run_report("a", _result("a/1", Status.REFUTED, "replay differs", backend="a"))
+    merged = Report.merge([first, second])
+    assert [r.status for r in merged.results] == [Status.REFUTED] and not merged.ok
+
+
+def test_merge_refuses_reports_of_different_machines_or_versions():
+    a = _run_report("a")
+    with pytest.raises(ValueError, match="platform 'cuda:sm100'"):
+        Report.merge([a, _run_report("b", platform="cuda:sm100")])
+    with pytest.raises(ValueError, match="libraries"):
+        Report.merge([a, _run_report("b", libraries={"torch": "2.13.0"})])
+    with pytest.raises(ValueError, match="nothing to merge"):
+        Report.merge([])

@@ -12,6 +12,7 @@ Examples::
     attnreg conformance --backend flashinfer_mla --json conf.json
     attnreg conformance --device cuda                        # every available backend
     attnreg conformance --plugin my_pkg.attnreg_plugin --backend mine   # not installed yet
+    attnreg conformance --merge a.json --merge b.json --json all.json  # join earlier runs
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="list verified claims too, and show pytest's tracebacks")
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to pytest as is (repeatable)")
+    parser.add_argument("--merge", action="append", default=[], metavar="REPORT",
+                        help="run nothing: join the JSON reports of earlier runs on one machine "
+                             "(repeatable, e.g. one per backend run in parallel), print the "
+                             "table and write it with --json")
     add_registry_arguments(parser)
 
 
@@ -173,7 +178,37 @@ def _unavailable_requested(args: argparse.Namespace, report_path: Path) -> list[
     return [name for name in args.backend if name in unavailable]
 
 
+#: Options that choose what to run: meaningless with --merge, which runs nothing.
+_RUN_OPTIONS = ("backend", "device", "exhaustive", "heads", "plugin", "keyword", "exitfirst",
+                "list", "pytest_arg")
+
+
+def merge_reports(args: argparse.Namespace) -> int:
+    """``--merge``: join earlier reports, print the table, write ``--json``; 1 if refuted."""
+    given = [f"--{name.replace('_', '-')}" for name in _RUN_OPTIONS if getattr(args, name)]
+    if given:
+        print(f"attnreg conformance: error: --merge runs no claims; drop {', '.join(given)}",
+              file=sys.stderr)
+        return 2
+    from attnreg.testing.report import Report
+
+    try:
+        merged = Report.merge(Report.read_json(path) for path in args.merge)
+    except FileNotFoundError as exc:
+        print(f"attnreg conformance: error: no such report: {exc.filename}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # schema, JSON syntax, or reports of different machines
+        print(f"attnreg conformance: error: {exc}", file=sys.stderr)
+        return 2
+    print(merged.to_text(verbose=args.verbose))
+    if args.json:
+        print(f"report written to {merged.write_json(args.json)}")
+    return 0 if merged.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge_reports(args)
     if args.device == "cpu":
         # before anything imports triton or evaluates a declaration (declarations are
         # cached per process, and triton's reads TRITON_INTERPRET): kernels then run

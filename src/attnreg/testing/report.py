@@ -151,6 +151,46 @@ class Report:
     def read_json(cls, path: str | Path) -> Report:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
+    @classmethod
+    def merge(cls, reports: Iterable[Report]) -> Report:
+        """One report from runs on the same platform and device, e.g. one per backend.
+
+        Backends run in separate processes (in parallel, or one after the other)
+        each write a report; this joins them.  The header of the first report is
+        kept, with ``backends`` and ``unavailable`` gathered from all.  A claim id
+        that appears twice keeps its worse outcome (refuted over skipped over
+        verified), as within one run.
+
+        Raises
+        ------
+        ValueError
+            When the reports come from different platforms, devices or library
+            versions: such a merge would describe a run that never happened.
+        """
+        reports = list(reports)
+        if not reports:
+            raise ValueError("nothing to merge: no conformance reports given")
+        first = reports[0].header
+        merged = cls(dict(first))
+        backends: list[str] = []
+        unavailable: dict[str, str] = {}
+        for i, rep in enumerate(reports):
+            for key in ("platform", "device", "device_name", "libraries"):
+                if rep.header.get(key) != first.get(key):
+                    raise ValueError(
+                        f"cannot merge conformance reports: report {i + 1} has {key} "
+                        f"{rep.header.get(key)!r}, report 1 has {first.get(key)!r}; merge only "
+                        "runs of one machine and one set of library versions")
+            for name in list(rep.header.get("backends", [])) + rep.backends():
+                if name not in backends:
+                    backends.append(name)
+            unavailable.update(rep.header.get("unavailable") or {})
+            for result in rep.results:
+                merged.add(result)
+        merged.header["backends"] = backends
+        merged.header["unavailable"] = unavailable
+        return merged
+
     # -- text ----------------------------------------------------------------
     def header_lines(self) -> list[str]:
         h = self.header
