@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The device runs behind docs/conformance/h200.json, the GPU test records in the
+# closing notes and benchmarks/results/h200.json, one step per device call.
+#
+#   run(command="bash scripts/h200_session.sh STEP", carry=[...])
+#
+# Steps (in this order, back to back: the device goes back after 30 s idle and
+# what was installed under /tmp goes with it; see ../shared/gpu/README.md):
+#   stage   carry .gpu/fa4-1 .gpu/setup.sh .gpu/fi-cache.tgz   stage flash-attn-4 part 1
+#   fa4     carry .gpu/fa4-2 .gpu/setup.sh                     install flash-attn-4 (it runs
+#                                                              only once base is in too: it
+#                                                              needs tvm_ffi from there)
+#   gpu     carry .gpu/base .gpu/setup.sh                      install flashinfer; every
+#                                                              `gpu` test and the conformance
+#                                                              of the other backends, in parallel
+#   bench   carry .gpu/base .gpu/setup.sh                      python -m benchmarks, all GPU
+#                                                              sections
+#   cost    carry .gpu/base .gpu/setup.sh                      calibrate flashinfer_mla, then
+#                                                              benchmarks/cost_gate.py per profile
+#   multi   kind nvidia-h200-x2, carry .gpu/base .gpu/setup.sh  benchmarks/multi_gpu.py over
+#                                                              2 GPUs (NCCL), full per-rank
+#                                                              conformance at 64 heads
+#
+# Add .gpu/fi-cache.tgz (flashinfer's JIT cache, written by the bench step as
+# bench/fi-cache.tgz) to a carry when it fits: 64 MiB per call in all.
+# pytest-timeout (on the device) bounds each GPU test at 300 s, so one stuck
+# test cannot use up a call.
+#
+# Everything a step writes goes into one archive, $OUT/STEP.tgz (the device
+# returns at most 8 files), and its summary is printed last.
+set -u
+step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|cost|multi}
+OUT=${OUT:-/tmp/h200-out}
+work=/tmp/h200-$step
+mkdir -p "$OUT" "$work"
+
+source .gpu/setup.sh
+# An editable install registers the pytest11 and attnreg.backends entry points;
+# PYTHONPATH keeps the tree importable if it fails (no package index there).
+python3 -m pip install --no-deps --no-build-isolation -e . -q >"$work/pip.log" 2>&1 \
+  || echo "editable install failed (see pip.log); using PYTHONPATH=src"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 - <<'EOF'
+import importlib
+for m in ("torch", "triton", "flashinfer", "flash_attn.cute"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m}: {getattr(mod, '__version__', 'importable')}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"{m}: not importable ({type(exc).__name__}: {str(exc)[:120]})")
+EOF
+
+conformance() {  # conformance BACKEND LIMIT_S
+  timeout "$2" python3 -m attnreg conformance --backend "$1" --device cuda \
+    --json "$work/conf-$1.json" >"$work/conf-$1.log" 2>&1
+  echo "rc=$?" >>"$work/conf-$1.log"
+}
+
+finish() {
+  tar czf "$OUT/$step.tgz" -C "$work" .
+  for f in "$work"/*.log; do
+    echo "===== $(basename "$f")"
+    grep -E "^(OK|REFUTED|NOTHING)|verified,|rc=|passed|failed|error" "$f" | tail -8
+  done
+}
+
+case $step in
+  stage)
+    ;;
+  fa4)
+    ;;
+  gpu)
+    start=$(date +%s)
+    timeout 540 python3 -m pytest tests -m gpu -q -rs --durations=40 -p no:cacheprovider \
+      --timeout 300 \
+      >"$work/gpu-tests.log" 2>&1 &
+    tests_pid=$!
+    for b in reference triton flashinfer_mla trtllm_mla flash_attn_cute; do conformance "$b" 540 & done
+    wait $tests_pid; echo "rc=$?" >>"$work/gpu-tests.log"
+    wait
+    echo "gpu step: $(( $(date +%s) - start )) s"
+    ;;
+  bench)
+    python3 -m benchmarks --out "$work/bench" --no-render --time-budget-s 420 \
+      >"$work/bench.log" 2>&1
+    echo "rc=$?" >>"$work/bench.log"
+    tail -30 "$work/bench.log"
+    ;;
+  cost)
+    timeout 150 python3 -m attnreg calibrate --backend flashinfer_mla \
+      --out "$work/h200-flashinfer_mla.json" --time-budget-s 100 >"$work/calibrate.log" 2>&1
+    echo "rc=$?" >>"$work/calibrate.log"
+    for p in src/attnreg/data/profiles/h200-triton.json "$work/h200-flashinfer_mla.json"; do
+      [ -f "$p" ] || continue
+      name=$(basename "$p" .json)
+      timeout 200 python3 benchmarks/cost_gate.py --profile "$p" --out "$work/cg-$name.json" \
+        --time-budget-s 150 >"$work/cg-$name.log" 2>&1
+      echo "rc=$?" >>"$work/cg-$name.log"
+      tail -4 "$work/cg-$name.log"
+    done
+    ;;
+  multi)
+    timeout 560 python3 benchmarks/multi_gpu.py --nprocs 2 --backend nccl --trials 1000 \
+      --out "$work/multi" --timeout 150 --conformance-timeout 380 >"$work/multi.log" 2>&1
+    echo "rc=$?" >>"$work/multi.log"
+    tail -30 "$work/multi.log"
+    ;;
+  *)
+    echo "unknown step $step" >&2; exit 2 ;;
+esac
+finish
