@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -291,6 +292,8 @@ def _environment(torch: Any, cuda: bool) -> dict[str, Any]:
             "flashinfer-python": installed_version("flashinfer-python"),
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "python": sys.version.split()[0],
+            # what the renderer shows as the command: the argv this run was given
+            "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -692,10 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.plan_platform and device == "cpu":
         cfg["simulated_plan"] = True  # a named platform other than this machine's
-    command = "python3 benchmarks/multi_gpu.py " + " ".join(
+    # shlex.join: the recorded command must paste back as is (-k "a and b")
+    command = "python3 benchmarks/multi_gpu.py " + shlex.join(
         sys.argv[1:] if argv is None else argv)
     result: dict[str, Any] = {"nprocs": args.nprocs, "backend": args.backend, "device": device,
                               "command": command, "seed": args.seed,
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "multicast_env": MULTICAST_OFF}
     print(f"multi_gpu: {args.nprocs} ranks over {args.backend}: vote ({args.trials} trials) "
           f"and gate ({cfg['gate_steps']} steps)...", flush=True)

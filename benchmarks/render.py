@@ -2,6 +2,10 @@
 
 ``python -m benchmarks.render [FILES ...]`` (default: ``benchmarks/results/*.json``,
 device results first) writes ``docs/benchmarks.md`` and ``docs/img/*.png``.
+After the harness's sections it renders the two standalone benchmarks:
+``benchmarks/results/cost-gate/*.json`` (``benchmarks/cost_gate.py``, issue 10)
+and ``benchmarks/results/multi/*-summary.json`` (``benchmarks/multi_gpu.py``,
+issue 9).
 Every number in the page comes from a results file, next to the command,
 date, device and library versions that produced it; a section no file has
 measured says "not measured" and how to measure it.  Missed targets get the
@@ -18,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +36,8 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 DOCS_MD = ROOT / "docs" / "benchmarks.md"
 DOCS_IMG = ROOT / "docs" / "img"
 NOTES = RESULTS_DIR / "notes.md"
+COST_GATE_DIR = RESULTS_DIR / "cost-gate"
+MULTI_DIR = RESULTS_DIR / "multi"
 
 DEVICE_COMMAND = ("source .gpu/setup.sh && pip install --no-deps --no-build-isolation -e . -q "
                   "&& python3 -m benchmarks --out $OUT/bench")
@@ -163,6 +170,8 @@ def _check_line(c: dict[str, Any]) -> str:
 def _fmt_unit(value: float | None, unit: str) -> str:
     if value is None:
         return "not measured"
+    if unit == "ratio":  # an "x" figure whose target sits close to it (1.045 vs 1.05)
+        return f"{value:.3f}x"
     if unit in ("of copy", "overhead"):
         return f"{value * 100:.1f}%"
     if unit == "x":
@@ -759,18 +768,485 @@ def explain_unmeasured(check: dict[str, Any], data: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------
+# Standalone benchmarks: cost-aware prefill replay (issue 10) and multi-GPU (issue 9)
+# ----------------------------------------------------------------------------------------
+
+COST_GATE_TITLE = "Cost-aware prefill replay (issue 10)"
+MULTI_TITLE = "Multi-GPU (issue 9)"
+#: benchmarks/cost_gate.py's SCHEMA; not imported from there, because that module
+#: imports attnreg's calibration code and the renderer must not need it.
+COST_GATE_SCHEMA = "attnreg.bench.cost_gate"
+#: Issue 10's targets, used only when a results file does not carry its own.
+COST_GATE_TARGETS = {"max_class_ratio_to_best": 1.05, "min_speedup_over_worse_fixed": 1.3}
+COST_GATE_COMMAND = (DEVICE_COMMAND.split(" && python3 ")[0] + " && python3 "
+                     "benchmarks/cost_gate.py --profile src/attnreg/data/profiles/"
+                     "h200-BACKEND.json --out $OUT/cost-gate/h200-BACKEND.json")
+MULTI_COMMAND = ("python3 benchmarks/multi_gpu.py --nprocs N --backend nccl --trials 1000 "
+                 "--out $OUT/tpN")
+#: World sizes issue 9 asks for, and why a size has no summary file (where known).
+MULTI_SIZES = (2, 4, 8)
+MULTI_UNMEASURED_WHY = {n: f"nvidia-h200-x{n} machines were not lent when issue 9 was measured"
+                        for n in (4, 8)}
+
+
+@dataclass
+class Extras:
+    """Results of the standalone benchmark scripts (not ``python -m benchmarks``)."""
+
+    cost_gate: list[ResultsFile]
+    multi: list[ResultsFile]
+
+    @property
+    def files(self) -> list[ResultsFile]:
+        return self.cost_gate + self.multi
+
+
+def load_extras(cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR) -> Extras:
+    """``cost_gate_dir/*.json`` and ``multi_dir/*-summary.json``, by name.
+
+    Raises
+    ------
+    ValueError
+        When a file in ``cost_gate_dir`` is not a cost_gate.py result, or a
+        summary is not one written by multi_gpu.py.
+    """
+    gates = []
+    for p in sorted(Path(cost_gate_dir).glob("*.json")):
+        doc = json.loads(p.read_text())
+        if doc.get("schema") != COST_GATE_SCHEMA:
+            raise ValueError(f"{p}: schema {doc.get('schema')!r}, expected "
+                             f"{COST_GATE_SCHEMA!r} (written by benchmarks/cost_gate.py)")
+        gates.append(ResultsFile(p, doc))
+    multi = []
+    for p in sorted(Path(multi_dir).glob("*-summary.json")):
+        doc = json.loads(p.read_text())
+        if not {"nprocs", "backend", "workers"} <= doc.keys():
+            raise ValueError(f"{p}: not a summary written by benchmarks/multi_gpu.py "
+                             "(needs nprocs, backend, workers)")
+        multi.append(ResultsFile(p, doc))
+    return Extras(gates, multi)
+
+
+# ---- cost gate ------------------------------------------------------------------------
+
+def _gate_backend(f: ResultsFile) -> str:
+    return str(f.doc.get("setup", {}).get("backend", f.path.stem))
+
+
+def _gate_targets(doc: dict[str, Any]) -> dict[str, float]:
+    recorded = doc.get("summary", {}).get("targets", {})
+    return {k: recorded.get(k, v) for k, v in COST_GATE_TARGETS.items()}
+
+
+def cost_gate_checks(f: ResultsFile) -> list[dict[str, Any]]:
+    """Issue 10's two targets for one results file, as check dicts (metrics.evaluate)."""
+    from .metrics import evaluate
+
+    doc, backend = f.doc, _gate_backend(f)
+    s = doc.get("summary", {})
+    targets = _gate_targets(doc)
+    n_done, n_all = s.get("classes", 0), len(doc.get("classes", []))
+    worst = s.get("worst_class") or {}
+    where = (f"B={worst.get('batch_size')}, prefix {worst.get('prefix')}, extend "
+             f"{worst.get('extend')}; " if worst else "")
+    totals = s.get("total_ms", {})
+    worse = max(("always_graph", "always_eager"), key=lambda k: totals.get(k, 0.0))
+    mix = (f"{worse.replace('_', ' ')} {totals[worse]:.1f} ms vs cost-aware "
+           f"{totals['cost_aware']:.1f} ms" if totals else "")
+    return [
+        evaluate(f"cost gate {backend}: classes", "cost-aware / per-class best, worst batch class",
+                 s.get("max_class_ratio_to_best"), "ratio", "<=",
+                 target=targets["max_class_ratio_to_best"],
+                 detail=f"{where}{n_done} of {n_all} classes measured").to_dict(),
+        evaluate(f"cost gate {backend}: mix", "worse fixed policy / cost-aware, total over the mix",
+                 s.get("speedup_over_worse_fixed"), "ratio", ">=",
+                 target=targets["min_speedup_over_worse_fixed"], detail=mix).to_dict(),
+    ]
+
+
+def _gate_provenance(f: ResultsFile, root: Path) -> str:
+    m = f.doc.get("meta", {})
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "triton", "flashinfer-python")
+                         if m.get(k))
+    cuda = f", CUDA {m['cuda']}" if m.get("cuda") else ""
+    source = f.doc.get("profile", {}).get("source", "PROFILE.json")
+    recorded = f.doc.get("command") or m.get("command")
+    command = recorded or (
+        f"python3 benchmarks/cost_gate.py --profile {source} --out {_rel(f.path, root)}")
+    how = "" if recorded else \
+        " (rebuilt from the file's profile source: cost_gate.py does not record its command)"
+    return (f"*Measured* {m.get('date', '?')} on {m.get('device', '?')}; {versions}{cuda}, "
+            f"python {m.get('python', '?')}, attnreg {m.get('attnreg', '?')}.  \n"
+            f"*Command:* `{command}`{how}; took {fmt(f.doc.get('wall_s'), '.0f')} s; data: "
+            f"`{_rel(f.path, root)}`.")
+
+
+def _gate_row(r: dict[str, Any], target: float) -> list[str]:
+    head = [str(r.get("batch_size")), str(r.get("prefix")), str(r.get("extend"))]
+    if "gate_ms" not in r:
+        why = "skipped: " + r["skipped"] if r.get("skipped") else "error: " + \
+            str(r.get("error", "?"))
+        return head + ["-", why[:100]] + [""] * 4
+    graph, eager = f"{r['graph_ms']:.2f}", f"{r['eager_ms']:.2f}"
+    if r["best"] == "graph":
+        graph = f"**{graph}**"
+    else:
+        eager = f"**{eager}**"
+    if not r.get("eligible", True):  # always-graph runs this class eagerly too
+        graph += " (not eligible)"
+    pred = r.get("predicted", {})
+    ratio = f"{r['ratio_to_best']:.3f}x"
+    if r["ratio_to_best"] > target:
+        ratio = f"**{ratio}**"
+    if not r.get("agree", True):
+        ratio += f" **outputs disagree (rel.diff {fmt(r.get('rel_diff_graph_vs_eager'))})**"
+    return head + [f"{r.get('tokens')} ({r.get('padded_tokens')})", graph, eager,
+                   f"{fmt(pred.get('graph_ms'), '.2f')} / {fmt(pred.get('eager_ms'), '.2f')}",
+                   r["gate_choice"], ratio]
+
+
+def _gate_totals(s: dict[str, Any]) -> list[str]:
+    t = s.get("total_ms")
+    if not t:
+        return ["No class was measured: no totals."]
+    best = t["per_class_best"]
+    worse = max(("always graph", "always_graph"), ("always eager", "always_eager"),
+                key=lambda nk: t[nk[1]])[0]
+    rows = [[name, f"{t[key]:.1f}", f"{t[key] / best:.3f}x"]
+            for name, key in (("cost-aware (the gate)", "cost_aware"),
+                              ("always graph (absorbed, replayed)", "always_graph"),
+                              ("always eager (MHA)", "always_eager"),
+                              ("per-class best", "per_class_best"))]
+    return [md_table(["policy over the mix (each class once)", "total ms", "/ per-class best"],
+                     rows), "",
+            (f"Cost-aware is **{s['speedup_over_worse_fixed']:.2f}x** faster than the worse "
+             f"fixed policy ({worse}) and {s['speedup_over_better_fixed']:.2f}x faster than the better "
+             "one.")]
+
+
+def _gate_table(f: ResultsFile, root: Path) -> list[str]:
+    doc = f.doc
+    target = _gate_targets(doc)["max_class_ratio_to_best"]
+    header = ["requests", "prefix", "extend", "tokens (graph bucket)", "graph ms", "eager ms",
+              "predicted graph / eager ms", "gate's choice", "gate / best"]
+    rows = [_gate_row(r, target) for r in doc.get("classes", [])]
+    prof = doc.get("profile", {})
+    done = [r for r in doc.get("classes", []) if "gate_ms" in r]
+    diffs = [r["rel_diff_graph_vs_eager"] for r in done
+             if r.get("rel_diff_graph_vs_eager") is not None]
+    agree = ("the graph and eager outputs agree on every measured class (cost_gate.py's "
+             f"tolerance; largest relative difference {max(diffs):.1e})"
+             if done and all(r.get("agree") for r in done) and diffs else
+             "**the graph and eager outputs disagree on some class** (see the table)"
+             if done else "")
+    out = [f"### `{_gate_backend(f)}`", "", _gate_provenance(f, root), "",
+           (f"Profile: {prof.get('label', '?')} (`{prof.get('source', '?')}`); the gate "
+            f"{'uses' if prof.get('gate_uses_cost_model') else '**does not use**'} the cost "
+            f"model.  Bold: the faster of graph and eager.  Predicted: the profile's per-layer "
+            f"terms x {doc.get('setup', {}).get('layers', '?')} layers.{'  ' if agree else ''}"
+            f"{agree[:1].upper() + agree[1:]}{'.' if agree else ''}"), "",
+           md_table(header, rows), ""]
+    out += _gate_totals(doc.get("summary", {})) + [""]
+    for c in cost_gate_checks(f):
+        out += ["- " + _check_line(c)]
+        if c["status"] == "missed":
+            reason, step = explain_gate_miss(c, doc)
+            out += [f"  - *Why it is missed (from the data):* {reason}",
+                    f"  - *Next step:* {step}"]
+        elif c["status"] == "not measured":
+            out += ["  - *Why it was not measured:* no batch class was measured (the table "
+                    "gives each class's error or skip reason)."]
+    return out + [""]
+
+
+def explain_gate_miss(check: dict[str, Any], doc: dict[str, Any]) -> tuple[str, str]:
+    """(reason, next step) for a missed issue-10 check, from the measured data only."""
+    backend = doc.get("setup", {}).get("backend", "BACKEND")
+    done = [r for r in doc.get("classes", []) if "gate_ms" in r]
+    s = doc.get("summary", {})
+    if check["id"].endswith("classes"):
+        target = check.get("target") or COST_GATE_TARGETS["max_class_ratio_to_best"]
+        bad = [r for r in done if r["ratio_to_best"] > target]
+        where = "; ".join(
+            f"B={r['batch_size']}, prefix {r['prefix']}, extend {r['extend']}: the gate chose "
+            f"{r['gate_choice']} (predicted graph {r['predicted']['graph_ms']:.2f} / eager "
+            f"{r['predicted']['eager_ms']:.2f} ms), measured graph {r['graph_ms']:.2f} / eager "
+            f"{r['eager_ms']:.2f} ms, {r['ratio_to_best']:.3f}x the best" for r in bad)
+        return ((f"the profile's prediction puts {len(bad)} class(es) on the wrong side of "
+                 f"the crossover by more than {target:.2f}x: {where}."),
+                (f"recalibrate on this device (`attnreg calibrate --backend {backend}`) and "
+                 "rerun; if the prediction stays wrong there, compare the profile's per-layer "
+                 "terms for that shape with the measured steps."))
+    t = s.get("total_ms", {})
+    if not t:
+        return ("no class was measured.", "see the table's errors.")
+    worse = max(t["always_graph"], t["always_eager"])
+    bound = worse / t["per_class_best"]
+    if bound < check["target"]:
+        return ((f"even choosing the best path for every class is only {bound:.2f}x faster "
+                 "than the worse fixed policy on this mix: the two fixed policies cost about "
+                 "the same here, so no gate could reach the target."),
+                ("the figure depends on the mix: add classes where the two paths differ most "
+                 "(`--mix`), then rerun."))
+    lost = t["cost_aware"] - t["per_class_best"]
+    return ((f"the per-class best is {bound:.2f}x faster than the worse fixed policy, but the "
+             f"gate's choices cost {lost:.1f} ms over the per-class best."),
+            "see the classes where the gate's choice is not the best, and recalibrate.")
+
+
+def _plot_cost_gate(files: list[ResultsFile], plot: Plotter, img_rel: str) -> list[str]:
+    plotted = [f for f in files if any("gate_ms" in r for r in f.doc.get("classes", []))]
+    if not plot.available or not plotted:
+        return []
+    fig, axes = plot.plt.subplots(len(plotted), 1, figsize=(13, 3.8 * len(plotted)),
+                                  squeeze=False)
+    for ax, f in zip(axes[:, 0], plotted):
+        rows = [r for r in f.doc["classes"] if "gate_ms" in r]
+        groups = [f"B={r['batch_size']}\nP={_k(r['prefix'])}\nE={_k(r['extend'])}"
+                  for r in rows]
+        series = {
+            "cost-aware": [r["gate_ms"] / r["best_ms"] for r in rows],
+            "always graph": [(r["graph_ms"] if r["eligible"] else r["eager_ms"]) / r["best_ms"]
+                             for r in rows],
+            "always eager": [r["eager_ms"] / r["best_ms"] for r in rows]}
+        _bar_groups(ax, groups, series, "time / per-class best (log)", log=True)
+        target = _gate_targets(f.doc)["max_class_ratio_to_best"]
+        ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target:.2f}x")
+        for i, ratio in enumerate(series["cost-aware"]):
+            if ratio > 1.0005:  # the gate missed the best path here: say by how much
+                ax.text(i - 0.27, ratio, f"{ratio:.3f}", ha="center", va="bottom", fontsize=7)
+        _ratio_axis(ax, max(max(v) for v in series.values()))
+        ax.legend(fontsize=8, loc="upper left", ncol=4)
+        t = f.doc.get("summary", {}).get("total_ms", {})
+        totals = (f" (mix: cost-aware {t['cost_aware']:.0f} ms, always graph "
+                  f"{t['always_graph']:.0f} ms, always eager {t['always_eager']:.0f} ms)"
+                  if t else "")
+        ax.set_title(f"{_gate_backend(f)}: prefill step time per batch class{totals}",
+                     fontsize=10)
+    plot.save(fig, "cost_gate.png")
+    return [f"![Cost-aware prefill replay: time per class / per-class best]({img_rel}/"
+            "cost_gate.png)", ""]
+
+
+def _ratio_axis(ax: Any, top: float) -> None:
+    """Plain 1x, 1.5x, 2x ... ticks on a log axis, with room above for the legend."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ticks = [t for t in (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32) if t <= top * 1.05]
+    ax.set_ylim(0.9, top * 1.6)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_yticklabels([f"{t:g}x" for t in ticks])
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def render_cost_gate(files: list[ResultsFile], plot: Plotter, img_rel: str,
+                     root: Path = ROOT) -> list[str]:
+    """The issue-10 section: one table per results file, the checks, one plot."""
+    lines = [f"## {COST_GATE_TITLE}", ""]
+    if not files:
+        return lines + [f"Not measured yet. Run `{COST_GATE_COMMAND}` once per backend and "
+                        "bring back each JSON as "
+                        "`benchmarks/results/cost-gate/h200-BACKEND.json`.", ""]
+    setup = files[0].doc.get("setup", {})
+    shape = setup.get("layer_shape", {})
+    targets = _gate_targets(files[0].doc)
+    timing = next((r["graph_timing"].get("method") for f in files
+                   for r in f.doc.get("classes", []) if r.get("graph_timing")), "?")
+    lines += [
+        (f"A mix of {len(setup.get('mix', []))} prefill batch classes (requests, prefix and "
+         f"extend tokens per request) runs through a DeepSeek-shaped MLA stack of "
+         f"{setup.get('layers')} layers (hidden {shape.get('hidden')}, q_lora {shape.get('q_lora')}, "
+         f"kv_lora {shape.get('kv_lora')}, rope {shape.get('rope')}, nope {shape.get('nope')}, "
+         f"v {shape.get('v_dim')}, {setup.get('heads')} heads, bf16 random weights, page size "
+         f"{setup.get('page_size')}) two ways: **graph** = {setup.get('graph')} (metadata, "
+         f"input copies and replay timed together; token buckets {setup.get('buckets')}); "
+         f"**eager** = {setup.get('eager')}.  The cost-aware policy is `ReplayGate` with the "
+         "backend's cost profile; always graph replays whatever today's rules allow; always "
+         f"eager never replays.  Timing: {timing}.  Targets (issue 10): cost-aware within "
+         f"{targets['max_class_ratio_to_best']:.2f}x of the per-class best on every class, and "
+         f"at least {targets['min_speedup_over_worse_fixed']:.1f}x faster than the worse fixed "
+         "policy over the mix."), ""]
+    for f in files:
+        lines += _gate_table(f, root)
+    return lines + _plot_cost_gate(files, plot, img_rel)
+
+
+# ---- multi-GPU ------------------------------------------------------------------------
+
+def _conformance_k(doc: dict[str, Any]) -> str | None:
+    """The ``-k`` expression of the conformance runs (multi_gpu.py appends it last)."""
+    for row in doc.get("conformance", []):
+        if " -k " in row.get("command", ""):
+            return str(row["command"].split(" -k ", 1)[1])
+    return None
+
+
+def _multi_command(doc: dict[str, Any]) -> str:
+    # multi_gpu.py joins argv with spaces: quote the -k expression again so it can be pasted
+    command, expr = str(doc.get("command", "?")), _conformance_k(doc)
+    if expr and f" -k {expr}" in command:
+        command = command.replace(f" -k {expr}", f" -k {shlex.quote(expr)}", 1)
+    return command
+
+
+def _multi_devices(doc: dict[str, Any]) -> str:
+    w = doc.get("workers", {})
+    ranks = w.get("ranks") or []
+    names = sorted({str(r.get("gpu", {}).get("name")) for r in ranks if r.get("gpu")})
+    if not names:
+        return f"{doc.get('nprocs')} ranks on {doc.get('device', '?')}"
+    extra = [f"{k} {v}" for k, v in (("NCCL", ranks[0].get("nccl")),
+                                     ("torch", ranks[0].get("torch"))) if v]
+    return (f"{doc.get('nprocs')} x {' / '.join(names)} ({w.get('distinct_gpus')} distinct "
+            f"GPUs){'; ' + ', '.join(extra) if extra else ''}")
+
+
+def _multi_checks_table(doc: dict[str, Any]) -> list[str]:
+    w = doc.get("workers", {})
+    if "vote" not in w:
+        return [f"Vote/gate workers **failed**: exit codes {w.get('exit_codes')}"
+                + (" (timed out)" if w.get("timed_out") else "") + "."]
+    v, g = w["vote"], w["gate"]
+    s = g.get("setup", {})
+    step = "CUDA graph replay" if s.get("real_graphs") else \
+        "capture-mode code path, no device graph"
+
+    def zero(n: int) -> str:
+        return "pass" if n == 0 else "**FAIL**"
+
+    rows = [
+        ["vote: trials", f"{v['trials']} ({v['and_true']} AND true, {v['and_false']} false)",
+         ""],
+        ["vote: disagreeing trials (gathered / seen by each rank)",
+         f"{v['disagreements']} / {v['seen_by_ranks']}",
+         zero(v["disagreements"] + sum(v["seen_by_ranks"]))],
+        ["gate: decode steps", f"{g['steps']} ({g['graph_steps']} replayed, "
+         f"{g['eager_steps']} eager)", ""],
+        ["gate: steps where ranks ran different paths", str(g["paths"]), zero(g["paths"])],
+        ["gate: votes not the AND of local eligibility", str(g["vote_not_the_and"]),
+         zero(g["vote_not_the_and"])],
+        ["gate: paths not the vote", str(g["path_not_the_vote"]), zero(g["path_not_the_vote"])],
+        ["gate: replays that differ from eager", f"{g['replay_mismatches']} (max abs err "
+         f"{fmt(g.get('max_abs_err'))})", zero(g["replay_mismatches"])],
+        ["gate: decode step", f"{step}; {s.get('heads')} heads, "
+         f"{s.get('max_bs')} slots, seq <= {s.get('max_seq')}; plan {s.get('plan_platform')}"
+         f"{' (simulated)' if s.get('simulated_plan') else ''}, decode "
+         f"{s.get('decode_mode')}", ""],
+        ["gate: rules fired (all ranks)",
+         ", ".join(f"{k} {n}" for k, n in g.get("rules", {}).items()), ""],
+    ]
+    if doc.get("backend") == "nccl":
+        rows.append(["distinct GPUs", str(w.get("distinct_gpus")),
+                     "pass" if w.get("distinct_gpus") == doc.get("nprocs") else "**FAIL**"])
+    return [md_table(["check", "result", "status"], rows)]
+
+
+def _multi_conformance_table(doc: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in doc.get("conformance", []):
+        claims = sum(r.get(k, 0) for k in ("verified", "refuted", "skipped"))
+        exit_ = str(r.get("exit_code")) + (" (killed at the deadline)" if r.get("timed_out")
+                                           else "")
+        rows.append([str(r["rank"]), str(r.get("device_name") or r.get("device")),
+                     str(r.get("cuda_visible_devices") or "-"), str(r["heads"]),
+                     ", ".join(map(str, r.get("claim_head_counts") or ["-"])), str(claims),
+                     f"**{r.get('verified', '-')}**", str(r.get("refuted", "-")),
+                     str(r.get("skipped", "-")), exit_, fmt(r.get("wall_s"), ".0f")])
+    if not rows:
+        return ["The per-rank conformance did not run (`--skip-conformance`)."]
+    return [md_table(["rank", "device", "CUDA_VISIBLE_DEVICES", "heads", "claims ran at heads",
+                      "claims", "verified", "refuted", "skipped", "exit", "wall s"], rows)]
+
+
+def multi_check(doc: dict[str, Any]) -> dict[str, Any]:
+    """One summary-table check per run: multi_gpu.py's own list of failures must be empty."""
+    from .metrics import evaluate
+
+    n = doc.get("nprocs")
+    return evaluate(f"multi-GPU {n} ranks", f"{n} ranks over {doc.get('backend')}: failed "
+                    "checks (vote, replay-gate paths, replays vs eager, per-rank conformance)",
+                    len(doc.get("failures", [])), "failed checks", "<=", target=0,
+                    detail="; ".join(doc.get("failures", []))).to_dict()
+
+
+def _multi_file(f: ResultsFile, root: Path) -> list[str]:
+    doc = f.doc
+    n, backend = int(doc["nprocs"]), str(doc["backend"])  # load_extras checked both
+    date = doc.get("date_utc") or doc.get("date")
+    date = f" {date}" if date else ""
+    undated = "" if date else "; date not recorded (multi_gpu.py writes none into its summary)"
+    w = doc.get("workers", {})
+    conf = doc.get("conformance", [])
+    walls = [f"vote + gate workers {fmt(w.get('wall_s'), '.0f')} s"] + \
+        ([f"conformance {fmt(conf[0].get('wall_s'), '.0f')} s"] if conf else [])
+    expr = _conformance_k(doc)
+    claims = sorted({sum(r.get(k, 0) for k in ("verified", "refuted", "skipped"))
+                     for r in conf})
+    heads = sorted({r["heads"] for r in conf})
+    share = f" (DeepSeek-V3's 128 split over TP={n})" if heads == [128 // n] else ""
+    on = (f"{n} GPUs with {backend.upper()}, one rank per GPU" if doc.get("device") == "cuda"
+          else f"{n} ranks over {backend} on a {doc.get('device')}")
+    multicast = ", ".join(f"{k}={v}" for k, v in doc.get("multicast_env", {}).items())
+    conf_txt = ("" if not conf else
+                f"  The per-rank tensor-parallel conformance ran at "
+                f"{' / '.join(map(str, heads))} heads{share}, every rank at once on its own "
+                "device, "
+                + (f"**only the `-k {shlex.quote(expr)}` subset**: " if expr else
+                   "the whole suite: ")
+                + f"{' / '.join(str(c) for c in claims)} claims per rank.")
+    out = [f"### {n} ranks, {backend}", "",
+           f"*Measured*{date} on {_multi_devices(doc)}{undated}.  \n"
+           f"*Command:* `{_multi_command(doc)}`; {', '.join(walls)}; data: "
+           f"`{_rel(f.path, root)}`.", "",
+           f"Ran on {on}{'; ' + multicast if multicast else ''}.{conf_txt}", ""]
+    out += _multi_checks_table(doc) + [""] + _multi_conformance_table(doc) + [""]
+    return out + ["- " + _check_line(multi_check(doc)), ""]
+
+
+def render_multi(files: list[ResultsFile], root: Path = ROOT) -> list[str]:
+    """The issue-9 section: each summary's checks and per-rank conformance."""
+    lines = [f"## {MULTI_TITLE}", ""]
+    if not files:
+        return lines + [f"Not measured yet. Run `{MULTI_COMMAND}` on an N-GPU machine (N in "
+                        f"{', '.join(map(str, MULTI_SIZES))}) and bring back "
+                        "`$OUT/tpN/summary.json` as "
+                        "`benchmarks/results/multi/h200-xN-summary.json`.", ""]
+    lines += [("`benchmarks/multi_gpu.py` (see [multi_gpu.md](multi_gpu.md)): every rank "
+               "votes on random local eligibility (all results must be the AND), runs a "
+               "replay-gate decode step whose path (graph replay or eager) follows the vote "
+               "(all ranks must run the same path; replays must match eager), and runs "
+               "`attnreg conformance` at its tensor-parallel share of the heads."), ""]
+    for f in files:
+        lines += _multi_file(f, root)
+    done = {f.doc.get("nprocs") for f in files if f.doc.get("backend") == "nccl"}
+    missing = [f"{n} GPUs ({MULTI_UNMEASURED_WHY.get(n, 'no summary file yet')})"
+               for n in MULTI_SIZES if n not in done]
+    if missing:
+        lines += [f"Not measured with NCCL: {'; '.join(missing)}.", ""]
+    return lines
+
+
+# ----------------------------------------------------------------------------------------
 # The page
 # ----------------------------------------------------------------------------------------
 
 def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
-                    preview: bool = False, root: Path = ROOT) -> str:
+                    preview: bool = False, root: Path = ROOT,
+                    extras: Extras | None = None) -> str:
+    """The whole page: summary, the harness's sections, then the standalone benchmarks'."""
+    extras = extras or Extras([], [])
     chosen = choose(files)
     used = []
     for f, _ in chosen.values():
         if f not in used:
             used.append(f)
+    used += extras.files
     lines = ["# Benchmarks", ""]
-    if any(f.dry_run for f in used):
+    if any(f.dry_run or f.doc.get("dry_run") for f in used):
         lines += [("> **DRY RUN preview**: tiny shapes on a CPU (Triton interpreter, wall "
                   "clock). These numbers are not measurements and must never be published."), ""]
     sources = ", ".join(f"`{_rel(f.path, root)}`" for f in used) or "no results file"
@@ -788,13 +1264,16 @@ def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
         if sec.id not in chosen:
             continue
         f, rec = chosen[sec.id]
-        for c in rec.get("data", {}).get("checks", []):
-            bounds = [f"{k} {c['direction']} {_fmt_unit(c[k], c['unit'])}"
-                      for k in ("target", "goal") if c.get(k) is not None]
-            summary_rows.append([f"[{c['id']}](#{_anchor(sec)})", c["what"],
-                                 _fmt_unit(c.get("measured"), c["unit"]), ", ".join(bounds),
-                                 f"**{c['status']}**",
-                                 _device(f.meta).split(" (")[0]])
+        where = _device(f.meta).split(" (")[0]
+        summary_rows += [_summary_row(c, _anchor(f"{sec.id}: {sec.title}"), where)
+                         for c in rec.get("data", {}).get("checks", [])]
+    for f in extras.cost_gate:
+        summary_rows += [_summary_row(c, _anchor(COST_GATE_TITLE),
+                                      str(f.doc.get("meta", {}).get("device", "?")))
+                         for c in cost_gate_checks(f)]
+    for f in extras.multi:
+        summary_rows.append(_summary_row(multi_check(f.doc), _anchor(MULTI_TITLE),
+                                         _multi_devices(f.doc).split(" (")[0]))
     lines += [md_table(["id", "figure", "measured", "target / goal", "status", "where"],
                        summary_rows) if summary_rows else "No figure has been measured yet.",
               ""]
@@ -826,6 +1305,8 @@ def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
             elif c.get("status") == "not measured":
                 lines += [f"  - *Why it was not measured:* {explain_unmeasured(c, data)}"]
         lines += [""]
+    lines += render_cost_gate(extras.cost_gate, plot, img_rel, root)
+    lines += render_multi(extras.multi, root)
     if not plot.available:
         lines += [f"_Plots not rendered: {plot.why_not}._", ""]
     if NOTES.exists() and not preview:
@@ -833,9 +1314,16 @@ def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _anchor(sec: Any) -> str:
-    text = f"{sec.id}: {sec.title}".lower()
-    keep = [ch if ch.isalnum() or ch in " -_" else "" for ch in text]
+def _summary_row(c: dict[str, Any], anchor: str, where: str) -> list[str]:
+    bounds = [f"{k} {c['direction']} {_fmt_unit(c[k], c['unit'])}"
+              for k in ("target", "goal") if c.get(k) is not None]
+    return [f"[{c['id']}](#{anchor})", c["what"], _fmt_unit(c.get("measured"), c["unit"]),
+            ", ".join(bounds), f"**{c['status']}**", where]
+
+
+def _anchor(heading: str) -> str:
+    """The link target a markdown renderer gives ``## heading``."""
+    keep = [ch if ch.isalnum() or ch in " -_" else "" for ch in heading.lower()]
     return "".join(keep).replace(" ", "-")
 
 
@@ -847,22 +1335,30 @@ def _rel(path: Path, root: Path) -> str:
 
 
 def render_files(paths: list[Path], md_path: Path, img_dir: Path, *, plots: bool = True,
-                 allow_dry_run: bool = False, preview: bool = False) -> Path:
+                 allow_dry_run: bool = False, preview: bool = False,
+                 cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR) -> Path:
     """Render ``paths`` into ``md_path`` with plots in ``img_dir``; return ``md_path``.
+
+    The cost-gate results (``cost_gate_dir/*.json``) and the multi-GPU
+    summaries (``multi_dir/*-summary.json``) are rendered after the harness's
+    sections; a directory that is missing or empty gives "Not measured yet".
 
     Raises
     ------
     ValueError
-        When a dry-run results file would be rendered without ``allow_dry_run``.
+        When a dry-run results file would be rendered without ``allow_dry_run``,
+        or a file in those directories is not what its script writes.
     """
     files = load([p for p in paths if Path(p).exists()])
-    dry = [str(f.path) for f in files if f.dry_run]
+    extras = load_extras(cost_gate_dir, multi_dir)
+    dry = [str(f.path) for f in files if f.dry_run] + \
+        [str(f.path) for f in extras.cost_gate if f.doc.get("dry_run")]
     if dry and not allow_dry_run:
         raise ValueError(f"dry-run results {dry} are not measurements; they are rendered "
                          "only as a preview (python -m benchmarks --dry-run --out DIR)")
     plot = Plotter(img_dir, enabled=plots)
     img_rel = os.path.relpath(img_dir, md_path.parent)
-    text = render_markdown(files, plot, img_rel, preview=preview)
+    text = render_markdown(files, plot, img_rel, preview=preview, extras=extras)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text)
     return md_path
@@ -877,10 +1373,16 @@ def main(argv: list[str] | None = None) -> int:
                    "(default docs/benchmarks.md)")
     p.add_argument("--img-dir", type=Path, default=DOCS_IMG, help="PNG output (default docs/img)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--cost-gate-dir", type=Path, default=COST_GATE_DIR,
+                   help="benchmarks/cost_gate.py results (default benchmarks/results/cost-gate)")
+    p.add_argument("--multi-dir", type=Path, default=MULTI_DIR,
+                   help="benchmarks/multi_gpu.py summaries, *-summary.json (default "
+                        "benchmarks/results/multi)")
     args = p.parse_args(argv)
     files = args.files or default_result_files()
     try:
-        out = render_files(files, args.md, args.img_dir, plots=not args.no_plots)
+        out = render_files(files, args.md, args.img_dir, plots=not args.no_plots,
+                           cost_gate_dir=args.cost_gate_dir, multi_dir=args.multi_dir)
     except ValueError as exc:
         print(f"python -m benchmarks.render: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import decode, graphs, overhead, prefill, render
+from benchmarks import cost_gate, decode, graphs, multi_gpu, overhead, prefill, render
 from benchmarks._harness import SCHEMA, SECTIONS
 from benchmarks.metrics import decode_bytes, evaluate
 
@@ -138,19 +138,25 @@ def synthetic_host_doc() -> dict[str, Any]:
 
 def _write(tmp_path: Path, name: str, doc: dict[str, Any]) -> Path:
     path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc))
     return path
+
+
+def _no_extras(tmp_path: Path) -> dict[str, Path]:
+    """Standalone-benchmark folders that do not exist: those sections are "not measured"."""
+    return {"cost_gate_dir": tmp_path / "no-cost-gate", "multi_dir": tmp_path / "no-multi"}
 
 
 def test_every_section_rendered_with_provenance_checks_and_plots(tmp_path):
     dev = _write(tmp_path, "h200.json", synthetic_device_doc())
     host = _write(tmp_path, "cpu-startup.json", synthetic_host_doc())
     md = render.render_files([dev, host], tmp_path / "out" / "benchmarks.md",
-                             tmp_path / "out" / "img")
+                             tmp_path / "out" / "img", **_no_extras(tmp_path))
     text = md.read_text()
     for sec in SECTIONS:
         assert f"## {sec.id}: {sec.title}" in text
-    assert "Not measured yet" not in text
+    assert "Not measured yet" not in text.split(f"## {render.COST_GATE_TITLE}")[0]
     # provenance of both files, each section with its own command and device
     assert text.count("*Command:*") == len(SECTIONS)
     assert f"{SYNTHETIC} GPU" in text and f"{SYNTHETIC} CPU" in text
@@ -175,8 +181,9 @@ def test_every_section_rendered_with_provenance_checks_and_plots(tmp_path):
 def test_sections_never_measured_say_so(tmp_path):
     host = _write(tmp_path, "cpu-startup.json", synthetic_host_doc())
     text = render.render_files([host], tmp_path / "b.md", tmp_path / "img",
-                               plots=False).read_text()
-    assert text.count("Not measured yet") == len(SECTIONS) - 1
+                               plots=False, **_no_extras(tmp_path)).read_text()
+    # every harness section but P5, and the two standalone benchmarks
+    assert text.count("Not measured yet") == len(SECTIONS) - 1 + 2
     assert "python3 -m benchmarks --out $OUT/bench" in text
 
 
@@ -185,9 +192,11 @@ def test_dry_run_results_never_reach_docs(tmp_path):
     doc["meta"]["dry_run"] = True
     path = _write(tmp_path, "dry.json", doc)
     with pytest.raises(ValueError, match="dry-run"):
-        render.render_files([path], tmp_path / "b.md", tmp_path / "img", plots=False)
+        render.render_files([path], tmp_path / "b.md", tmp_path / "img", plots=False,
+                            **_no_extras(tmp_path))
     text = render.render_files([path], tmp_path / "b.md", tmp_path / "img", plots=False,
-                               allow_dry_run=True, preview=True).read_text()
+                               allow_dry_run=True, preview=True,
+                               **_no_extras(tmp_path)).read_text()
     assert "DRY RUN" in text
 
 
@@ -208,7 +217,7 @@ def test_error_section_shows_the_error_and_no_figures(tmp_path):
     doc["sections"]["P4"] = {"title": "x", "status": "error",
                              "error": "RuntimeError: CUDA out of memory", "data": {}}
     text = render.render_files([_write(tmp_path, "a.json", doc)], tmp_path / "b.md",
-                               tmp_path / "img", plots=False).read_text()
+                               tmp_path / "img", plots=False, **_no_extras(tmp_path)).read_text()
     p4 = text.split("## P4:")[1].split("## ")[0]
     assert "CUDA out of memory" in p4 and "eager us" not in p4
 
@@ -235,9 +244,235 @@ def test_rows_that_failed_render_with_their_error(tmp_path):
     secs["P3"]["data"]["checks"] = [c.to_dict() for c in graphs.p3_checks(secs["P3"]["data"],
                                                                            32768)]
     text = render.render_files([_write(tmp_path, "a.json", doc)], tmp_path / "b.md",
-                               tmp_path / "img").read_text()
+                               tmp_path / "img", **_no_extras(tmp_path)).read_text()
     for err in ("CUDA out of memory", "RuntimeError: capture", "ValueError: x", "Unsupported",
                 "boom", "Not declared for these requests", "absorbed qv is Blackwell-only"):
         assert err in text
     # the P3 checks at 32k lost their row: not measured, with the reason from the data
     assert "*Why it was not measured:*" in text
+
+
+# ---------------------------------------------------------------------------------------
+# Standalone benchmarks: cost_gate.py (issue 10) and multi_gpu.py (issue 9)
+# ---------------------------------------------------------------------------------------
+
+def _gate_class(b: int, p: int, e: int, graph_ms: float, eager_ms: float, choice: str,
+                eligible: bool = True) -> dict[str, Any]:
+    """One measured class, with the fields cost_gate._decide fills."""
+    always_graph = graph_ms if eligible else eager_ms
+    best_ms = min(always_graph, eager_ms)
+    gate_ms = graph_ms if choice == "graph" else eager_ms
+    return {"batch_size": b, "prefix": p, "extend": e, "tokens": b * e, "padded_tokens": b * e,
+            "graph": SYNTHETIC, "rel_diff_graph_vs_eager": 1e-3, "agree": True,
+            "graph_timing": {"us": graph_ms * 1e3, "method": SYNTHETIC},
+            "eager_timing": {"us": eager_ms * 1e3, "method": SYNTHETIC},
+            "graph_ms": graph_ms, "eager_ms": eager_ms, "eligible": eligible,
+            "eligible_reason": SYNTHETIC, "best": "graph" if always_graph < eager_ms else "eager",
+            "best_ms": best_ms, "gate_choice": choice, "gate_reason": SYNTHETIC,
+            "gate_ms": gate_ms, "ratio_to_best": gate_ms / best_ms,
+            "predicted": {"graph_ms": graph_ms * 0.9, "eager_ms": eager_ms * 0.9,
+                          "profile_backend": SYNTHETIC}}
+
+
+def synthetic_gate_doc(backend: str, classes: list[dict[str, Any]],
+                       dry_run: bool = False) -> dict[str, Any]:
+    mix = [[c["batch_size"], c["prefix"], c["extend"]] for c in classes]
+    return {"schema": cost_gate.SCHEMA, "schema_version": 1, "dry_run": dry_run,
+            "meta": {"attnreg": "0.0", "torch": "0.0", "triton": "0.0", "cuda": "0.0",
+                     "device": f"{SYNTHETIC} GPU", "python": "3.12",
+                     "date": "2000-01-01T00:00:00+00:00"},
+            "setup": {"backend": backend, "layers": 8, "heads": 128,
+                      "layer_shape": {"hidden": 7168, "q_lora": 1536, "kv_lora": 512,
+                                      "rope": 64, "nope": 128, "v_dim": 128},
+                      "buckets": [64, 512], "page_size": 1, "mix": mix, "graph": SYNTHETIC,
+                      "eager": SYNTHETIC},
+            "profile": {"source": f"{SYNTHETIC}-{backend}.json", "label": SYNTHETIC,
+                        "gate_note": SYNTHETIC, "gate_uses_cost_model": True},
+            "classes": classes, "summary": cost_gate._summarize(classes), "wall_s": 1.0}
+
+
+def good_gate_classes() -> list[dict[str, Any]]:
+    # graph wins the short extends, eager the long ones; the gate picks the best each time
+    return [_gate_class(1, 0, 64, 2.0, 8.0, "graph"),
+            _gate_class(1, 4096, 512, 40.0, 20.0, "eager"),
+            _gate_class(2, 32768, 4096, 900.0, 150.0, "eager"),
+            _gate_class(4, 0, 128, 9.0, 9.3, "eager", eligible=False)]
+
+
+def synthetic_multi_summary(refuted: int = 0) -> dict[str, Any]:
+    ranks = [{"rank": r, "gpu": {"index": r, "name": f"{SYNTHETIC} GPU", "uuid": f"u{r}"},
+              "nccl": "0.0", "torch": "0.0", "env": dict(multi_gpu.MULTICAST_OFF)}
+             for r in range(2)]
+    gate = {"steps": 100, "paths": 0, "vote_not_the_and": 0, "path_not_the_vote": 0,
+            "graph_steps": 60, "eager_steps": 40, "replay_mismatches": 0,
+            "seen_by_ranks": [0, 0], "rules": {"gate.ok": 150, "gate.lora": 50},
+            "setup": {"plan_platform": "cuda:sm90", "simulated_plan": False,
+                      "decode_mode": "full", "heads": 64, "max_bs": 8, "max_seq": 512,
+                      "real_graphs": True},
+            "max_abs_err": 1e-3}
+    conf = [{"rank": r, "heads": 64, "device": "cuda",
+             "command": ("python -m attnreg conformance --backend triton --heads 64 "
+                         "--pytest-arg=--tb=short -k capture and decode"),
+             "report": f"conformance-rank{r}-h64.json", "output": "x.txt",
+             "cuda_visible_devices": str(r), "exit_code": 1 if refuted else 0,
+             "timed_out": False, "wall_s": 40.0, "verified": 8 - refuted, "refuted": refuted,
+             "skipped": 0, "device_name": f"{SYNTHETIC} GPU", "header_heads": [64],
+             "claim_head_counts": [64]} for r in range(2)]
+    result = {"nprocs": 2, "backend": "nccl", "device": "cuda",
+              "command": (f"python3 benchmarks/multi_gpu.py --nprocs 2 --out /tmp/{SYNTHETIC} "
+                          "-k capture and decode --timeout 90"),
+              "seed": 0, "multicast_env": dict(multi_gpu.MULTICAST_OFF),
+              "workers": {"wall_s": 20.0, "exit_codes": [0, 0], "timed_out": False,
+                          "vote": {"trials": 1000, "disagreements": 0, "ranks_differ": 0,
+                                   "and_true": 600, "and_false": 400, "seen_by_ranks": [0, 0]},
+                          "gate": gate, "ranks": ranks, "distinct_gpus": 2},
+              "conformance": conf}
+    result["failures"] = multi_gpu.verdict(result)
+    return result
+
+
+def _render_extras(tmp_path: Path, gates: dict[str, dict[str, Any]] | None = None,
+                   multi: dict[str, Any] | None = None, **kw: Any) -> str:
+    for name, doc in (gates or {}).items():
+        _write(tmp_path / "cost-gate", name, doc)
+    if multi is not None:
+        _write(tmp_path / "multi", "h200-x2-summary.json", multi)
+    host = _write(tmp_path, "cpu-startup.json", synthetic_host_doc())
+    return render.render_files([host], tmp_path / "out" / "benchmarks.md",
+                               tmp_path / "out" / "img", cost_gate_dir=tmp_path / "cost-gate",
+                               multi_dir=tmp_path / "multi", **kw).read_text()
+
+
+def _section(text: str, title: str) -> str:
+    return text.split(f"## {title}")[1].split("\n## ")[0]
+
+
+def test_renderer_agrees_with_the_scripts_it_renders():
+    assert render.COST_GATE_SCHEMA == cost_gate.SCHEMA
+    assert render.COST_GATE_TARGETS == {
+        "max_class_ratio_to_best": cost_gate.TARGET_RATIO_TO_BEST,
+        "min_speedup_over_worse_fixed": cost_gate.TARGET_SPEEDUP_OVER_WORSE}
+
+
+def test_cost_gate_and_multi_gpu_sections_rendered(tmp_path):
+    gates = {f"h200-{b}.json": synthetic_gate_doc(b, good_gate_classes())
+             for b in ("triton", "flashinfer_mla")}
+    text = _render_extras(tmp_path, gates, synthetic_multi_summary())
+    # after the harness's sections, in this order
+    assert text.index("## P5:") < text.index(f"## {render.COST_GATE_TITLE}") < \
+        text.index(f"## {render.MULTI_TITLE}")
+    gate = _section(text, render.COST_GATE_TITLE)
+    assert gate.count("*Measured* 2000-01-01T00:00:00+00:00") == 2
+    assert gate.count("*Command:* `python3 benchmarks/cost_gate.py --profile SYNTHETIC-") == 2
+    assert "### `triton`" in gate and "### `flashinfer_mla`" in gate
+    # one row per class: times, prediction, the gate's choice, its ratio to the best
+    assert "| 1 | 4096 | 512 | 512 (512) | 40.00 | **20.00** | 36.00 / 18.00 | eager | " \
+           "1.000x |" in gate
+    assert "9.00 (not eligible)" in gate  # always graph runs it eagerly
+    # 2 + 40 + 900 ms replayed, and 9.3 ms eagerly for the class that is not eligible
+    assert "| always graph (absorbed, replayed) | 951.3 |" in gate
+    assert gate.count("→ **target met**") == 4 and "missed" not in gate
+    # the four checks in the summary table, linked to the section
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    for b in ("triton", "flashinfer_mla"):
+        for part in ("classes", "mix"):
+            assert f"[cost gate {b}: {part}](#cost-aware-prefill-replay-issue-10)" in summary
+    assert "[multi-GPU 2 ranks](#multi-gpu-issue-9)" in summary
+    # the plot: one panel per backend, embedded relative to the page
+    assert (tmp_path / "out" / "img" / "cost_gate.png").exists()
+    assert "](img/cost_gate.png)" in gate
+    multi = _section(text, render.MULTI_TITLE)
+    assert "Ran on 2 GPUs with NCCL, one rank per GPU" in multi
+    assert "**only the `-k 'capture and decode'` subset**: 8 claims per rank" in multi
+    # multi_gpu.py joins argv with spaces: the -k expression is quoted again
+    assert "-k 'capture and decode' --timeout 90`" in multi
+    assert "date not recorded" in multi
+    assert "| 1 | SYNTHETIC GPU | 1 | 64 | 64 | 8 | **8** | 0 | 0 | 0 | 40 |" in multi
+    assert "Not measured with NCCL: 4 GPUs (nvidia-h200-x4 machines were not lent" in multi
+    assert "**FAIL**" not in multi and "→ **target met**" in multi
+
+
+def test_a_class_beyond_1_05x_of_its_best_misses_the_target(tmp_path):
+    classes = good_gate_classes()
+    # the gate replays a class where eager is 1.08x faster
+    classes[1] = _gate_class(1, 4096, 512, 21.6, 20.0, "graph")
+    text = _render_extras(tmp_path, {"h200-triton.json": synthetic_gate_doc("triton", classes)},
+                          plots=False)
+    gate = _section(text, render.COST_GATE_TITLE)
+    assert "**1.080x**" in gate  # the class's ratio, bold
+    assert "**cost gate triton: classes**" in gate
+    line = next(ln for ln in gate.splitlines() if "cost gate triton: classes" in ln)
+    assert line.endswith("→ **missed**") and "B=1, prefix 4096, extend 512" in line
+    assert "*Why it is missed (from the data):*" in gate and "the gate chose graph" in gate
+    assert "attnreg calibrate --backend triton" in gate
+    # the mix target is still met; the summary row says which one missed
+    assert "| [cost gate triton: classes](#cost-aware-prefill-replay-issue-10) |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| [cost gate triton: classes]"))
+    assert "**missed**" in row and "1.080x" in row
+
+
+def test_the_mix_target_misses_when_the_fixed_policies_cost_the_same(tmp_path):
+    classes = [_gate_class(1, 0, 64, 10.0, 10.5, "graph"),
+               _gate_class(1, 0, 4096, 10.5, 10.0, "eager")]
+    text = _render_extras(tmp_path, {"h200-triton.json": synthetic_gate_doc("triton", classes)},
+                          plots=False)
+    line = next(ln for ln in text.splitlines() if ln.startswith("- **cost gate triton: mix**"))
+    assert line.endswith("→ **missed**")
+    assert "no gate could reach the target" in text
+
+
+def test_classes_that_failed_render_with_their_error(tmp_path):
+    classes = good_gate_classes() + [
+        {"batch_size": 1, "prefix": 0, "extend": 8192, "error": "OutOfMemoryError: CUDA oom"},
+        {"batch_size": 2, "prefix": 0, "extend": 64, "skipped": "time budget used up"}]
+    text = _render_extras(tmp_path, {"h200-triton.json": synthetic_gate_doc("triton", classes)},
+                          plots=False)
+    gate = _section(text, render.COST_GATE_TITLE)
+    assert "| 1 | 0 | 8192 | - | error: OutOfMemoryError: CUDA oom |" in gate
+    assert "| 2 | 0 | 64 | - | skipped: time budget used up |" in gate
+    assert "4 of 6 classes measured" in gate
+    nothing = [classes[-2]]
+    text = _render_extras(tmp_path / "none", {"h200-triton.json":
+                                              synthetic_gate_doc("triton", nothing)}, plots=False)
+    assert text.count("→ **not measured**") == 2 and "*Why it was not measured:*" in text
+
+
+def test_standalone_benchmarks_not_measured_say_so_with_their_commands(tmp_path):
+    text = _render_extras(tmp_path, plots=False)
+    gate = _section(text, render.COST_GATE_TITLE)
+    multi = _section(text, render.MULTI_TITLE)
+    assert "Not measured yet" in gate and "benchmarks/cost_gate.py --profile" in gate
+    assert "Not measured yet" in multi and "benchmarks/multi_gpu.py --nprocs N" in multi
+    assert "cost gate" not in text.split("## Summary")[1].split("\n## ")[0]
+
+
+def test_a_failed_multi_gpu_run_is_shown_as_failed(tmp_path):
+    text = _render_extras(tmp_path, multi=synthetic_multi_summary(refuted=1), plots=False)
+    multi = _section(text, render.MULTI_TITLE)
+    line = next(ln for ln in multi.splitlines() if ln.startswith("- **multi-GPU 2 ranks**"))
+    assert "**2 failed checks**" in line and "refuted 1" in line and line.endswith("**missed**")
+
+
+def test_dry_run_cost_gate_results_never_reach_docs(tmp_path):
+    gates = {"dry.json": synthetic_gate_doc("triton", good_gate_classes(), dry_run=True)}
+    with pytest.raises(ValueError, match="dry-run"):
+        _render_extras(tmp_path, gates, plots=False)
+    text = _render_extras(tmp_path, gates, plots=False, allow_dry_run=True, preview=True)
+    assert "DRY RUN" in text
+
+
+def test_files_not_written_by_the_scripts_are_refused(tmp_path):
+    _write(tmp_path / "cg", "x.json", {"schema": "other"})
+    with pytest.raises(ValueError, match="cost_gate.py"):
+        render.load_extras(tmp_path / "cg", tmp_path / "none")
+    _write(tmp_path / "multi", "x-summary.json", {"nprocs": 2})
+    with pytest.raises(ValueError, match="multi_gpu.py"):
+        render.load_extras(tmp_path / "none", tmp_path / "multi")
+
+
+def test_rendering_is_deterministic(tmp_path):
+    gates = {"h200-triton.json": synthetic_gate_doc("triton", good_gate_classes())}
+    first = _render_extras(tmp_path, gates, synthetic_multi_summary())
+    png = (tmp_path / "out" / "img" / "cost_gate.png").read_bytes()
+    assert _render_extras(tmp_path, gates, synthetic_multi_summary()) == first
+    assert (tmp_path / "out" / "img" / "cost_gate.png").read_bytes() == png
