@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE and register it as an attnreg plugin for this run "
                              "(a backend package that is not installed as an entry point)")
+    parser.add_argument("--other-platforms", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="also list, skipped with the reason, the claims each backend "
+                             "declares only for other CUDA platforms (cuda:sm90, cuda:sm100, "
+                             "cuda:sm103), e.g. Blackwell-only claims on an H200; default: on "
+                             "with --device cuda, off with --device cpu")
     parser.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
                         help="only claims whose id matches EXPR (pytest -k), e.g. 'capture'")
     parser.add_argument("-x", "--exitfirst", action="store_true",
@@ -132,6 +138,9 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
         argv += ["--attnreg-plugin", module]
     for name in args.disable:
         argv += ["--attnreg-disable", name]
+    if args.other_platforms is not None:
+        argv.append("--attnreg-other-platforms" if args.other_platforms
+                    else "--attnreg-no-other-platforms")
     if args.keyword:
         argv += ["-k", args.keyword]
     if args.exitfirst:
@@ -180,7 +189,7 @@ def _unavailable_requested(args: argparse.Namespace, report_path: Path) -> list[
 
 #: Options that choose what to run: meaningless with --merge, which runs nothing.
 _RUN_OPTIONS = ("backend", "device", "exhaustive", "heads", "plugin", "keyword", "exitfirst",
-                "list", "pytest_arg")
+                "list", "pytest_arg", "other_platforms")
 
 
 def merge_reports(args: argparse.Namespace) -> int:

@@ -22,6 +22,10 @@ pytest plugin turns each claim into one test item.  Three kinds:
 Combinations: by default every declared value of every dimension is covered at
 least once (a base configuration, then one dimension varied at a time); with
 ``exhaustive=True`` the full cartesian product is expanded.
+
+:func:`other_platform_claims` lists what a backend declares only for other
+CUDA platforms (:data:`CUDA_PLATFORMS`), as claims skipped with a reason that
+names those platforms, so a report shows what this device could not check.
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ from .batches import CAPTURE_REPLAY_SPECS, EAGER_SPECS
 
 __all__ = [
     "CPU_RUNNABLE_CAPTURE_CHECKS",
+    "CUDA_PLATFORMS",
     "Check",
     "Claim",
     "ClaimKind",
     "Combo",
     "expand_claims",
+    "declares_kernels",
     "head_dims_config",
+    "other_platform_claims",
     "unavailable_claim",
 ]
 
@@ -173,6 +180,9 @@ class Claim:
     batches: tuple[str, ...] = ()
     needs_device_graphs: bool = False
     skip_reason: str = ""
+    #: The platforms whose declarations make this claim, when it is listed from
+    #: other platforms than the one under test (see :func:`other_platform_claims`).
+    declared_for: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -587,6 +597,57 @@ def expand_claims(caps: Capabilities, device: str = "cpu", *,
     if dupes:  # a bug here would silently merge two claims in the report
         raise AssertionError(f"duplicate claim ids: {sorted(dupes)}")
     return claims
+
+
+#: The CUDA platforms whose declarations are compared with the one under test:
+#: Hopper (H100/H200) and the Blackwell data-centre parts (B200, B300).
+CUDA_PLATFORMS = ("cuda:sm90", "cuda:sm100", "cuda:sm103")
+
+
+def declares_kernels(caps: Capabilities) -> bool:
+    """Whether the declaration runs anything on its platform (no platform reason, a kernel)."""
+    return not caps.platform_reason and bool(caps.kernels)
+
+
+def other_platform_claims(here: Iterable[Claim], others: Iterable[Capabilities],
+                          platform: str, device: str = "cpu", *, exhaustive: bool = False,
+                          heads: Sequence[int] | None = None) -> list[Claim]:
+    """Claims of ``others`` (declarations on other platforms) absent from ``here``, skipped.
+
+    Each declaration is expanded as :func:`expand_claims` would for ``device``
+    (the same settings as the run, so that equal promises get equal ids); a
+    claim whose id is in ``here`` (the claims of ``platform``, the one under
+    test) is left out, and an id several platforms make is listed once, its
+    skip reason naming them all: ``declared for cuda:sm100, cuda:sm103 only;
+    this is cuda:sm90``.  Declarations that run nothing on their platform, or
+    are for ``platform`` itself, add nothing.
+
+    Examples
+    --------
+    >>> from attnreg.registry import get_registry
+    >>> reg = get_registry()
+    >>> here = expand_claims(reg.declaration("flash_attn_cute", "cuda:sm90"), "cuda")
+    >>> others = [reg.declaration("flash_attn_cute", p) for p in ("cuda:sm100", "cuda:sm103")]
+    >>> extra = other_platform_claims(here, others, "cuda:sm90", "cuda")
+    >>> extra[0].skip_reason
+    'declared for cuda:sm100, cuda:sm103 only; this is cuda:sm90'
+    """
+    taken = {c.id for c in here}
+    first: dict[str, Claim] = {}
+    where: dict[str, list[str]] = {}
+    for caps in others:
+        name = str(caps.platform)
+        if name == platform or not declares_kernels(caps):
+            continue
+        for claim in expand_claims(caps, device, exhaustive=exhaustive, heads=heads):
+            if claim.id in taken:
+                continue
+            first.setdefault(claim.id, claim)
+            if name not in where.setdefault(claim.id, []):
+                where[claim.id].append(name)
+    return [replace(claim, declared_for=tuple(where[cid]),
+                    skip_reason=f"declared for {', '.join(where[cid])} only; this is {platform}")
+            for cid, claim in first.items()]
 
 
 def unavailable_claim(backend: str, reason: str) -> Claim:

@@ -25,6 +25,11 @@ Options
     backend package under development, not installed as an entry point).
 ``--attnreg-disable NAME``
     Block a plugin or backend by name (as ``attnreg --disable``).
+``--attnreg-other-platforms`` / ``--attnreg-no-other-platforms``
+    Also list, skipped, the claims a backend declares only for other CUDA
+    platforms (:data:`~attnreg.testing.claims.CUDA_PLATFORMS`), e.g. Blackwell-only
+    claims on an H200.  Default: on for ``--attnreg-device cuda``, off on cpu
+    (where every CUDA claim would be listed).
 
 Run it with ``attnreg conformance`` or ``pytest --pyargs attnreg.testing.suite``.
 """
@@ -39,7 +44,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .claims import Claim, expand_claims, unavailable_claim
+from .claims import (
+    CUDA_PLATFORMS,
+    Claim,
+    declares_kernels,
+    expand_claims,
+    other_platform_claims,
+    unavailable_claim,
+)
 from .report import ClaimResult, Report, Status, base_header
 
 if TYPE_CHECKING:
@@ -50,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["SESSION_KEY", "ConformanceSession"]
 
 CLAIM_FIXTURE = "attnreg_claim"
+#: Marker of the claims listed from other platforms' declarations (always skipped).
+OTHER_PLATFORM_MARK = "attnreg_other_platform"
 
 
 class ConformanceSession:
@@ -64,6 +78,7 @@ class ConformanceSession:
         self.heads: list[int] = list(config.getoption("attnreg_heads") or [])
         self.plugin_modules: list[str] = list(config.getoption("attnreg_plugins") or [])
         self.disable: list[str] = list(config.getoption("attnreg_disable") or [])
+        self.other_platforms_option: bool | None = config.getoption("attnreg_other_platforms")
         self.report = Report()
         self.backends_seen: list[str] = []
         self.unavailable: dict[str, str] = {}
@@ -72,6 +87,8 @@ class ConformanceSession:
         self._device: str | None = None
         self._harness: Harness | None = None
         self._started: dict[str, float] = {}
+        #: Other-platform claims that survived collection (-k), for ``--collect-only``.
+        self.listed_other: list[Claim] = []
 
     @property
     def active(self) -> bool:
@@ -106,6 +123,13 @@ class ConformanceSession:
         return Platform.detect()
 
     @property
+    def other_platforms(self) -> bool:
+        """Whether claims declared only for other CUDA platforms are listed (skipped)."""
+        if self.other_platforms_option is not None:
+            return self.other_platforms_option
+        return self.device == "cuda"
+
+    @property
     def registry(self) -> BackendRegistry:
         if self._registry is None:
             from attnreg.registry import load_registry
@@ -134,6 +158,7 @@ class ConformanceSession:
 
         reg = self.registry
         names = backends or self._default_backends()
+        platform = self.platform
         claims: list[Claim] = []
         for name in names:
             try:
@@ -142,29 +167,73 @@ class ConformanceSession:
                 raise pytest.UsageError(f"--attnreg-backend {name}: {exc}") from exc
             if name not in self.backends_seen:
                 self.backends_seen.append(name)
-            avail = reg.availability(name, self.platform)
-            if not avail.available or avail.capabilities is None:
+            avail = reg.availability(name, platform)
+            caps = avail.capabilities
+            if avail.available and caps is not None:
+                here = self._expand(caps)
+                claims.extend(here)
+            else:
                 self.unavailable[name] = avail.reason
                 claims.append(unavailable_claim(name, avail.reason))
-                continue
-            claims.extend(expand_claims(avail.capabilities, self.device,
-                                        exhaustive=self.exhaustive,
-                                        heads=self.heads or None))
+                # what this platform declares though it cannot run here (a library
+                # is missing): the other platforms' claims are those beyond it
+                here = (self._expand(caps) if self.other_platforms and caps is not None
+                        and declares_kernels(caps) else [])
+            claims.extend(self._other_platform_claims(name, here, str(platform)))
         self.claims_generated = True
         return claims
+
+    def _expand(self, caps: Any) -> list[Claim]:
+        return expand_claims(caps, self.device, exhaustive=self.exhaustive,
+                             heads=self.heads or None)
+
+    def _other_platform_claims(self, name: str, here: list[Claim],
+                               platform: str) -> list[Claim]:
+        """``name``'s claims declared only for other CUDA platforms, skipped (if enabled)."""
+        if not self.other_platforms:
+            return []
+        return other_platform_claims(here, self._other_declarations(name, platform),
+                                     platform, self.device, exhaustive=self.exhaustive,
+                                     heads=self.heads or None)
+
+    def _other_declarations(self, name: str, platform: str) -> list[Any]:
+        from attnreg.registry import AttnregError
+
+        out = []
+        for other in CUDA_PLATFORMS:
+            if other == platform:
+                continue
+            # a declaration that fails on another platform is that platform's
+            # problem (`attnreg backends --platform` shows it), not this run's
+            with contextlib.suppress(AttnregError):
+                out.append(self.registry.declaration(name, other))
+        return out
 
     def _default_backends(self) -> list[str]:
         if self.requested:
             return self.requested
         reg = self.registry
+        platform = self.platform
         names = []
         for name in reg.names():
-            avail = reg.availability(name, self.platform)
-            if avail.available:
+            avail = reg.availability(name, platform)
+            if avail.available or self._declared_elsewhere_only(name, avail.capabilities):
                 names.append(name)
             else:
                 self.unavailable[name] = avail.reason
         return names
+
+    def _declared_elsewhere_only(self, name: str, caps: Any) -> bool:
+        """Whether ``name`` runs nothing on this platform but declares claims on another.
+
+        Such a backend (trtllm_mla on an H200) is one a full run must still show
+        when other platforms are listed: its claims are what this device cannot
+        check.  A backend missing only a library stays out, as before.
+        """
+        if not self.other_platforms or caps is None or declares_kernels(caps):
+            return False
+        platform = str(self.platform)
+        return any(declares_kernels(c) for c in self._other_declarations(name, platform))
 
     # -- results -----------------------------------------------------------------------
     def record(self, claim: Claim, status: Status, message: str, duration: float) -> None:
@@ -172,7 +241,8 @@ class ConformanceSession:
 
     def header(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"exhaustive": self.exhaustive,
-                                 "unavailable": dict(self.unavailable)}
+                                 "unavailable": dict(self.unavailable),
+                                 "other_platforms": self.other_platforms}
         if self.heads:
             extra["heads"] = list(self.heads)
         if self.device == "cuda":
@@ -226,6 +296,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="import MODULE and register it as an attnreg plugin for this run")
     group.addoption("--attnreg-disable", action="append", default=[], dest="attnreg_disable",
                     metavar="NAME", help="block an attnreg plugin or backend by name")
+    group.addoption("--attnreg-other-platforms", action="store_const", const=True,
+                    default=None, dest="attnreg_other_platforms",
+                    help="also list, skipped, the claims a backend declares only for other "
+                         "CUDA platforms (" + ", ".join(CUDA_PLATFORMS) + "); default: on "
+                         "for --attnreg-device cuda, off on cpu")
+    group.addoption("--attnreg-no-other-platforms", action="store_const", const=False,
+                    dest="attnreg_other_platforms",
+                    help="list only the claims of the platform under test")
 
 
 def _positive_int(text: str) -> int:
@@ -238,6 +316,8 @@ def _positive_int(text: str) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "attnreg_claim: a conformance claim of the attnreg "
                                        "suite (one declared capability of one backend)")
+    config.addinivalue_line("markers", f"{OTHER_PLATFORM_MARK}: a conformance claim declared "
+                                       "only for another platform (listed, skipped)")
     session = ConformanceSession(config)
     config.stash[SESSION_KEY] = session
     if session.device_option == "cpu":
@@ -265,6 +345,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for claim in claims:
         marks = [pytest.mark.attnreg_claim]
+        if claim.declared_for:
+            marks.append(getattr(pytest.mark, OTHER_PLATFORM_MARK))
         if claim.skip_reason:
             marks.append(pytest.mark.skip(reason=claim.skip_reason))
         params.append(pytest.param(claim, id=claim.id, marks=marks))
@@ -275,6 +357,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def attnreg_harness(request: pytest.FixtureRequest) -> Harness:
     """The conformance harness of this run (device, registry, oracle)."""
     return _session(request.config).harness()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # after -k / -m deselection: what --list (--collect-only) marks as other-platform
+    state = _session(session.config)
+    state.listed_other = [c for c in map(_claim_of, session.items)
+                          if c is not None and c.declared_for]
 
 
 def _claim_of(item: pytest.Item) -> Claim | None:
@@ -302,6 +391,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
     elif rep.when == "call":
         session.record(claim, Status.VERIFIED, "", duration)
     return rep
+
+
+def _other_platform_lines(claims: list[Claim]) -> list[str]:
+    """The ``--list`` marking of other-platform claims: each reason once, then its ids."""
+    by_reason: dict[str, list[str]] = {}
+    for claim in claims:
+        by_reason.setdefault(claim.skip_reason, []).append(claim.id)
+    lines: list[str] = []
+    for reason, ids in by_reason.items():
+        lines.append("")
+        lines.append(f"OTHER PLATFORM (listed, skipped here) {len(ids)} "
+                     f"claim{'s' if len(ids) > 1 else ''}: {reason}")
+        lines.extend(f"  {i}" for i in ids)
+    return lines
 
 
 def _skip_reason(rep: pytest.TestReport) -> str:
@@ -334,6 +437,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
     terminalreporter.section("attnreg conformance claims")
     for line in report.to_text(verbose=verbose).splitlines():
         terminalreporter.write_line(line)
+    if config.getoption("collectonly"):
+        for line in _other_platform_lines(session.listed_other):
+            terminalreporter.write_line(line)
     if session.report_path:
         path = report.write_json(session.report_path)
         if not config.getoption("attnreg_report_quiet"):
