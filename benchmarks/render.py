@@ -501,6 +501,17 @@ def render_prefill(data: dict[str, Any], plot: Plotter, img_rel: str) -> list[st
                 not_declared[v] = res["not_declared"]
                 rows.append([str(r["prefix"]), str(r["extend"]), v, "not declared"] + [""] * 5)
                 continue
+            if "absorbed" not in res and "mha" in res:
+                # MHA prefill only (e.g. flash_attn_cute on sm90): its eager side alone
+                not_declared[v] = res.get("absorbed_not_declared", "absorbed not declared")
+                rows.append([
+                    str(r["prefix"]), str(r["extend"]), v, "not declared",
+                    f"{res['mha']['us'] / 1e3:.3f}", "-",
+                    f"- / {res['mha_attention']['us'] / 1e3:.3f}",
+                    f"- / {res['mha_attention']['TFLOPs']:.0f}",
+                    f"{res['rel_diff_mha_vs_reference']:.1e} vs reference"
+                    + ("" if res.get("agree", True) else " **disagree**")])
+                continue
             if "absorbed" not in res:
                 rows.append([str(r["prefix"]), str(r["extend"]), v,
                              "error: " + res.get("error", "?")[:80]] + [""] * 5)

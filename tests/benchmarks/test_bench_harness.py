@@ -200,3 +200,36 @@ def test_dry_run_drives_flashinfer_variants_and_its_direct_baseline(tmp_path, fa
     assert row["max_abs_diff_backend_vs_kernel"] < 0.05
     for path in ("kernel", "kernel_with_plan", "backend", "backend_planned_once"):
         assert row[path]["median_us"] > 0 and row["host_us"][path] > 0
+
+
+@cpu_only
+def test_prefill_times_the_mha_path_of_a_backend_without_absorbed_prefill(tmp_path,
+                                                                          monkeypatch):
+    """flash_attn_cute on sm90 serves MHA prefill only: its MHA side is still timed.
+
+    Stand-in: triton with its absorbed (MLA) prefill reported as not declared.
+    """
+    from benchmarks import prefill
+    from benchmarks.__main__ import main
+    from benchmarks.render import Plotter, render_prefill
+
+    real = prefill.declared_reasons
+
+    def no_absorbed(ctx, v, method, phase, **kw):
+        if v.backend == "triton" and method == "mla":
+            return ["triton has no mla kernel for prefill here (test stand-in)"]
+        return real(ctx, v, method, phase, **kw)
+
+    monkeypatch.setattr(prefill, "declared_reasons", no_absorbed)
+    rc = main(["--dry-run", "--only", "prefill", "--out", str(tmp_path), "--no-jit-cache",
+               "--no-render"])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, doc
+    data = doc["sections"]["prefill"]["data"]
+    res = data["rows"][0]["results"]["triton"]
+    assert "absorbed" not in res and res["mha"]["us"] > 0, res
+    assert "test stand-in" in res["absorbed_not_declared"]
+    assert res["agree"], res["rel_diff_mha_vs_reference"]  # MHA matches the reference's MLA
+    assert "triton" not in data["summary"]  # no absorbed / MHA ratio to summarise
+    text = "\n".join(render_prefill(data, Plotter(tmp_path / "img", enabled=False), "img"))
+    assert "vs reference" in text and "test stand-in" in text
