@@ -747,7 +747,10 @@ def explain_miss(sid: str, check: dict[str, Any], data: dict[str, Any]) -> tuple
                     f"the kernel runs {dev_k:.1f} us: the backend call is host-bound there."),
                     ("make init_forward_metadata cheaper (it runs once per step for all "
                     "layers in an engine) and keep forward_decode's per-call checks to shape "
-                    "comparisons; under a CUDA graph none of this is paid per replay."))
+                    "comparisons; under a CUDA graph none of this is paid per replay. "
+                    "Host-side changes made after this run are measured on the CPU in "
+                    "[benchmarks-host-overhead.md](benchmarks-host-overhead.md); re-run P6 on "
+                    "the device to see their effect there."))
         return ((f"at {shape} the host issues a backend call in {host_b:.1f} us, less than the "
                 f"kernel's {dev_k:.1f} us, yet each call costs "
                 f"{worst['backend']['median_us'] - dev_k:.1f} us more on the device: the "

@@ -21,9 +21,9 @@ Lifecycle (see docs/runtime.md)::
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -50,6 +50,7 @@ __all__ = [
     "AttentionBackend",
     "ForwardMetadata",
     "GraphState",
+    "KernelErrors",
     "MLAConfig",
     "phase_of",
 ]
@@ -67,6 +68,34 @@ _DEFAULT_CAPTURE_MODE: Mapping[Phase, GraphMode] = {
 
 _INDEX_FIELDS = ("seq_lens", "prefix_lens", "extend_lens", "qo_indptr", "kv_indptr",
                  "page_table", "out_cache_loc")
+
+
+_KERNEL_ERRORS_HINT = ("the kernel refused the inputs before launching; fix them or check "
+                       "`attnreg backends --json` for what this backend declares")
+
+
+class KernelErrors:
+    """``with`` block that turns a library's pre-launch ``ValueError`` into
+    :class:`UnsupportedError` (an UnsupportedError passes through unchanged).
+
+    A plain class rather than ``contextlib.contextmanager``: it wraps every
+    kernel launch, and a generator-based context manager costs a generator
+    and two extra frames per launch.
+    """
+
+    __slots__ = ("backend", "what", "hint")
+
+    def __init__(self, backend: str, what: str, hint: str) -> None:
+        self.backend, self.what, self.hint = backend, what, hint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        # Returning None never swallows: anything but a library ValueError propagates.
+        if isinstance(exc, ValueError) and not isinstance(exc, UnsupportedError):
+            raise UnsupportedError(self.backend, self.what, str(exc), self.hint) from exc
 
 
 def _phase(value: Phase | str) -> Phase:
@@ -657,8 +686,9 @@ class AttentionBackend:
             raise UnsupportedError(self.name, "forward_decode on an extend batch",
                                    f"the metadata is for {md.forward_mode}",
                                    "call forward_extend for extend batches")
-        self.check_graph_mode(Phase.DECODE, self.active_graph_mode(Phase.DECODE),
-                              ForwardMethod.MLA)
+        mode = self.active_graph_mode(Phase.DECODE)
+        if mode is not GraphMode.DISABLED:  # eager pins nothing: nothing to check
+            self.check_graph_mode(Phase.DECODE, mode, ForwardMethod.MLA)
         self._check_declared(ForwardMethod.MLA, Phase.DECODE, q, (q.shape[-1], pool.kv_lora_rank),
                              kv_dtype=pool.kv_dtype, page_size=pool.page_size)
         self._check_pool(pool)
@@ -701,7 +731,9 @@ class AttentionBackend:
             raise UnsupportedError(self.name, "forward_extend on a decode batch",
                                    "the metadata is for decode",
                                    "call forward_decode for decode batches")
-        self.check_graph_mode(Phase.PREFILL, self.active_graph_mode(Phase.PREFILL), method)
+        mode = self.active_graph_mode(Phase.PREFILL)
+        if mode is not GraphMode.DISABLED:  # eager pins nothing: nothing to check
+            self.check_graph_mode(Phase.PREFILL, mode, method)
         if method is ForwardMethod.MLA:
             if pool is None:
                 raise UnsupportedError(self.name, "MLA extend without a KV pool",
@@ -773,18 +805,12 @@ class AttentionBackend:
         """Extend attention into ``out``; for MLA the new tokens are already in ``pool``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement extend")
 
-    @contextlib.contextmanager
-    def kernel_errors(self, what: str) -> Iterator[None]:
-        """Turn a kernel library's pre-launch ``ValueError`` into :class:`UnsupportedError`."""
-        try:
-            yield
-        except UnsupportedError:
-            raise
-        except ValueError as exc:
-            raise UnsupportedError(
-                self.name, what, str(exc),
-                "the kernel refused the inputs before launching; fix them or check "
-                "`attnreg backends --json` for what this backend declares") from exc
+    def kernel_errors(self, what: str) -> KernelErrors:
+        """Turn a kernel library's pre-launch ``ValueError`` into :class:`UnsupportedError`.
+
+        Use as ``with self.kernel_errors("decode inputs"): launch(...)``.
+        """
+        return KernelErrors(self.name, what, _KERNEL_ERRORS_HINT)
 
     # ------------------------------------------------------------------------------
     # validation
@@ -809,18 +835,22 @@ class AttentionBackend:
     def _check_declared(self, method: ForwardMethod, phase: Phase, q: torch.Tensor,
                         head_dims: tuple[int, int], *, kv_dtype: DType | str,
                         page_size: int | None = None) -> None:
+        # The cache is keyed on the raw request (torch dtype, kv dtype as given), so an
+        # accepted request costs one tuple and one set lookup per forward.
+        key = None
+        if q.dim() == 3:
+            key = (method, phase, tuple(head_dims), q.dtype, kv_dtype, page_size, q.shape[1])
+            if key in self._accepted_requests:
+                return
         q_dt = dtype_from_torch(q.dtype)
         if q_dt is None:
             raise UnsupportedError(self.name, f"{method} {phase} query dtype",
                                    f"q dtype {q.dtype} has no attnreg name",
                                    "use bf16, fp16 or fp32 queries")
-        if q.dim() != 3:
+        if key is None:
             raise UnsupportedError(self.name, f"{method} {phase} query shape",
                                    f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}",
                                    "reshape q to 3-d")
-        key = (method, phase, tuple(head_dims), q_dt, str(kv_dtype), page_size, q.shape[1])
-        if key in self._accepted_requests:
-            return
         reasons = self.capabilities.check_request(
             method, phase, head_dims=head_dims, q_dtype=q_dt, kv_dtype=kv_dtype,
             page_size=page_size, num_heads=q.shape[1])
@@ -830,7 +860,8 @@ class AttentionBackend:
 
     def _validate_batch(self, batch: ForwardBatch) -> None:
         problems = []
-        b, t = batch.batch_size, batch.num_tokens
+        seq, pre, ext = batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu
+        b, t = len(seq), sum(ext)
         want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
                       "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
         for name in _INDEX_FIELDS:
@@ -846,12 +877,12 @@ class AttentionBackend:
         pt = batch.page_table
         if pt.dim() != 2 or pt.shape[0] != b:
             problems.append(f"page_table has shape {tuple(pt.shape)}, expected [{b}, pages]")
-        elif pt.shape[1] * self.config.page_size < batch.max_seq_len:
+        elif pt.shape[1] * self.config.page_size < max(seq, default=0):
             problems.append(f"page_table has {pt.shape[1]} pages of {self.config.page_size} "
-                            f"per sequence, too few for {batch.max_seq_len} tokens")
-        if len(batch.prefix_lens_cpu) != b or len(batch.extend_lens_cpu) != b or any(
-                s != p + e for s, p, e in zip(batch.seq_lens_cpu, batch.prefix_lens_cpu,
-                                              batch.extend_lens_cpu)):
+                            f"per sequence, too few for {max(seq, default=0)} tokens")
+        # map() keeps the per-sequence comparison out of Python bytecode (B can be 100s).
+        if len(pre) != b or len(ext) != b or any(
+                map(operator.ne, seq, map(operator.add, pre, ext))):
             problems.append("host lengths disagree: seq_lens must equal prefix_lens + "
                             "extend_lens")
         if problems:

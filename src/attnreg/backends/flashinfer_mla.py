@@ -31,10 +31,11 @@ kpe_scale=)`` (flashinfer >= 0.7, fa3/sm90); without it FP8 is refused.
 
 from __future__ import annotations
 
-import contextlib
+import array
 import importlib
 import inspect
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -44,7 +45,7 @@ import torch
 from attnreg.registry import BackendUnavailableError, ForwardMethod, Phase, UnsupportedError
 from attnreg.registry.spec import installed_version
 
-from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
+from .base import AttentionBackend, ForwardMetadata, GraphState, KernelErrors, MLAConfig
 from .batch import ForwardBatch
 from .kv_pool import PADDING_PAGE, MLAKVPool, torch_dtype
 
@@ -66,6 +67,7 @@ INSTALL_HINT = "install attnreg[flashinfer]"
 _MLA_EXTRA = "flashinfer_mla"
 _RAGGED_EXTRA = "flashinfer_ragged"
 _GRAPH_BUFFERS = "flashinfer_mla_buffers"
+_REFUSED_HINT = "flashinfer refused the inputs before launching"
 
 
 def import_flashinfer(backend: str) -> ModuleType:
@@ -122,11 +124,22 @@ def _parameters(fn: Any) -> Sequence[str]:
         return ()
 
 
-def _cumsum(values: Sequence[int]) -> torch.Tensor:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + int(v))
-    return torch.tensor(out, dtype=torch.int32)
+def _host_int32(values: Iterable[int]) -> torch.Tensor:
+    """A host int32 tensor of ``values``.
+
+    Through an ``array`` (filled in C) and ``torch.frombuffer`` (no copy; the tensor
+    keeps the array alive): ``torch.tensor(list)`` converts element by element, which
+    is most of the cost of the plan's small CSR arrays at a few hundred sequences.
+    """
+    buf = array.array("i", values)
+    if not buf:  # frombuffer refuses an empty buffer
+        return torch.empty((0,), dtype=torch.int32)
+    return torch.frombuffer(buf, dtype=torch.int32)
+
+
+def _cumsum(values: Iterable[int]) -> torch.Tensor:
+    """``[0, v0, v0 + v1, ...]`` as a host int32 tensor (the sum runs in C, not bytecode)."""
+    return _host_int32(itertools.accumulate(map(int, values), initial=0))
 
 
 @dataclass
@@ -204,16 +217,9 @@ class FlashInferMLAKernels:
         self._graph_wrappers: dict[tuple[Phase, int, int], Any] = {}
 
     # -- errors ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def errors(self, what: str) -> Iterator[None]:
-        """flashinfer's pre-launch ``ValueError`` -> :class:`UnsupportedError`."""
-        try:
-            yield
-        except UnsupportedError:
-            raise
-        except ValueError as exc:
-            raise UnsupportedError(self.owner, what, str(exc),
-                                   "flashinfer refused the inputs before launching") from exc
+    def errors(self, what: str) -> KernelErrors:
+        """flashinfer's pre-launch ``ValueError`` -> :class:`UnsupportedError` (``with`` block)."""
+        return KernelErrors(self.owner, what, _REFUSED_HINT)
 
     # -- planning inputs ---------------------------------------------------------------
     def plan_inputs(self, seq_lens: Sequence[int], extend_lens: Sequence[int],
@@ -227,9 +233,9 @@ class FlashInferMLAKernels:
         requests and ``num_tokens`` rows (see the module docstring).
         """
         ps = self.config.page_size
-        seq = [int(s) for s in seq_lens]
-        ext = [int(e) for e in extend_lens]
-        pages = [-(-s // ps) for s in seq]
+        seq = list(map(int, seq_lens))
+        ext = list(map(int, extend_lens))
+        pages = list(seq) if ps == 1 else [-(-s // ps) for s in seq]
         indices = [self._page_indices(page_table, pages)]
         if pad_to is not None:
             bs, num_tokens = pad_to
@@ -246,32 +252,49 @@ class FlashInferMLAKernels:
             pages += [0] * pad + [filler_pages]
             indices.append(torch.full((filler_pages,), PADDING_PAGE, dtype=torch.int32,
                                       device=page_table.device))
+        # torch.cat of one tensor would still copy every index: only join when padded.
         return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=_cumsum(pages),
-                             kv_indices=torch.cat(indices),
-                             kv_lens=torch.tensor(seq, dtype=torch.int32))
+                             kv_indices=indices[0] if len(indices) == 1 else torch.cat(indices),
+                             kv_lens=_host_int32(seq))
 
     def _page_indices(self, page_table: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
         """The first ``pages[b]`` entries of each page-table row, concatenated (on device).
 
-        The (row, column) pairs are built on the host, where the counts are
-        known: a boolean mask over the device table would make torch wait for
-        the device to size the result, once per plan, i.e. before every replay.
+        Everything of size ``sum(pages)`` is built by device ops: the host only
+        handles one value per sequence, and sends them in one small non-blocking
+        copy.  The result's size is known on the host, so nothing waits for the
+        device (a boolean mask over the table would: torch must read the size of
+        the result back, once per plan, i.e. before every replay).  A table whose
+        rows are all used whole is returned flattened, with no copy at all.
         """
         dev = page_table.device
-        counts = torch.tensor([int(p) for p in pages], dtype=torch.int64)
-        total = int(counts.sum()) if len(pages) else 0
+        counts = list(pages)
+        total = sum(counts)
         if total == 0:
             return torch.empty((0,), dtype=torch.int32, device=dev)
         width = page_table.shape[1]
-        if int(counts.max()) > width:
+        if max(counts) > width:
             raise UnsupportedError(self.owner, "page table",
-                                   f"a sequence needs {int(counts.max())} pages, the page "
+                                   f"a sequence needs {max(counts)} pages, the page "
                                    f"table has {width} columns",
                                    "build batches with decode_batch() / extend_batch()")
-        rows = torch.repeat_interleave(torch.arange(len(pages)), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        cols = torch.arange(total) - torch.repeat_interleave(starts, counts)
-        return page_table[rows.to(dev), cols.to(dev)].to(torch.int32)
+        # rows beyond the batch (a captured graph's table has max_bs rows) are not read
+        flat_table = page_table[: len(counts)].reshape(-1)
+        if min(counts) == width:
+            # Every row used whole (the table is as wide as the longest sequence):
+            # the result is the table itself, read when the kernel runs, as the
+            # other backends read md.page_table.
+            return flat_table.to(torch.int32)
+        # Entry j of the result, in row b, is flat entry j + b * width - starts[b] of the
+        # table (starts[b]: entries of the rows before b).  The per-row shift is repeated
+        # counts[b] times on the device.
+        starts = itertools.accumulate(counts[:-1], initial=0)
+        shift = [b * width - start for b, start in enumerate(starts)]
+        host = torch.tensor([shift, counts], dtype=torch.int64)
+        shift_dev, counts_dev = host.to(dev, non_blocking=True)
+        flat = torch.arange(total, device=dev) + torch.repeat_interleave(
+            shift_dev, counts_dev, output_size=total)
+        return flat_table[flat].to(torch.int32)
 
     # -- MLA plan ----------------------------------------------------------------------
     def _check_kv_dtype(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
@@ -411,7 +434,7 @@ class FlashInferMLAKernels:
         scales: dict[str, float] = {}
         if kv.dtype == torch.float8_e4m3fn:
             scales = {"ckv_scale": float(kv_scale), "kpe_scale": float(kv_scale)}
-        with self.errors("MLA inputs"):
+        with KernelErrors(self.owner, "MLA inputs", _REFUSED_HINT):
             planned.wrapper.run(q_nope=q[..., :latent], q_pe=q[..., latent:],
                                 ckv_cache=kv[..., :latent], kpe_cache=kv[..., latent:],
                                 out=out, **scales)

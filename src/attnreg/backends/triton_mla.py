@@ -24,6 +24,7 @@ from ._triton_kernels import (
     default_max_splits,
     mha_prefill,
     mla_decode,
+    mla_decode_workspace,
     mla_extend,
 )
 from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
@@ -68,6 +69,8 @@ class TritonMLABackend(AttentionBackend):
 
     # -- planning ----------------------------------------------------------------------
     def _splits_for(self, batch_size: int, max_seq_len: int) -> int:
+        # Not cached: an engine's longest sequence grows every decode step, so a cache
+        # keyed on it would miss every step and grow without bound.
         if self.force_kv_splits is not None:
             return self.force_kv_splits
         splits = default_max_splits(batch_size, self.config.num_heads, max_seq_len,
@@ -78,9 +81,13 @@ class TritonMLABackend(AttentionBackend):
 
     def _init_metadata_impl(self, md: ForwardMetadata) -> None:
         if md.phase is Phase.DECODE:
-            # Eager: the kernel allocates the workspace itself when it splits.
-            md.extras["max_splits"] = self._splits_for(md.batch_size, md.max_seq_len)
-            md.extras["workspace"] = None
+            splits = self._splits_for(md.batch_size, md.max_seq_len)
+            md.extras["max_splits"] = splits
+            # One split-KV workspace per batch, shared by every layer's forward (they run
+            # one after another on the stream), instead of one allocation per forward.
+            md.extras["workspace"] = mla_decode_workspace(
+                md.batch_size, self.config.num_heads, splits, self.device) \
+                if splits > 1 and md.batch_size > 0 else None
 
     def _init_graph_state_impl(self, state: GraphState) -> None:
         # One flat fp32 buffer serves every captured batch size: a launch for bs
