@@ -60,6 +60,10 @@ os.environ.setdefault("ATTNREG_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 import torch  # noqa: E402
 
+# run as a script (benchmarks/host_overhead.py) or as benchmarks.host_overhead
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._harness import _cpu_model  # noqa: E402
+
 SHAPES: tuple[tuple[int, int, int], ...] = ((8, 1024, 128), (64, 2048, 64), (128, 4096, 16),
                                             (1, 32768, 128))
 QUICK_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 1024, 128), (128, 4096, 16))
@@ -288,16 +292,6 @@ def _load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(backends: list[str], cases: list[tuple[tuple[int, int, int], int]], *,
