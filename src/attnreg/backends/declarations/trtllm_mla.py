@@ -50,7 +50,8 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 _FALLBACK_REASON = ("under capture the forward mode is pinned to absorbed MLA, and the "
                     "trtllm ragged kernel only takes MHA head dims: extend runs flashinfer's "
-                    "paged MLA instead, which must convert an FP8 pool to bf16 in full "
+                    "paged MLA instead, which reads a bf16 pool as is but must convert an "
+                    "FP8 pool to bf16 in full "
                     "(inside the graph, every replay, into a pool-sized temporary)")
 
 _BF16 = frozenset({DType.BF16})
