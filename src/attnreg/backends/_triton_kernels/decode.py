@@ -390,21 +390,30 @@ def _merge_config(batch: int, heads: int) -> tuple[int, int, int]:
 # Host wrappers
 # ----------------------------------------------------------------------------------------
 
-def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
-              kv_scale):
+def check_absorbed_inputs(q, kv_cache) -> int:
+    """Check absorbed-MLA ``q`` [rows, H, 576] and the latent cache; return its page size.
+
+    Shared by the decode and extend wrappers: both read the same paged latent cache.
+    """
     check_tensor("q", q, ndim=3, dtypes=Q_DTYPES)
-    dev = q.device
     if q.shape[2] != D_QK:
         raise ValueError(f"q: expected last dim {D_QK} (512 latent + 64 rope), got shape "
                          f"{tuple(q.shape)}")
-    B, H, _ = q.shape
-    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=kv_dtypes_for(q.dtype), device=dev)
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=kv_dtypes_for(q.dtype), device=q.device)
     if kv_cache.shape[2] != D_QK:
         raise ValueError(f"kv_cache: expected [num_pages, page_size, {D_QK}], got shape "
                          f"{tuple(kv_cache.shape)}")
     ps = kv_cache.shape[1]
     if ps < 1 or (ps & (ps - 1)) != 0:
         raise ValueError(f"kv_cache: page_size (dim 1) must be a power of two, got {ps}")
+    return int(ps)
+
+
+def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
+              kv_scale):
+    check_absorbed_inputs(q, kv_cache)
+    dev = q.device
+    B, H, _ = q.shape
     check_index("page_table", page_table, ndim=2, device=dev)
     if page_table.shape[0] < B:
         raise ValueError(f"page_table: expected >= {B} rows (batch of q), got shape "

@@ -29,16 +29,14 @@ import triton.language as tl
 from ._common import (
     KV_FP8_DTYPE,
     LOG2E,
-    Q_DTYPES,
     _dot,
     check_index,
     check_kv_scale,
     check_tensor,
     dot_upcast,
-    kv_dtypes_for,
     next_pow2,
 )
-from .decode import D_LATENT, D_QK, D_ROPE
+from .decode import D_LATENT, D_ROPE, check_absorbed_inputs
 
 
 @triton.jit
@@ -219,19 +217,9 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     ValueError
         On wrong shapes, dtypes, devices or int64 index tensors, before any launch.
     """
-    check_tensor("q", q, ndim=3, dtypes=Q_DTYPES)
+    ps = check_absorbed_inputs(q, kv_cache)
     dev = q.device
-    if q.shape[2] != D_QK:
-        raise ValueError(f"q: expected last dim {D_QK} (512 latent + 64 rope), got shape "
-                         f"{tuple(q.shape)}")
     T, H, _ = q.shape
-    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=kv_dtypes_for(q.dtype), device=dev)
-    if kv_cache.shape[2] != D_QK:
-        raise ValueError(f"kv_cache: expected [num_pages, page_size, {D_QK}], got shape "
-                         f"{tuple(kv_cache.shape)}")
-    ps = kv_cache.shape[1]
-    if ps < 1 or (ps & (ps - 1)) != 0:
-        raise ValueError(f"kv_cache: page_size (dim 1) must be a power of two, got {ps}")
     check_index("qo_indptr", qo_indptr, ndim=1, device=dev)
     B = qo_indptr.shape[0] - 1
     if B < 0:
