@@ -197,3 +197,65 @@ def test_unknown_mla_backend_option_is_an_error(reg, monkeypatch) -> None:
     install_fake_flashinfer(monkeypatch)
     with pytest.raises(ValueError, match="mla_backend"):
         backend(reg, MLAConfig(num_heads=2), mla_backend="fa9")
+
+
+def _fake_jit(monkeypatch, fail: str = "") -> list[tuple]:
+    """A fake ``flashinfer.jit.attention`` whose specs record what was built."""
+    import sys
+    import types
+
+    built: list[tuple] = []
+
+    class Spec:
+        def __init__(self, *key: object) -> None:
+            self.key, self.name = key, "_".join(map(str, key))
+
+        def build(self, verbose: bool) -> None:
+            if fail and fail in self.name:
+                raise RuntimeError("nvcc failed")
+            built.append(self.key)
+
+    attention = types.ModuleType("flashinfer.jit.attention")
+    attention.gen_batch_mla_module = lambda kernel, dt, *rest: Spec("mla", kernel, dt)
+    attention.gen_batch_prefill_module = (
+        lambda kernel, dt, _kv, _o, _idx, qk, vo, *rest: Spec("ragged", kernel, dt, qk, vo))
+    for name, mod in (("flashinfer", types.ModuleType("flashinfer")),
+                      ("flashinfer.jit", types.ModuleType("flashinfer.jit")),
+                      ("flashinfer.jit.attention", attention)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return built
+
+
+def test_warm_jit_cache_builds_the_variants_auto_picks(monkeypatch) -> None:
+    from attnreg.backends.flashinfer_mla import warm_jit_cache
+
+    built = _fake_jit(monkeypatch)
+    result = warm_jit_cache(90)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert sorted(map(str, built)) == sorted(map(str, [
+        ("mla", "fa3", bf16), ("mla", "fa3", fp16), ("mla", "fa2", bf16),
+        ("ragged", "fa3", bf16, 192, 128), ("ragged", "fa3", fp16, 192, 128),
+        ("ragged", "fa3", bf16, 128, 128)]))
+    assert set(result.values()) == {"ok"}
+    built.clear()
+    warm_jit_cache(100, mha=())
+    assert sorted(map(str, built)) == sorted(map(str, [("mla", "fa2", bf16),
+                                                       ("mla", "fa2", fp16)]))
+
+
+def test_warm_jit_cache_reports_a_failed_build_instead_of_raising(monkeypatch) -> None:
+    from attnreg.backends.flashinfer_mla import warm_jit_cache
+
+    _fake_jit(monkeypatch, fail="ragged")
+    result = warm_jit_cache(90)
+    failed = {k: v for k, v in result.items() if v != "ok"}
+    assert len(failed) == 3 and all("nvcc failed" in v for v in failed.values())
+
+
+def test_warm_jit_cache_without_flashinfer_says_so(monkeypatch) -> None:
+    import sys
+
+    from attnreg.backends.flashinfer_mla import warm_jit_cache
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert "not importable" in warm_jit_cache(90)["flashinfer.jit.attention"]

@@ -65,36 +65,16 @@ def need_blackwell(what: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _prebuild_flashinfer_kernels() -> None:
-    """Compile the flashinfer JIT variants used below at the same time, one ninja each.
+    """Compile the flashinfer JIT variants used below at the same time (``warm_jit_cache``).
 
     Only a speed-up: each test would otherwise compile its variant on first use
-    (20-130 s each, one after another).  Each variant is built by its own
-    ``JitSpec.build`` -- the per-module ninja and ``.ninja_log`` that the lazy
-    load in ``plan`` uses.  flashinfer's ``build_jit_specs`` would instead run one
-    top-level ninja with a log of its own, and the lazy load, not finding its
-    command in the module's log, compiles the module again (measured on the
-    H200: 100-135 s per ragged-prefill variant).  Any failure is left to the tests.
+    (20-130 s each, one after another).  Any failure is left to the tests.
     """
     if _importable("flashinfer") or _sm() is None:
         return
-    try:
-        from concurrent.futures import ThreadPoolExecutor
+    from attnreg.backends.flashinfer_mla import warm_jit_cache
 
-        from flashinfer.jit.attention import gen_batch_mla_module, gen_batch_prefill_module
-
-        fa = "fa3" if _sm() == 90 else "fa2"
-        specs = [gen_batch_mla_module(fa, dt, dt, dt, torch.int32, 512, 64, False)
-                 for dt in (torch.bfloat16, torch.float16)]
-        if fa == "fa3":
-            specs.append(gen_batch_mla_module("fa2", torch.bfloat16, torch.bfloat16,
-                                              torch.bfloat16, torch.int32, 512, 64, False))
-        specs += [gen_batch_prefill_module(fa, dt, dt, dt, torch.int32, 192, 128, 0, False,
-                                           False, False)
-                  for dt in (torch.bfloat16, torch.float16)]
-        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-            list(pool.map(lambda spec: spec.build(verbose=False), specs))
-    except Exception:  # noqa: BLE001 - any failure: the tests JIT lazily instead
-        return
+    warm_jit_cache(_sm())
 
 
 def config(**kw: object) -> MLAConfig:

@@ -56,6 +56,7 @@ __all__ = [
     "FlashInferMLAKernels",
     "device_sm",
     "import_flashinfer",
+    "warm_jit_cache",
 ]
 
 #: The float workspace every wrapper shares (flashinfer's recommended size).
@@ -516,3 +517,66 @@ class FlashInferMLABackend(AttentionBackend):
         else:
             assert k is not None and v is not None
             self.kernels.run_ragged(q, k, v, md, out)
+
+
+def warm_jit_cache(sm: int, *, dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float16),
+                   mla_kernels: Sequence[str] | None = None,
+                   mha: Sequence[tuple[torch.dtype, int, int]] = (
+                       (torch.bfloat16, 192, 128), (torch.float16, 192, 128),
+                       (torch.bfloat16, 128, 128)),
+                   ) -> dict[str, str]:
+    """Compile flashinfer's JIT variants this backend uses, all at once (before serving).
+
+    flashinfer compiles a kernel variant on the first ``plan`` that needs it
+    (20 s for a paged-MLA variant, 100-135 s for a 192/128 ragged prefill on
+    an H200), one after another.  This builds them in parallel threads, each
+    with its own ``JitSpec.build`` -- the module's own ninja log, which the
+    lazy load in ``plan`` consults later.  (``flashinfer.jit.build_jit_specs``
+    keeps a separate log, so the lazy load would compile everything again.)
+
+    Parameters
+    ----------
+    sm : int
+        Compute capability as an int (``90``); picks ``fa3`` (sm90) or ``fa2``.
+    dtypes : sequence of torch.dtype
+        Query/KV dtypes of the paged-MLA variants (an FP8 pool's is not built here).
+    mla_kernels : sequence of str, optional
+        flashinfer MLA ``backend=`` values; default the one ``auto`` picks on
+        ``sm`` (plus ``fa2`` on sm90, which ``mla_backend="fa2"`` selects).
+    mha : sequence of (torch.dtype, int, int)
+        (dtype, qk head dim, vo head dim) of each ragged MHA prefill variant;
+        the default is the set the conformance suite checks.
+
+    Returns
+    -------
+    dict
+        Module name -> ``"ok"`` or the error text.  Never raises for a
+        build failure: the lazy path would report it at ``plan`` anyway.
+    """
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from flashinfer.jit.attention import gen_batch_mla_module, gen_batch_prefill_module
+    except Exception as exc:  # noqa: BLE001 - missing or differently laid out flashinfer
+        return {"flashinfer.jit.attention": f"not importable: {type(exc).__name__}: {exc}"}
+    native = "fa3" if sm == 90 else "fa2"
+    kernels = list(mla_kernels) if mla_kernels is not None else (
+        ["fa3", "fa2"] if native == "fa3" else ["fa2"])
+    idx = torch.int32
+    specs = []
+    for kernel, dt in itertools.product(kernels, dtypes):
+        # Only the native kernel gets fp16: mla_backend="fa2" on sm90 is a bf16 A/B knob.
+        if kernel == native or dt == torch.bfloat16:
+            specs.append(gen_batch_mla_module(kernel, dt, dt, dt, idx, 512, 64, False))
+    specs += [gen_batch_prefill_module(native, dt, dt, dt, idx, qk, vo, 0, False, False, False)
+              for dt, qk, vo in mha]
+
+    def build(spec: Any) -> tuple[str, str]:
+        try:
+            spec.build(verbose=False)
+            return spec.name, "ok"
+        except Exception as exc:  # noqa: BLE001 - reported, not raised (see Returns)
+            return spec.name, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        return dict(pool.map(build, specs))
