@@ -221,6 +221,8 @@ def test_prefill_times_the_mha_path_of_a_backend_without_absorbed_prefill(tmp_pa
         return real(ctx, v, method, phase, **kw)
 
     monkeypatch.setattr(prefill, "declared_reasons", no_absorbed)
+    # checked on the last rows only (the reference's fp32 scores would not fit at 32k x 4k)
+    monkeypatch.setattr(prefill, "REFERENCE_ROWS", 5)
     rc = main(["--dry-run", "--only", "prefill", "--out", str(tmp_path), "--no-jit-cache",
                "--no-render"])
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -230,6 +232,8 @@ def test_prefill_times_the_mha_path_of_a_backend_without_absorbed_prefill(tmp_pa
     assert "absorbed" not in res and res["mha"]["us"] > 0, res
     assert "test stand-in" in res["absorbed_not_declared"]
     assert res["agree"], res["rel_diff_mha_vs_reference"]  # MHA matches the reference's MLA
+    assert res["reference_rows"] == 5
     assert "triton" not in data["summary"]  # no absorbed / MHA ratio to summarise
     text = "\n".join(render_prefill(data, Plotter(tmp_path / "img", enabled=False), "img"))
     assert "vs reference" in text and "test stand-in" in text
+
