@@ -114,6 +114,14 @@ def save_flashinfer_jit_cache(out: Path, max_source_bytes: int = 256 * 2**20,
     so the next device call skips flashinfer's ~20 s-per-variant JIT.  Nothing
     is written when the cache is missing or the archive would be too large to
     bring back.
+
+    Every member's time is rounded *down* to the second.  ninja's ``.ninja_deps``
+    keeps each object's mtime in nanoseconds and treats the deps as stale when
+    the file on disk is newer; a pax archive keeps microseconds, rounded to the
+    nearest, so about half the unpacked objects came out a few hundred ns
+    "newer" and every module was compiled again (seen on the H200: ``ninja -d
+    explain`` printed "stored deps info out of date").  A time rounded down is
+    never newer than the recorded one, and still newer than the sources.
     """
     if "flashinfer" not in sys.modules:
         return None
@@ -127,13 +135,18 @@ def save_flashinfer_jit_cache(out: Path, max_source_bytes: int = 256 * 2**20,
     out.mkdir(parents=True, exist_ok=True)
     target = out / "fi-cache.tgz"
     with tarfile.open(target, "w:gz") as tar:
-        tar.add(cache, arcname="flashinfer")
+        tar.add(cache, arcname="flashinfer", filter=_whole_seconds)
     if target.stat().st_size > max_archive_bytes:
         print(f"flashinfer JIT cache archive is {target.stat().st_size / 2**20:.0f} MiB: "
               "not kept", flush=True)
         target.unlink()
         return None
     return target
+
+
+def _whole_seconds(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    member.mtime = int(member.mtime)
+    return member
 
 
 def print_summary(doc: dict[str, Any]) -> None:

@@ -237,3 +237,28 @@ def test_prefill_times_the_mha_path_of_a_backend_without_absorbed_prefill(tmp_pa
     text = "\n".join(render_prefill(data, Plotter(tmp_path / "img", enabled=False), "img"))
     assert "vs reference" in text and "test stand-in" in text
 
+
+def test_saved_flashinfer_cache_is_never_newer_than_ninja_recorded(tmp_path, monkeypatch):
+    """ninja's deps log keeps ns mtimes and calls an object stale when the file is newer:
+    the archive must round member times down, never to the nearest microsecond."""
+    import os
+    import tarfile
+
+    from benchmarks.__main__ import save_flashinfer_jit_cache
+
+    home = tmp_path / "home"
+    obj = home / ".cache" / "flashinfer" / "0.6.13" / "90a" / "cached_ops" / "m" / "m.cuda.o"
+    obj.parent.mkdir(parents=True)
+    obj.write_bytes(b"\0" * 16)
+    recorded_ns = 1795962071913207984  # a time whose microsecond rounds up (…208000)
+    os.utime(obj, ns=(recorded_ns, recorded_ns))
+    monkeypatch.setattr(Path, "home", lambda: home)
+    monkeypatch.setitem(sys.modules, "flashinfer", sys.modules.get("flashinfer", object()))
+    archive = save_flashinfer_jit_cache(tmp_path / "out")
+    assert archive is not None
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="tar")
+    unpacked = tmp_path / "unpacked" / "flashinfer" / obj.relative_to(home / ".cache" /
+                                                                      "flashinfer")
+    restored = unpacked.stat().st_mtime_ns
+    assert restored <= recorded_ns and recorded_ns - restored < 10**9
