@@ -155,12 +155,23 @@ def _cpu_model() -> str:
 
 
 def _git_commit(root: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                             check=False, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
+    """Short HEAD, with ``+dirty`` when tracked files differ from it.
+
+    A copied working tree (the device machine's) may carry an older ``.git``
+    than its files: ``+dirty`` then says the commit alone does not name the code.
+    """
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], check=False,
+                                 capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _nvidia_smi() -> dict[str, str]:
