@@ -23,9 +23,10 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ DOCS_IMG = ROOT / "docs" / "img"
 NOTES = RESULTS_DIR / "notes.md"
 COST_GATE_DIR = RESULTS_DIR / "cost-gate"
 MULTI_DIR = RESULTS_DIR / "multi"
+REPEATS_DIR = RESULTS_DIR / "repeats"
 
 DEVICE_COMMAND = ("source .gpu/setup.sh && pip install --no-deps --no-build-isolation -e . -q "
                   "&& python3 -m benchmarks --out $OUT/bench")
@@ -748,9 +750,8 @@ def explain_miss(sid: str, check: dict[str, Any], data: dict[str, Any]) -> tuple
                     ("make init_forward_metadata cheaper (it runs once per step for all "
                     "layers in an engine) and keep forward_decode's per-call checks to shape "
                     "comparisons; under a CUDA graph none of this is paid per replay. "
-                    "Host-side changes made after this run are measured on the CPU in "
-                    "[benchmarks-host-overhead.md](benchmarks-host-overhead.md); re-run P6 on "
-                    "the device to see their effect there."))
+                    "[benchmarks-host-overhead.md](benchmarks-host-overhead.md) breaks the "
+                    "host cost down per step on the CPU, with the kernels stubbed."))
         return ((f"at {shape} the host issues a backend call in {host_b:.1f} us, less than the "
                 f"kernel's {dev_k:.1f} us, yet each call costs "
                 f"{worst['backend']['median_us'] - dev_k:.1f} us more on the device: the "
@@ -809,14 +810,17 @@ class Extras:
 
     cost_gate: list[ResultsFile]
     multi: list[ResultsFile]
+    #: extra ``python -m benchmarks`` runs (P4, P6) for the run-to-run spread
+    repeats: list[ResultsFile] = field(default_factory=list)
 
     @property
     def files(self) -> list[ResultsFile]:
-        return self.cost_gate + self.multi
+        return self.cost_gate + self.multi + self.repeats
 
 
-def load_extras(cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR) -> Extras:
-    """``cost_gate_dir/*.json`` and ``multi_dir/*-summary.json``, by name.
+def load_extras(cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR,
+                repeats_dir: Path = REPEATS_DIR) -> Extras:
+    """``cost_gate_dir/*.json``, ``multi_dir/*-summary.json`` and ``repeats_dir/*.json``.
 
     Raises
     ------
@@ -838,7 +842,8 @@ def load_extras(cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR
             raise ValueError(f"{p}: not a summary written by benchmarks/multi_gpu.py "
                              "(needs nprocs, backend, workers)")
         multi.append(ResultsFile(p, doc))
-    return Extras(gates, multi)
+    repeats = load(sorted(Path(repeats_dir).glob("*.json")))
+    return Extras(gates, multi, repeats)
 
 
 # ---- cost gate ------------------------------------------------------------------------
@@ -1244,6 +1249,113 @@ def render_multi(files: list[ResultsFile], root: Path = ROOT) -> list[str]:
     return lines
 
 
+# ---- run-to-run spread of the host-bound figures ----------------------------------------
+
+REPEATS_TITLE = "Run-to-run spread of P4 and P6"
+REPEATS_COMMAND = "python3 -m benchmarks --only P4,P6 --out $OUT/runN --no-render"
+
+
+def _b1_speedup(doc: dict[str, Any], variant: str) -> tuple[float, float, float] | None:
+    """(eager us, graph us, eager / graph) of P4 at B=1 for one backend."""
+    rows = doc.get("sections", {}).get("P4", {}).get("data", {}).get("rows", [])
+    row = next((r for r in rows if r.get("variant") == variant and r.get("B") == 1
+                and r.get("eager_us")), None)
+    return (row["eager_us"], row["graph_us"], row["speedup"]) if row else None
+
+
+def _p6_worst(doc: dict[str, Any], key: str) -> float | None:
+    rows = doc.get("sections", {}).get("P6", {}).get("data", {}).get("rows", [])
+    values = [r[key] for r in rows if key in r]
+    return max(values) if values else None
+
+
+def _spread_runs(files: list[ResultsFile]) -> list[ResultsFile]:
+    return [f for f in files if {"P4", "P6"} & set(f.doc.get("sections", {}))]
+
+
+def repeats_checks(files: list[ResultsFile]) -> list[dict[str, Any]]:
+    """P4's and P6's checks again, on the median of every run's figure (two runs or more)."""
+    from .metrics import evaluate
+
+    runs = _spread_runs(files)
+    if len(runs) < 2:
+        return []
+    measured: dict[str, list[float]] = {}
+    first: dict[str, dict[str, Any]] = {}
+    for f in runs:
+        for sid in ("P4", "P6"):
+            for c in f.doc.get("sections", {}).get(sid, {}).get("data", {}).get("checks", []):
+                first.setdefault(c["id"], c)
+                if c.get("measured") is not None:
+                    measured.setdefault(c["id"], []).append(c["measured"])
+    out = []
+    for cid, c in first.items():
+        values = measured.get(cid, [])
+        out.append(evaluate(
+            f"{cid}, median", f"{c['what']}: median of {len(values)} runs",
+            statistics.median(values) if values else None, c["unit"], c["direction"],
+            target=c.get("target"), goal=c.get("goal"),
+            detail=f"runs: {', '.join(_fmt_unit(v, c['unit']) for v in values)}").to_dict())
+    return out
+
+
+def render_repeats(files: list[ResultsFile], root: Path = ROOT) -> list[str]:
+    """P4 at B=1 and P6's worst overheads, one row per run, with the median of the runs.
+
+    P4's eager step and P6's per-call cost are bounded by how fast the host
+    issues launches; the same code on the same kind of machine gives other
+    figures from one run to the next.  One run's check says little on its own.
+    """
+    runs = _spread_runs(files)
+    if len(runs) < 2:
+        return []
+    variants = sorted({r.get("variant") for f in runs for r in f.doc["sections"].get("P4", {})
+                       .get("data", {}).get("rows", []) if r.get("eager_us")})
+    header = ["run (UTC)", "commit", "data"] + \
+        [f"P4 {v} B=1: eager / graph us (x)" for v in variants] + \
+        ["P6 worst overhead", "P6 worst, planned once"]
+    table, columns = [], {v: [] for v in variants}
+    p6, p6_once = [], []
+    for f in sorted(runs, key=lambda f: str(f.meta.get("date_utc"))):
+        row = [str(f.meta.get("date_utc", "?")), str(f.meta.get("git_commit", "?")),
+               f"`{_rel(f.path, root)}`"]
+        for v in variants:
+            got = _b1_speedup(f.doc, v)
+            if got:
+                columns[v].append(got[2])
+            row.append(f"{got[0]:.0f} / {got[1]:.0f} ({got[2]:.2f}x)" if got else "-")
+        worst, once = _p6_worst(f.doc, "overhead"), _p6_worst(f.doc, "overhead_planned_once")
+        p6 += [worst] if worst is not None else []
+        p6_once += [once] if once is not None else []
+        table.append(row + [pct(worst), pct(once)])
+
+    def median(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    table.append(["**median**", "", f"{len(runs)} runs"]
+                 + [f"**{fmt(median(columns[v]), '.2f')}x**" for v in variants]
+                 + [f"**{pct(median(p6))}**", f"**{pct(median(p6_once))}**"])
+    def spread(key: int) -> str:
+        """Largest max / min over the runs of one backend (0: eager, 1: graph)."""
+        ratios = []
+        for v in variants:
+            values = [g[key] for g in (_b1_speedup(f.doc, v) for f in runs) if g]
+            ratios += [max(values) / min(values)] if values else []
+        return f"{max(ratios):.2f}x" if ratios else "-"
+
+    lines = [f"## {REPEATS_TITLE}", "",
+             ("P4's eager step and P6's per-call cost are bounded by how fast the host issues "
+              "kernel launches, not by the GPU. Over these runs of the same code on the same "
+              f"kind of machine (some within one device call), the slowest B=1 graph step of "
+              f"a backend is at most {spread(1)} its fastest, its eager step up to "
+              f"{spread(0)}. Read one run's P4 / P6 check against this spread. Runs: the main "
+              f"results file(s) above, plus `{REPEATS_COMMAND}` repeated and brought back to "
+              f"`{_rel(REPEATS_DIR, root)}/`."), "",
+             md_table(header, table), ""]
+    lines += ["- " + _check_line(c) for c in repeats_checks(runs)]
+    return lines + [""]
+
+
 # ----------------------------------------------------------------------------------------
 # The page
 # ----------------------------------------------------------------------------------------
@@ -1288,6 +1400,9 @@ def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
     for f in extras.multi:
         summary_rows.append(_summary_row(multi_check(f.doc), _anchor(MULTI_TITLE),
                                          _multi_devices(f.doc).split(" (")[0]))
+    spread_runs = [f for f in used if f not in extras.cost_gate + extras.multi]
+    summary_rows += [_summary_row(c, _anchor(REPEATS_TITLE), _device(spread_runs[0].meta)
+                                  .split(" (")[0]) for c in repeats_checks(spread_runs)]
     lines += [md_table(["id", "figure", "measured", "target / goal", "status", "where"],
                        summary_rows) if summary_rows else "No figure has been measured yet.",
               ""]
@@ -1321,6 +1436,7 @@ def render_markdown(files: list[ResultsFile], plot: Plotter, img_rel: str, *,
         lines += [""]
     lines += render_cost_gate(extras.cost_gate, plot, img_rel, root)
     lines += render_multi(extras.multi, root)
+    lines += render_repeats(spread_runs, root)
     if not plot.available:
         lines += [f"_Plots not rendered: {plot.why_not}._", ""]
     if NOTES.exists() and not preview:
@@ -1350,7 +1466,8 @@ def _rel(path: Path, root: Path) -> str:
 
 def render_files(paths: list[Path], md_path: Path, img_dir: Path, *, plots: bool = True,
                  allow_dry_run: bool = False, preview: bool = False,
-                 cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR) -> Path:
+                 cost_gate_dir: Path = COST_GATE_DIR, multi_dir: Path = MULTI_DIR,
+                 repeats_dir: Path = REPEATS_DIR) -> Path:
     """Render ``paths`` into ``md_path`` with plots in ``img_dir``; return ``md_path``.
 
     The cost-gate results (``cost_gate_dir/*.json``) and the multi-GPU
@@ -1364,8 +1481,8 @@ def render_files(paths: list[Path], md_path: Path, img_dir: Path, *, plots: bool
         or a file in those directories is not what its script writes.
     """
     files = load([p for p in paths if Path(p).exists()])
-    extras = load_extras(cost_gate_dir, multi_dir)
-    dry = [str(f.path) for f in files if f.dry_run] + \
+    extras = load_extras(cost_gate_dir, multi_dir, repeats_dir)
+    dry = [str(f.path) for f in files + extras.repeats if f.dry_run] + \
         [str(f.path) for f in extras.cost_gate if f.doc.get("dry_run")]
     if dry and not allow_dry_run:
         raise ValueError(f"dry-run results {dry} are not measurements; they are rendered "
@@ -1392,11 +1509,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi-dir", type=Path, default=MULTI_DIR,
                    help="benchmarks/multi_gpu.py summaries, *-summary.json (default "
                         "benchmarks/results/multi)")
+    p.add_argument("--repeats-dir", type=Path, default=REPEATS_DIR,
+                   help="extra python -m benchmarks runs for the P4/P6 spread (default "
+                        "benchmarks/results/repeats)")
     args = p.parse_args(argv)
     files = args.files or default_result_files()
     try:
         out = render_files(files, args.md, args.img_dir, plots=not args.no_plots,
-                           cost_gate_dir=args.cost_gate_dir, multi_dir=args.multi_dir)
+                           cost_gate_dir=args.cost_gate_dir, multi_dir=args.multi_dir,
+                           repeats_dir=args.repeats_dir)
     except ValueError as exc:
         print(f"python -m benchmarks.render: {exc}", file=sys.stderr)
         return 2
