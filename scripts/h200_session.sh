@@ -15,6 +15,10 @@
 #                                                              of the other backends, in parallel
 #   bench   carry .gpu/base .gpu/setup.sh                      python -m benchmarks, all GPU
 #                                                              sections
+#   warm    carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    does the carried flashinfer
+#                                                              JIT cache hold? (seconds if so)
+#   repeat  carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    P4 and P6 three times over
+#                                                              (host-bound: their spread)
 #   cost    carry .gpu/base .gpu/setup.sh                      calibrate flashinfer_mla, then
 #                                                              benchmarks/cost_gate.py per profile
 #   multi   kind nvidia-h200-x2, carry .gpu/base .gpu/setup.sh  benchmarks/multi_gpu.py over
@@ -29,7 +33,7 @@
 # Everything a step writes goes into one archive, $OUT/STEP.tgz (the device
 # returns at most 8 files), and its summary is printed last.
 set -u
-step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|cost|multi}
+step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|warm|repeat|cost|multi}
 OUT=${OUT:-/tmp/h200-out}
 work=/tmp/h200-$step
 mkdir -p "$OUT" "$work"
@@ -57,6 +61,22 @@ conformance() {  # conformance BACKEND LIMIT_S
   echo "rc=$?" >>"$work/conf-$1.log"
 }
 
+warm_flashinfer() {  # compile (or find in the carried cache) every flashinfer variant
+  # Why ninja would rebuild each carried module (nothing is built: -n).
+  for d in ~/.cache/flashinfer/*/*/cached_ops/*/; do
+    [ -f "$d/build.ninja" ] || continue
+    echo "== $(basename "$d")"
+    (cd "$d" && ninja -d explain -n -f build.ninja 2>&1 | head -4)
+  done >"$work/cache-explain.log" 2>&1
+  timeout 200 python3 -c "
+import json, time, torch
+from attnreg.backends.flashinfer_mla import warm_jit_cache
+t = time.perf_counter(); r = warm_jit_cache(90)
+print(json.dumps(r, indent=1)); print(f'warm_jit_cache: {time.perf_counter() - t:.1f} s')
+" >"$work/prebuild.log" 2>&1
+  echo "rc=$?" >>"$work/prebuild.log"; tail -2 "$work/prebuild.log"
+}
+
 finish() {
   tar czf "$OUT/$step.tgz" -C "$work" .
   for f in "$work"/*.log; do
@@ -74,13 +94,7 @@ case $step in
     start=$(date +%s)
     # Every flashinfer variant first, in parallel on all cores: the test process and the
     # conformance process would otherwise compile the same ones at the same time.
-    timeout 200 python3 -c "
-import json, time, torch
-from attnreg.backends.flashinfer_mla import warm_jit_cache
-t = time.perf_counter(); r = warm_jit_cache(90)
-print(json.dumps(r, indent=1)); print(f'warm_jit_cache: {time.perf_counter() - t:.1f} s')
-" >"$work/prebuild.log" 2>&1
-    echo "rc=$?" >>"$work/prebuild.log"; tail -2 "$work/prebuild.log"
+    warm_flashinfer
     timeout $(( 560 - ($(date +%s) - start) )) python3 -m pytest tests -m gpu -v -rs \
       --durations=40 -p no:cacheprovider --timeout 300 \
       >"$work/gpu-tests.log" 2>&1 &
@@ -93,10 +107,26 @@ print(json.dumps(r, indent=1)); print(f'warm_jit_cache: {time.perf_counter() - t
     echo "gpu step: $(( $(date +%s) - start )) s"
     ;;
   bench)
+    warm_flashinfer
     python3 -m benchmarks --out "$work/bench" --no-render --time-budget-s 420 \
       >"$work/bench.log" 2>&1
     echo "rc=$?" >>"$work/bench.log"
     tail -30 "$work/bench.log"
+    ;;
+  warm)
+    # Does the carried JIT cache hold?  cache-explain.log says why ninja would rebuild.
+    warm_flashinfer
+    grep -c "no work to do" "$work/cache-explain.log"
+    ;;
+  repeat)
+    # P4 (eager side) and P6 are host-bound: how much do they move from run to run?
+    warm_flashinfer
+    for i in 1 2 3; do
+      python3 -m benchmarks --only P4,P6 --out "$work/run$i" --no-render --no-jit-cache \
+        >"$work/repeat$i.log" 2>&1
+      echo "rc=$?" >>"$work/repeat$i.log"
+      grep -E "^\[.*(P4|P6) " "$work/repeat$i.log"
+    done
     ;;
   cost)
     timeout 150 python3 -m attnreg calibrate --backend flashinfer_mla \
