@@ -15,6 +15,9 @@
 #                                                              of the other backends, in parallel
 #   bench   carry .gpu/base .gpu/setup.sh                      python -m benchmarks, all GPU
 #                                                              sections
+#   retest  carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    after stage + fa4: P3, then GPU
+#                                                              kernel/backend tests and the
+#                                                              conformance of $BACKENDS
 #   warm    carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    does the carried flashinfer
 #                                                              JIT cache hold? (seconds if so)
 #   repeat  carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    P4 and P6 three times over
@@ -33,7 +36,7 @@
 # Everything a step writes goes into one archive, $OUT/STEP.tgz (the device
 # returns at most 8 files), and its summary is printed last.
 set -u
-step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|warm|repeat|cost|multi}
+step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|retest|warm|repeat|cost|multi}
 OUT=${OUT:-/tmp/h200-out}
 work=/tmp/h200-$step
 mkdir -p "$OUT" "$work"
@@ -112,6 +115,21 @@ case $step in
       >"$work/bench.log" 2>&1
     echo "rc=$?" >>"$work/bench.log"
     tail -30 "$work/bench.log"
+    ;;
+  retest)
+    # After a Triton kernel change: P3 alone (timings), then the GPU kernel and backend
+    # tests and the conformance of $BACKENDS in parallel.
+    warm_flashinfer
+    python3 -m benchmarks --only P3 --out "$work/p3" --no-render --no-jit-cache \
+      >"$work/p3.log" 2>&1
+    echo "rc=$?" >>"$work/p3.log"
+    grep -E "^\[.*P3 " "$work/p3.log" | tail -24
+    timeout 420 python3 -m pytest tests/kernels tests/backends -m gpu -v -rs \
+      -p no:cacheprovider --timeout 300 >"$work/gpu-tests.log" 2>&1 &
+    tests_pid=$!
+    for b in ${BACKENDS:-triton flashinfer_mla flash_attn_cute}; do conformance "$b" 420 & done
+    wait $tests_pid; echo "rc=$?" >>"$work/gpu-tests.log"
+    wait
     ;;
   warm)
     # Does the carried JIT cache hold?  cache-explain.log says why ninja would rebuild.

@@ -55,6 +55,21 @@ def test_mla_extend_matches_reference(page_size: int, kv_dtype: str, prefix: lis
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["heuristic", "forced3"])
+def test_split_mla_extend_matches_reference(kv_dtype: str, splits: int | None) -> None:
+    """A few new tokens over a long prefix: the heuristic (8 "SMs" on cpu, 256-token
+    chunks) and a forced count both split the KV; the merged output is the reference's."""
+    cfg = MLAConfig(num_heads=H, page_size=16, kv_dtype=kv_dtype, device=DEVICE)
+    tri, ref = backends(cfg, force_kv_splits=splits)
+    sc = make_scenario(cfg, [600, 90], [3, 2], seed=4)
+    tri.init_forward_metadata(sc.batch)
+    assert tri.forward_metadata.extras["extend_splits"] == (splits or 3)
+    got = tri.forward_extend(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
+    want = ref.forward_extend(sc.q, None, None, sc.pool, sc.batch)
+    assert_close(got, want)
+
+
 @pytest.mark.parametrize("prefix", [[0, 0], [17, 2]], ids=["no_prefix", "prefix"])
 def test_mha_extend_matches_reference(prefix: list[int]) -> None:
     cfg = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
@@ -126,6 +141,38 @@ def test_extend_graph_metadata_replays_other_lengths() -> None:
                                      method=ForwardMethod.MLA)
         want = ref.forward_extend(sc.q, None, None, pool, sc.batch)
         assert_close(out[:t], want)
+        written += sc.batch.out_cache_loc.tolist()
+        for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
+            written += pool.slots(pages_b, range(p))
+        assert pool.corrupted_slots(written) == []
+
+
+def test_split_extend_graph_metadata_replays_longer_prefixes() -> None:
+    """Breakable prefill with split-KV: captured on a short batch, replayed with prefixes
+    several chunks long; the workspace is a view of the graph state's buffer."""
+    cfg = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
+    tri, ref = backends(cfg, force_kv_splits=3)
+    pool = cfg.make_pool(80)
+    pool.fill_canary()
+    tri.init_cuda_graph_state(max_bs=2, max_num_tokens=8, max_seq_len=400,
+                              graph_modes={"prefill": "breakable"})
+    tri.init_forward_metadata_capture(2, 8, forward_mode="extend")
+    md = tri.forward_metadata
+    ws = md.extras["extend_workspace"]
+    assert md.extras["extend_splits"] == 3
+    assert ws.partial_out.data_ptr() == tri.graph_state.extras["extend_partial_out"].data_ptr()
+    static = [torch.zeros(8, H, d, dtype=torch.bfloat16, device=DEVICE) for d in (576,)] + \
+        [torch.zeros(8, d, dtype=torch.bfloat16, device=DEVICE) for d in (512, 64)]
+    written: list[int] = []
+    for prefix, extend, seed in [([0, 2], [3, 1], 10), ([390], [6], 11), ([150, 70], [2, 6], 12)]:
+        sc = make_scenario(cfg, prefix, extend, seed=seed, pool=pool)
+        t = sc.batch.num_tokens
+        tri.init_forward_metadata_replay(2, 8, sc.batch)
+        for buf, src in zip(static, (sc.q, sc.latent_new, sc.rope_new)):
+            buf[:t] = src
+        with capturing(GraphMode.BREAKABLE):
+            out = tri.forward_extend(*static, pool, method=ForwardMethod.MLA)
+        assert_close(out[:t], ref.forward_extend(sc.q, None, None, pool, sc.batch))
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))

@@ -86,13 +86,18 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                     Check.NO_SYNC_ALLOC, Check.SPLIT_KV}
     breakable = {c.check for c in claims if c.graph_mode is GraphMode.BREAKABLE}
-    assert Check.PINNING in breakable and Check.SPLIT_KV not in breakable  # triton: none
+    assert Check.PINNING in breakable and Check.SPLIT_KV in breakable  # split extend
     # a replay claim per declared kv dtype of the pinned kernel (fp8 + graphs broke engines)
     kv = {c.combo.kv_dtype for c in claims if c.check is Check.REPLAY
           and c.graph_mode is GraphMode.FULL}
     assert kv == {DType.BF16, DType.FP16, DType.FP8_E4M3}
-    split = next(c for c in claims if c.check is Check.SPLIT_KV)
+    split = next(c for c in claims if c.check is Check.SPLIT_KV
+                 and c.graph_mode is GraphMode.FULL)
     assert split.batches[0] == "ragged_decode" and "long_kv" in split.batches
+    # a prefill graph is captured for a few tokens: sized for hundreds it would not split
+    split = next(c for c in claims if c.check is Check.SPLIT_KV
+                 and c.graph_mode is GraphMode.BREAKABLE)
+    assert split.batches == ("short_extend", "long_kv_extend")
 
 
 def test_pinned_mode_captures_only_the_pinned_method_and_unpinned_mode_every_method():

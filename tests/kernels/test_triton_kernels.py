@@ -17,11 +17,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from attnreg.backends._triton_kernels import (
+    default_extend_splits,
     default_max_splits,
     mha_prefill,
     mla_decode,
     mla_decode_workspace,
     mla_extend,
+    mla_extend_workspace,
 )
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
 
@@ -242,7 +244,7 @@ def test_default_max_splits_heuristic():
 # ----------------------------------------------------------------------------------------
 
 def run_extend_case(prefix, ext, H, page_size, kv_dtype, *, kv_scale=1.0, seed=0,
-                    max_extend_len=None):
+                    max_extend_len=None, **split):
     lens = [p + e for p, e in zip(prefix, ext)]
     cache, table, dense = make_paged_kv(lens, page_size, kv_dtype, seed=seed)
     T = sum(ext)
@@ -254,7 +256,7 @@ def run_extend_case(prefix, ext, H, page_size, kv_dtype, *, kv_scale=1.0, seed=0
     sm = 1.0 / math.sqrt(192)
     mla_extend(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
                torch.tensor(prefix, dtype=torch.int32, device=DEV), qo, out, sm_scale=sm,
-               kv_scale=kv_scale, max_extend_len=max_extend_len)
+               kv_scale=kv_scale, max_extend_len=max_extend_len, **split)
     refs, start = [], 0
     for b in range(len(ext)):
         pos = [prefix[b] + i for i in range(ext[b])]
@@ -275,6 +277,62 @@ def test_extend_no_prefix_bound_larger_than_lengths():
 
 def test_extend_fp8_page64():
     run_extend_case([40, 0], [9, 12], 2, 64, FP8, kv_scale=0.8)
+
+
+# Split-KV extend.  min_chunk=1 lets these short sequences use several 32-token chunks:
+# later chunks hold rows that see nothing of them (causal), and num_splits beyond the
+# chunks a block needs leaves empty splits, which the merge must ignore.
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_split_kv_matches_reference(page_size):
+    run_extend_case([0, 5, 70], [3, 1, 17], 3, page_size, torch.bfloat16, num_splits=4,
+                    min_chunk=1)
+
+
+def test_extend_split_kv_with_a_workspace_and_more_splits_than_chunks():
+    T, H = 7 + 40, 2
+    ws = mla_extend_workspace(T + 2, H, 9, DEV)
+    run_extend_case([100, 0], [7, 40], H, 16, torch.bfloat16, num_splits=9, min_chunk=1,
+                    workspace=ws)
+
+
+def test_extend_split_kv_partials_are_finite():
+    """A row with nothing visible in a split (causal) leaves a zero partial and an LSE of
+    -inf there, never NaN: every program writes every valid row of its split."""
+    # prefix 20 + 32 new tokens: one query block (positions 20..51) whose KV [0, 52) splits
+    # at 32, so the rows at positions 20..31 see nothing of the second split
+    T, H, splits = 32 + 40, 2, 5
+    ws = mla_extend_workspace(T + 2, H, splits, DEV)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    run_extend_case([20, 0], [32, 40], H, 16, torch.bfloat16, num_splits=splits, min_chunk=1,
+                    workspace=ws)
+    assert torch.isfinite(ws.partial_out[:T, :splits]).all()
+    assert not torch.isnan(ws.partial_lse[:T, :splits]).any()
+    assert torch.isinf(ws.partial_lse[:T, :splits]).any()  # some split saw nothing
+
+
+def test_extend_split_kv_fp8():
+    run_extend_case([60, 3], [5, 30], 2, 16, FP8, kv_scale=0.7, num_splits=3, min_chunk=1)
+
+
+def test_extend_split_kv_refuses_a_small_workspace():
+    with pytest.raises(ValueError, match="workspace"):
+        run_extend_case([10], [4], 2, 16, torch.bfloat16, num_splits=4,
+                        workspace=mla_extend_workspace(6, 2, 2, DEV))
+    with pytest.raises(ValueError, match="num_splits"):
+        run_extend_case([10], [4], 2, 16, torch.bfloat16, num_splits=0)
+
+
+def test_default_extend_splits_heuristic():
+    # B=1, 16 new tokens: 16 query blocks x 2 head blocks at 128 heads fill 32 of 132 SMs
+    assert default_extend_splits(1, 16, 128, 32768, 132) == 4
+    # 16 heads: 4 queries per block, 4 programs
+    assert default_extend_splits(1, 16, 16, 32768, 132) == 33
+    # capped by 256-token chunks of the longest sequence
+    assert default_extend_splits(1, 16, 16, 1000, 132) == 4
+    # a long extend fills the GPU by itself
+    assert default_extend_splits(1, 4096, 128, 32768, 132) == 1
+    assert default_extend_splits(8, 64, 128, 4096, 132) == 1
 
 
 # ----------------------------------------------------------------------------------------

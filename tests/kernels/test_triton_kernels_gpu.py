@@ -17,6 +17,7 @@ from attnreg.backends._triton_kernels import (
     mla_decode,
     mla_decode_workspace,
     mla_extend,
+    mla_extend_workspace,
 )
 
 from .test_triton_kernels import (
@@ -118,8 +119,9 @@ def test_decode_cuda_graph_replay_varied_lengths(H, force):
         assert_close(out, ref)
 
 
+@pytest.mark.parametrize("splits", [1, 6])
 @pytest.mark.parametrize("H", [16, 128])
-def test_extend_cuda_graph_replay_varied_lengths(H):
+def test_extend_cuda_graph_replay_varied_lengths(H, splits):
     B, ps, max_ext, max_len = 2, 16, 64, 800
     max_pages = math.ceil(max_len / ps)
     npages = B * max_pages + 4
@@ -146,8 +148,11 @@ def test_extend_cuda_graph_replay_varied_lengths(H):
         return cache[table[b, t // ps].long(), t % ps].float()
 
     fill([10, 20], [5, 6], 0)
+    # split-KV: 6 static splits, chunks of >= 64 tokens decided on the device per replay
+    ws = mla_extend_workspace(B * max_ext, H, splits, "cuda") if splits > 1 else None
     g = _graph(lambda: mla_extend(q, cache, table, seq_lens, prefix, qo, out, sm_scale=0.07,
-                                  max_extend_len=max_ext))
+                                  max_extend_len=max_ext, num_splits=splits, workspace=ws,
+                                  min_chunk=64))
     for i, (pre, ext) in enumerate((([700, 0], [64, 33]), ([0, 3], [1, 64]),
                                     ([100, 500], [17, 2]))):
         fill(pre, ext, i + 1)

@@ -3,12 +3,15 @@
 * decode: ``mla_decode``, split-KV over a static grid of ``max_splits`` with
   per-sequence split counts computed on the device, so a graph captured once
   replays correctly for any lengths up to the capture bound;
-* extend, MLA: ``mla_extend`` over the paged pool (causal within the new tokens);
+* extend, MLA: ``mla_extend`` over the paged pool (causal within the new tokens),
+  split-KV on the same static-grid / device-side-count scheme when a short extend
+  over a long prefix would leave the GPU idle (a few new tokens at B=1);
 * extend, MHA: ``mha_prefill`` over ragged k / v (bottom-right causal).
 
-Under capture the split count and the decode workspace are fixed in
-``init_cuda_graph_state``; the captured region then allocates nothing of its
-own and reads no host value (lengths are read by the kernels on the device).
+Under capture the split counts and the workspaces are fixed in
+``init_cuda_graph_state`` / ``init_forward_metadata_capture``; the captured
+region then allocates nothing of its own and reads no host value (lengths are
+read by the kernels on the device).
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from typing import Any
 
 import torch
 
-from attnreg.registry import ForwardMethod, Phase
+from attnreg.registry import ForwardMethod, GraphMode, Phase
 
 from ._triton_kernels import (
     MLADecodeWorkspace,
+    MLAExtendWorkspace,
+    default_extend_splits,
     default_max_splits,
     mha_prefill,
     mla_decode,
     mla_decode_workspace,
     mla_extend,
+    mla_extend_workspace,
 )
 from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
 from .kv_pool import MLAKVPool
@@ -44,10 +50,11 @@ class TritonMLABackend(AttentionBackend):
         Multiprocessors the split heuristic fills (default: the device's count;
         8 on cpu, where the kernels run in the Triton interpreter).
     max_kv_splits : int, optional
-        Cap on the static split count of decode launches (default: the
-        heuristic ``default_max_splits``).
+        Cap on the static split count of decode and MLA extend launches (default:
+        the heuristics ``default_max_splits`` / ``default_extend_splits``).
     force_kv_splits : int, optional
-        Use exactly this many splits for every sequence (tests, tuning).
+        Use exactly this many splits for every sequence, decode and MLA extend
+        (tests, tuning; ``1`` turns split-KV off).
     """
 
     def __init__(self, config: MLAConfig, *, capabilities: Any, num_sms: int | None = None,
@@ -79,7 +86,21 @@ class TritonMLABackend(AttentionBackend):
             splits = min(splits, self.max_kv_splits)
         return max(1, splits)
 
+    def _extend_splits_for(self, batch_size: int, num_tokens: int, max_seq_len: int) -> int:
+        if self.force_kv_splits is not None:
+            return self.force_kv_splits
+        splits = default_extend_splits(batch_size, num_tokens, self.config.num_heads,
+                                       max_seq_len, self.num_sms)
+        if self.max_kv_splits is not None:
+            splits = min(splits, self.max_kv_splits)
+        return max(1, splits)
+
     def _init_metadata_impl(self, md: ForwardMetadata) -> None:
+        if md.phase is Phase.PREFILL:
+            # The workspace is allocated by the first MLA extend forward: an MHA prefill
+            # batch never needs it.
+            md.extras["extend_splits"] = self._extend_splits_for(
+                md.batch_size, md.num_tokens, md.max_seq_len)
         if md.phase is Phase.DECODE:
             splits = self._splits_for(md.batch_size, md.max_seq_len)
             md.extras["max_splits"] = splits
@@ -101,12 +122,33 @@ class TritonMLABackend(AttentionBackend):
                                                   device=self.device)
         state.extras["partial_lse"] = torch.empty(most * heads, dtype=torch.float32,
                                                   device=self.device)
+        if state.graph_modes.get(Phase.PREFILL, GraphMode.DISABLED) is not GraphMode.DISABLED:
+            # Split extend: num_tokens x splits x heads rows for the captured shape that
+            # needs the most; bs = 1 gets the most splits for a token count.  Only short
+            # extends split, so this stays near one wave of 64-row programs.
+            rows = max(nt * self._extend_splits_for(1, nt, state.max_seq_len)
+                       for nt in range(1, state.max_num_tokens + 1))
+            if rows > state.max_num_tokens:  # some shape splits
+                state.extras["extend_partial_out"] = torch.empty(
+                    rows * heads * latent, dtype=torch.float32, device=self.device)
+                state.extras["extend_partial_lse"] = torch.empty(
+                    rows * heads, dtype=torch.float32, device=self.device)
 
     def _init_capture_impl(self, md: ForwardMetadata) -> None:
-        if md.phase is not Phase.DECODE:
-            return
         state = self.graph_state
         assert state is not None
+        if md.phase is Phase.PREFILL:
+            nt, heads, latent = md.num_tokens, self.config.num_heads, self.config.kv_lora_rank
+            splits = self._extend_splits_for(md.batch_size, nt, state.max_seq_len)
+            md.extras["extend_splits"] = splits
+            if splits > 1:
+                po = state.extras["extend_partial_out"][:nt * splits * heads * latent]
+                pl = state.extras["extend_partial_lse"][:nt * splits * heads]
+                md.extras["extend_workspace"] = MLAExtendWorkspace(
+                    po.view(nt, splits, heads, latent), pl.view(nt, splits, heads))
+            return
+        if md.phase is not Phase.DECODE:
+            return
         bs, heads, latent = md.batch_size, self.config.num_heads, self.config.kv_lora_rank
         splits = self._splits_for(bs, state.max_seq_len)
         md.extras["max_splits"] = splits
@@ -138,10 +180,18 @@ class TritonMLABackend(AttentionBackend):
                              v: torch.Tensor | None) -> None:
         if method is ForwardMethod.MLA:
             assert pool is not None
+            splits = int(md.extras.get("extend_splits", 1))
+            workspace = md.extras.get("extend_workspace")
+            if splits > 1 and workspace is None:
+                # eager: one workspace per batch, shared by every layer's forward
+                workspace = md.extras["extend_workspace"] = mla_extend_workspace(
+                    q.shape[0], self.config.num_heads, splits, self.device)
             with self.kernel_errors("MLA extend inputs"):
                 mla_extend(q, pool.buffer, md.page_table, md.seq_lens, md.prefix_lens,
                            md.qo_indptr, out, sm_scale=self.config.softmax_scale,
-                           kv_scale=self._kv_scale(pool), max_extend_len=md.max_extend_len)
+                           kv_scale=self._kv_scale(pool), max_extend_len=md.max_extend_len,
+                           num_splits=splits, workspace=workspace,
+                           min_chunk=1 if self.force_kv_splits is not None else None)
         else:
             assert k is not None and v is not None
             with self.kernel_errors("MHA prefill inputs"):

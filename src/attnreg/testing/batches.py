@@ -90,6 +90,8 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
                                  "with and without prefix, one single-token extend"),
         "long_kv_extend": _extend("long_kv_extend", ((600, 3),),
                                   "a short extend over a long cached prefix"),
+        "short_extend": _extend("short_extend", ((5, 3), (0, 2)),
+                                "few new tokens over short histories"),
     },
     "cuda": {
         "single_decode": _decode("single_decode", (1000,), "one request, one new token"),
@@ -106,6 +108,8 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
                                  "with and without prefix, single-token extends"),
         "long_kv_extend": _extend("long_kv_extend", ((8000, 16), (3000, 5)),
                                   "short extends over long cached prefixes"),
+        "short_extend": _extend("short_extend", ((300, 3), (0, 2)),
+                                "few new tokens over short histories"),
     },
 }
 

@@ -527,7 +527,9 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
             if entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED, SplitKV.SINGLE):
                 longs = tuple(s for s in replay_specs if s.startswith("long_kv")) or \
                     replay_specs
-                short = replay_specs[0]
+                # Prefill: captured for few tokens, as a split-KV extend is (a graph sized
+                # for hundreds of tokens fills the GPU without splits and proves nothing).
+                short = "short_extend" if phase is Phase.PREFILL else replay_specs[0]
                 what = {SplitKV.DYNAMIC: "device-side split counts follow each replay's "
                                          "lengths",
                         SplitKV.HOST_PLANNED: "split counts re-planned on the host before "

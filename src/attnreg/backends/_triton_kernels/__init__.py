@@ -3,7 +3,9 @@
 * :func:`mla_decode` - absorbed decode over a paged 576-wide latent cache, split-KV with
   device-side split counts (CUDA-graph capturable); :func:`mla_decode_workspace` and
   :func:`default_max_splits` size it.
-* :func:`mla_extend` - absorbed extend/prefill with a cached prefix over the same cache.
+* :func:`mla_extend` - absorbed extend/prefill with a cached prefix over the same cache,
+  split-KV for short extends over long prefixes (same device-side split counts);
+  :func:`mla_extend_workspace` and :func:`default_extend_splits` size it.
 * :func:`mha_prefill` - non-absorbed ragged MHA prefill (Dqk 192 / Dv 128, or any dims).
 
 All take int32 index tensors (int64 is refused with ``ValueError``), accumulate in fp32
@@ -12,14 +14,17 @@ triton.
 """
 
 from .decode import MLADecodeWorkspace, default_max_splits, mla_decode, mla_decode_workspace
-from .extend import mla_extend
+from .extend import MLAExtendWorkspace, default_extend_splits, mla_extend, mla_extend_workspace
 from .mha_prefill import mha_prefill
 
 __all__ = [
     "MLADecodeWorkspace",
+    "MLAExtendWorkspace",
+    "default_extend_splits",
     "default_max_splits",
     "mha_prefill",
     "mla_decode",
     "mla_decode_workspace",
     "mla_extend",
+    "mla_extend_workspace",
 ]

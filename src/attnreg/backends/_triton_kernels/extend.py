@@ -22,6 +22,8 @@ Design
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,18 @@ from ._common import (
     dot_upcast,
     next_pow2,
 )
-from .decode import D_LATENT, D_ROPE, check_absorbed_inputs
+from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs
+
+
+@triton.jit
+def _finite_max(m, SAFE_MAX: tl.constexpr):
+    # A KV split that starts past a row's position leaves that row with no visible
+    # column so far: its max is -inf, and exp2(-inf - -inf) would be NaN.  Subtracting 0
+    # instead gives alpha = p = 0.  Without splits column 0 comes first and is visible to
+    # every row, so the max is always finite and this costs nothing.
+    if SAFE_MAX:
+        return tl.where(m == float("-inf"), 0.0, m)
+    return m
 
 
 @triton.jit
@@ -44,7 +57,7 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
                      stride_kvp, stride_kvr,
                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr,
                      D_PE: tl.constexpr, MASK: tl.constexpr, KV_FP8: tl.constexpr,
-                     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr):
+                     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, SAFE_MAX: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
@@ -82,8 +95,9 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
                 qk = tl.where(ok, qk, float("-inf"))
             # A row whose every column here is masked keeps its (finite, see caller) max.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            m_sub = _finite_max(m_new, SAFE_MAX)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(qk - m_sub[:, None])
             l_new = l_i * alpha + tl.sum(p, 1)
             p16 = p.to(kv.dtype)
         acc = acc * alpha[:, None]
@@ -98,31 +112,36 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
             ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
             qk = tl.where(ok, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_sub = _finite_max(m_new, SAFE_MAX)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(kv.dtype), kv, acc, UPCAST)
         return acc, m_new, l_i, p16
 
 
-@triton.jit
+# num_splits / min_chunk are not specialised: one binary serves every split count.
+@triton.jit(do_not_specialize=["num_splits", "min_chunk"])
 def _mla_extend_kernel(
-    Q, KV, PT, PREFIX, SEQ, QO, OUT, KVS,
+    Q, KV, PT, PREFIX, SEQ, QO, OUT, PO, PLSE, KVS,
     qk_scale, kv_scale,
     stride_qt, stride_qh,
     stride_kvp, stride_kvr,
     stride_ptb,
     stride_ot, stride_oh,
-    H,
+    stride_pot, stride_pos, stride_poh,
+    stride_lt, stride_ls,
+    H, num_splits, min_chunk,
     PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, UPCAST: tl.constexpr,
-    ISOLATE_QK: tl.constexpr,
+    ISOLATE_QK: tl.constexpr, SPLIT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) // num_splits
+    sid = tl.program_id(2) % num_splits
     q_start = tl.load(QO + b)
     ext = tl.load(QO + b + 1) - q_start
     if qb * BLOCK_Q >= ext:
@@ -155,28 +174,99 @@ def _mla_extend_kernel(
     q_first = prefix + qb * BLOCK_Q
     q_last = prefix + tl.minimum(qb * BLOCK_Q + BLOCK_Q, ext) - 1
     kv_end = tl.minimum(q_last + 1, seq_len)
+    # This program's KV range: split `sid` of the block's kv_end, in BLOCK_N-aligned
+    # chunks decided on the device (the merge kernel needs no count: an empty split
+    # writes an LSE of -inf).  Without splits: the whole [0, kv_end).
+    chunk = _split_chunk(kv_end, num_splits, min_chunk, BLOCK_N)
+    lo = sid * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
     # Tiles entirely <= the block's first query position (and inside kv_end): no mask.
     full_end = tl.minimum((q_first + 1) // BLOCK_N, kv_end // BLOCK_N) * BLOCK_N
     full_end = tl.maximum(full_end, 0)
     pt_row = PT + b.to(tl.int64) * stride_ptb
     p16 = tl.zeros([ROWS, BLOCK_N], dtype=Q.dtype.element_ty)
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
                                               stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              False, KV_FP8, UPCAST, ISOLATE_QK)
-    # Column 0 is visible to every row, so after the first tile every row max is finite.
-    for n0 in range(full_end, kv_end, BLOCK_N):
+                                              False, KV_FP8, UPCAST, ISOLATE_QK, SPLIT)
+    # Without splits column 0 is visible to every row, so after the first tile every row
+    # max is finite; a later split may see rows with nothing visible yet (SAFE_MAX).
+    for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
                                               stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              True, KV_FP8, UPCAST, ISOLATE_QK)
+                                              True, KV_FP8, UPCAST, ISOLATE_QK, SPLIT)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     o = acc * (kvs / l_safe)[:, None]
-    o_row = OUT + (q_start + qi).to(tl.int64) * stride_ot + h * stride_oh
-    tl.store(o_row[:, None] + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=mask_r[:, None])
+    t = (q_start + qi).to(tl.int64)
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        po = PO + t * stride_pot + sid * stride_pos + h * stride_poh
+        tl.store(po[:, None] + offs_d[None, :], o, mask=mask_r[:, None])
+        tl.store(PLSE + t * stride_lt + sid * stride_ls + h, lse, mask=mask_r)
+    else:
+        o_row = OUT + t * stride_ot + h * stride_oh
+        tl.store(o_row[:, None] + offs_d[None, :], o.to(OUT.dtype.element_ty),
+                 mask=mask_r[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_extend_merge_kernel(
+    PO, PLSE, QO, OUT,
+    stride_pot, stride_pos, stride_poh,
+    stride_lt, stride_ls,
+    stride_ot, stride_oh,
+    B, H, num_splits,
+    SPLITS_POW2: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (query row, head, BLOCK_D output columns).  A split whose LSE is
+    # -inf saw no visible column (or none at all): its weight is 0 and its partial output
+    # is not read.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    dblk = tl.program_id(2)
+    if t >= tl.load(QO + B):  # rows past qo_indptr[B] stay untouched
+        return
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    lse_base = PLSE + t.to(tl.int64) * stride_lt + h
+    lse = tl.load(lse_base + offs_s * stride_ls, mask=offs_s < num_splits,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp2(lse - m), 0)
+    inv = tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)
+    po_base = PO + t.to(tl.int64) * stride_pot + h * stride_poh
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        sc = s0 + offs_c
+        w = tl.exp2(tl.load(lse_base + sc * stride_ls, mask=sc < num_splits,
+                            other=float("-inf")) - m)
+        o = tl.load(po_base + sc[:, None] * stride_pos + offs_d[None, :],
+                    mask=(w > 0.0)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    tl.store(OUT + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             (acc * inv).to(OUT.dtype.element_ty))
+
+
+#: Shortest KV chunk a split gets from the heuristic: each split adds a 64-row x 512
+#: fp32 partial output to write and merge, which a few hundred tokens of attention repay.
+EXTEND_MIN_CHUNK_TOKENS = 256
+
+
+class MLAExtendWorkspace(NamedTuple):
+    """Scratch buffers of split-KV extend (allocate once, reuse across graph replays).
+
+    partial_out : float32 [num_tokens, num_splits, num_heads, 512]
+    partial_lse : float32 [num_tokens, num_splits, num_heads]
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
 
 
 def _extend_config(num_heads: int):
@@ -187,8 +277,53 @@ def _extend_config(num_heads: int):
     return block_h, block_q, 32, 8, 2, True
 
 
+def default_extend_splits(batch_size: int, num_tokens: int, num_heads: int, max_seq_len: int,
+                          num_sms: int) -> int:
+    """KV splits of an extend launch over ``num_tokens`` query rows in ``batch_size`` sequences.
+
+    Without splits the launch has about ``(cdiv(num_tokens, BLOCK_Q) + batch_size - 1) *
+    head blocks`` working programs (one per 64 query-head rows).  A short extend over a
+    long prefix (a few new tokens at B=1) leaves most of the GPU idle; splits are added
+    until one wave of ``num_sms`` programs is full, but no chunk gets shorter than
+    :data:`EXTEND_MIN_CHUNK_TOKENS` of ``max_seq_len``.  Capped at 256.  Long extends
+    get 1: they fill the GPU by themselves.
+    """
+    block_h, block_q = _extend_config(num_heads)[:2]
+    blocks = triton.cdiv(max(1, num_tokens), block_q) + max(1, batch_size) - 1
+    base = blocks * triton.cdiv(max(1, num_heads), block_h)
+    splits = max(1, num_sms // base)
+    splits = min(splits, max(1, triton.cdiv(max(1, max_seq_len), EXTEND_MIN_CHUNK_TOKENS)), 256)
+    return int(splits)
+
+
+def mla_extend_workspace(num_tokens: int, num_heads: int, num_splits: int,
+                         device) -> MLAExtendWorkspace:
+    """Allocate the fp32 partial-output and LSE buffers for a split :func:`mla_extend`."""
+    s = max(1, int(num_splits))
+    po = torch.empty((num_tokens, s, num_heads, D_LATENT), dtype=torch.float32, device=device)
+    pl = torch.empty((num_tokens, s, num_heads), dtype=torch.float32, device=device)
+    return MLAExtendWorkspace(po, pl)
+
+
+def _check_extend_workspace(workspace, T: int, H: int, splits: int, dev) -> None:
+    if not isinstance(workspace, MLAExtendWorkspace):
+        raise ValueError("workspace: expected the object returned by mla_extend_workspace, "
+                         f"got {type(workspace).__name__}")
+    po, pl = workspace
+    if (po.dtype != torch.float32 or pl.dtype != torch.float32 or po.device != dev
+            or pl.device != dev or po.shape[0] < T or po.shape[1] < splits
+            or po.shape[2] < H or po.shape[3] != D_LATENT or po.stride(3) != 1
+            or pl.shape[0] < T or pl.shape[1] < splits or pl.shape[2] < H):
+        raise ValueError(
+            f"workspace: expected float32 buffers on {dev} for >= {T} query rows, >= "
+            f"{splits} splits, >= {H} heads, i.e. partial_out [>={T}, >={splits}, >={H}, "
+            f"{D_LATENT}] and partial_lse [>={T}, >={splits}, >={H}]; got "
+            f"{tuple(po.shape)} {po.dtype} {po.device} and {tuple(pl.shape)} {pl.dtype}")
+
+
 def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *, sm_scale,
-               kv_scale=1.0, max_extend_len=None):
+               kv_scale=1.0, max_extend_len=None, num_splits=1, workspace=None,
+               min_chunk=None):
     """Absorbed MLA extend (prefill with a cached prefix) over a paged latent cache.
 
     Parameters
@@ -211,11 +346,25 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     max_extend_len : int, optional
         Python-int upper bound on every extend length; fixes the grid.  Required under
         CUDA-graph capture; when None it is read from ``qo_indptr`` on the host (a sync).
+    num_splits : int
+        Static number of KV splits the grid is built for (see
+        :func:`default_extend_splits`).  Each query block splits its visible KV into
+        ``cdiv(kv, max(min_chunk, roundup(cdiv(kv, num_splits), BLOCK_N)))`` chunks,
+        decided on the device, and a second kernel merges them: a graph captured with
+        short lengths keeps its parallelism and stays correct when replayed with long ones.
+    workspace : MLAExtendWorkspace, optional
+        From :func:`mla_extend_workspace` (``>= T_total`` rows, ``>= num_splits``).
+        Required for graph capture when splitting: without it the buffers are allocated
+        here.
+    min_chunk : int, optional
+        Shortest chunk in tokens (default :data:`EXTEND_MIN_CHUNK_TOKENS`; a multiple of
+        the kernel's KV tile is used as is, so ``1`` means "exactly ``num_splits`` chunks").
 
     Raises
     ------
     ValueError
-        On wrong shapes, dtypes, devices or int64 index tensors, before any launch.
+        On wrong shapes, dtypes, devices, int64 index tensors or a too small workspace,
+        before any launch.
     """
     ps = check_absorbed_inputs(q, kv_cache)
     dev = q.device
@@ -234,6 +383,13 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     if tuple(out.shape) != (T, H, D_LATENT):
         raise ValueError(f"out: expected shape {(T, H, D_LATENT)}, got {tuple(out.shape)}")
     check_kv_scale(kv_scale, kv_cache)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a Python int >= 1, got {num_splits!r}")
+    if min_chunk is not None and (not isinstance(min_chunk, int) or min_chunk < 1):
+        raise ValueError(f"min_chunk: expected None or a Python int >= 1, got {min_chunk!r}")
+    split = num_splits > 1
+    if split and workspace is not None:
+        _check_extend_workspace(workspace, T, H, num_splits, dev)
     if max_extend_len is None:
         # Host read: fine outside capture; a graph caller must pass the bound.
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if B > 0 else 0
@@ -246,19 +402,40 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     block_h, block_q, block_n, warps, stages, isolate = _extend_config(H)
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
     scale_ptr = isinstance(kv_scale, torch.Tensor)
-    grid = (triton.cdiv(max_extend_len, block_q), triton.cdiv(H, block_h), B)
+    if split:
+        po, pl = workspace if workspace is not None else \
+            mla_extend_workspace(T, H, num_splits, dev)
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        pl_strides = (pl.stride(0), pl.stride(1))
+    else:
+        po = pl = out  # never read or written without splits
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    # (without splits any floor gives one chunk covering the block's whole KV)
+    chunk_floor = max(block_n, EXTEND_MIN_CHUNK_TOKENS if min_chunk is None else min_chunk)
+    grid = (triton.cdiv(max_extend_len, block_q), triton.cdiv(H, block_h), B * num_splits)
     _mla_extend_kernel[grid](
-        q, kv_cache, page_table, prefix_lens, seq_lens, qo_indptr, out,
+        q, kv_cache, page_table, prefix_lens, seq_lens, qo_indptr, out, po, pl,
         kv_scale if scale_ptr else q,
         float(sm_scale) * LOG2E, 1.0 if scale_ptr else float(kv_scale),
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0),
         out.stride(0), out.stride(1),
-        H,
+        *po_strides, *pl_strides,
+        H, num_splits, chunk_floor,
         PAGE_SIZE=ps, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n,
         D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=isolate,
+        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=isolate, SPLIT=split,
         num_warps=warps, num_stages=stages,
     )
+    if split:
+        block_d = 128
+        _mla_extend_merge_kernel[(T, H, D_LATENT // block_d)](
+            po, pl, qo_indptr, out,
+            *po_strides, *pl_strides,
+            out.stride(0), out.stride(1),
+            B, H, num_splits,
+            SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=min(16, next_pow2(num_splits)),
+            BLOCK_D=block_d, num_warps=4, num_stages=2,
+        )
     return out

@@ -24,6 +24,10 @@ PAGE_SIZES = (1, 16, 32, 64)
 #: Split-KV workspace per request slot: fp32 partial outputs and LSEs for
 #: 128 heads x up to 32 splits x (512 + 1) floats.
 _WORKSPACE_PER_SLOT = 128 * 32 * (512 + 1) * 4
+#: Split extend workspace: splits are added only while one wave of 64-row programs is
+#: not full, so (tokens x splits x heads) stays near 64 rows x the SM count (160 here,
+#: above today's GPUs), each row a 512-float partial plus its LSE.
+_EXTEND_WORKSPACE = 64 * 160 * (512 + 1) * 4
 
 
 def capabilities(ctx: DeclarationContext) -> Capabilities:
@@ -49,7 +53,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                               max_heads=128, kernel=name, split_kv=split)
             for phase, name, split in (
                 (Phase.DECODE, "triton mla_decode (split-KV)", SplitKV.DYNAMIC),
-                (Phase.PREFILL, "triton mla_extend", SplitKV.NONE))
+                (Phase.PREFILL, "triton mla_extend (split-KV)", SplitKV.DYNAMIC))
             for dt in (DType.BF16, DType.FP16)
         ) + (
             KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS, HALF,
@@ -61,9 +65,11 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                          capture_memory=CaptureMemory(per_batch_slot_bytes=_WORKSPACE_PER_SLOT)),
         # Breakable prefill captures attention: the absorbed extend kernel has a
         # static grid bounded by the captured token count, so MLA is pinned and
-        # prefix batches can replay.
+        # prefix batches can replay.  Its split count is fixed per captured shape and
+        # its chunks are decided on the device, as in decode.
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
-                         pinned_method=ForwardMethod.MLA),
+                         pinned_method=ForwardMethod.MLA, split_kv=SplitKV.DYNAMIC,
+                         capture_memory=CaptureMemory(fixed_bytes=_EXTEND_WORKSPACE)),
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
                          CaptureSupport.native("attention runs eagerly between pieces")),
     )
