@@ -91,7 +91,8 @@ def run_p3(ctx: RunContext, data: dict[str, Any]) -> None:
 
 
 def _extend_split_params() -> list[str]:
-    """Split-KV parameters of the Triton ``mla_extend`` (none: it has one KV pass per block)."""
+    """Split-KV parameters of the Triton ``mla_extend`` (recorded: the miss explanation of P3
+    extend depends on whether it has any)."""
     import inspect
 
     from attnreg.backends._triton_kernels import mla_extend
@@ -184,8 +185,9 @@ def _p3_graph(ctx: RunContext, be: Any, kind: str, batch: Any, q: Any, ref: Any,
     res: dict[str, Any] = {"us": timing["median_us"], "timing": timing, "rel_err": err,
                            "correct": err <= MAX_REL_ERR}
     md = be.forward_metadata
-    if kind == "decode" and md is not None and md.extras.get("max_splits") is not None:
-        res["max_splits"] = int(md.extras["max_splits"])
+    key = "max_splits" if kind == "decode" else "extend_splits"  # the triton backend's
+    if md is not None and md.extras.get(key) is not None:
+        res["max_splits"] = int(md.extras[key])
     return res
 
 
