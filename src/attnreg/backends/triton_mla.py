@@ -75,25 +75,23 @@ class TritonMLABackend(AttentionBackend):
         self.force_kv_splits = force_kv_splits
 
     # -- planning ----------------------------------------------------------------------
+    def _with_split_options(self, heuristic: int) -> int:
+        """The split count after ``force_kv_splits`` / ``max_kv_splits``."""
+        if self.force_kv_splits is not None:
+            return self.force_kv_splits
+        if self.max_kv_splits is not None:
+            heuristic = min(heuristic, self.max_kv_splits)
+        return max(1, heuristic)
+
     def _splits_for(self, batch_size: int, max_seq_len: int) -> int:
         # Not cached: an engine's longest sequence grows every decode step, so a cache
         # keyed on it would miss every step and grow without bound.
-        if self.force_kv_splits is not None:
-            return self.force_kv_splits
-        splits = default_max_splits(batch_size, self.config.num_heads, max_seq_len,
-                                    self.num_sms)
-        if self.max_kv_splits is not None:
-            splits = min(splits, self.max_kv_splits)
-        return max(1, splits)
+        return self._with_split_options(default_max_splits(
+            batch_size, self.config.num_heads, max_seq_len, self.num_sms))
 
     def _extend_splits_for(self, batch_size: int, num_tokens: int, max_seq_len: int) -> int:
-        if self.force_kv_splits is not None:
-            return self.force_kv_splits
-        splits = default_extend_splits(batch_size, num_tokens, self.config.num_heads,
-                                       max_seq_len, self.num_sms)
-        if self.max_kv_splits is not None:
-            splits = min(splits, self.max_kv_splits)
-        return max(1, splits)
+        return self._with_split_options(default_extend_splits(
+            batch_size, num_tokens, self.config.num_heads, max_seq_len, self.num_sms))
 
     def _init_metadata_impl(self, md: ForwardMetadata) -> None:
         if md.phase is Phase.PREFILL:
