@@ -179,6 +179,22 @@ def test_split_extend_graph_metadata_replays_longer_prefixes() -> None:
         assert pool.corrupted_slots(written) == []
 
 
+def test_split_extend_capture_takes_the_heuristic_splits_from_the_graph_state() -> None:
+    """Without forcing: a graph for few tokens over long sequences gets > 1 split (8 "SMs"
+    on cpu, 256-token chunks of max_seq_len 400 -> 2), a large one keeps the one-pass path."""
+    cfg = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
+    tri, _ = backends(cfg, num_sms=8)
+    tri.init_cuda_graph_state(max_bs=2, max_num_tokens=600, max_seq_len=400,
+                              graph_modes={"prefill": "breakable"})
+    tri.init_forward_metadata_capture(2, 8, forward_mode="extend")
+    assert tri.forward_metadata.extras["extend_splits"] == 2
+    ws = tri.forward_metadata.extras["extend_workspace"]
+    assert ws.partial_out.shape == (8, 2, H, 512)
+    tri.init_forward_metadata_capture(2, 600, forward_mode="extend")
+    assert tri.forward_metadata.extras["extend_splits"] == 1
+    assert "extend_workspace" not in tri.forward_metadata.extras
+
+
 # -- refusals ---------------------------------------------------------------------------
 
 def test_mha_is_refused_under_breakable_capture_where_mla_is_pinned() -> None:

@@ -124,9 +124,10 @@ class TritonMLABackend(AttentionBackend):
             # Split extend: num_tokens x splits x heads rows for the captured shape that
             # needs the most; bs = 1 gets the most splits for a token count.  Only short
             # extends split, so this stays near one wave of 64-row programs.
-            rows = max(nt * self._extend_splits_for(1, nt, state.max_seq_len)
-                       for nt in range(1, state.max_num_tokens + 1))
-            if rows > state.max_num_tokens:  # some shape splits
+            splits = ((nt, self._extend_splits_for(1, nt, state.max_seq_len))
+                      for nt in range(1, state.max_num_tokens + 1))
+            rows = max((nt * s for nt, s in splits if s > 1), default=0)
+            if rows:  # some captured shape would split
                 state.extras["extend_partial_out"] = torch.empty(
                     rows * heads * latent, dtype=torch.float32, device=self.device)
                 state.extras["extend_partial_lse"] = torch.empty(
