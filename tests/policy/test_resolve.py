@@ -18,11 +18,13 @@ from attnreg.graph_policy import (
     default_mode,
     resolve,
 )
+from attnreg.graph_policy.config import DEFAULT_MAX_SEQ_LEN
 from attnreg.registry import (
     BackendRegistry,
     BackendSpec,
     Capabilities,
     CaptureMemory,
+    CaptureShape,
     DType,
     ForwardMethod,
     GraphMode,
@@ -220,10 +222,16 @@ def test_capture_memory_estimate_counts_backend_buffers_and_model_pool() -> None
         Phase.DECODE, GraphMode.FULL).capture_memory
     assert prefill_mem.fixed_bytes + prefill_mem.per_batch_slot_bytes > 0
     # Prefill counts its captured request slots, decode its largest batch.
-    assert plan.prefill.capture_memory_bytes == \
-        prefill_mem.estimate(cfg.prefill_max_requests) + 1000
-    assert plan.decode.capture_memory_bytes == \
-        decode_mem.estimate(cfg.decode_batch_sizes[-1]) + 10
+    prefill_shape = CaptureShape(max_batch_size=cfg.prefill_max_requests,
+                                 max_num_tokens=cfg.prefill_num_tokens[-1],
+                                 max_seq_len=DEFAULT_MAX_SEQ_LEN, num_heads=facts.num_heads,
+                                 kv_dtype=facts.kv_dtype)
+    decode_shape = CaptureShape(max_batch_size=cfg.decode_batch_sizes[-1],
+                                max_num_tokens=cfg.decode_batch_sizes[-1],
+                                max_seq_len=DEFAULT_MAX_SEQ_LEN, num_heads=facts.num_heads,
+                                kv_dtype=facts.kv_dtype)
+    assert plan.prefill.capture_memory_bytes == prefill_mem.estimate(prefill_shape) + 1000
+    assert plan.decode.capture_memory_bytes == decode_mem.estimate(decode_shape) + 10
     eager = sim("cuda:sm90", facts, {"prefill": "flashinfer_mla", "decode": "triton"},
                 GraphConfig.from_user(prefill="disabled", decode="disabled"))
     assert eager.capture_memory_bytes == 0

@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from attnreg.graph_policy.capture import current_capture, in_eager_break
+from attnreg.graph_policy.config import DEFAULT_MAX_SEQ_LEN
 from attnreg.registry import (
     VALID_GRAPH_MODES,
     Capabilities,
@@ -153,7 +154,7 @@ class MLAConfig:
     q_dtype: DType | str = DType.BF16
     device: str = "cpu"
     sm_scale: float | None = None
-    max_context_len: int = 8192
+    max_context_len: int = DEFAULT_MAX_SEQ_LEN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", DType.parse(self.kv_dtype))

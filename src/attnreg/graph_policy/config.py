@@ -17,6 +17,7 @@ from ..registry.platform import Platform, Vendor
 
 __all__ = [
     "DEFAULT_DECODE_BATCH_SIZES",
+    "DEFAULT_MAX_SEQ_LEN",
     "DEFAULT_PREFILL_NUM_TOKENS",
     "LOCKABLE_KEYS",
     "GraphConfig",
@@ -31,6 +32,9 @@ DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 9
 DEFAULT_PREFILL_NUM_TOKENS: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 #: Largest number of requests in one captured prefill batch (attnreg's default).
 DEFAULT_PREFILL_MAX_REQUESTS = 64
+#: Longest sequence a captured graph serves when the engine does not say
+#: (``MLAConfig.max_context_len`` uses the same default).
+DEFAULT_MAX_SEQ_LEN = 8192
 
 #: Prefill default per vendor; anything not listed gets TC_PIECEWISE.
 _DEFAULT_PREFILL_BY_VENDOR: dict[Vendor, GraphMode] = {Vendor.CUDA: GraphMode.BREAKABLE}
@@ -164,6 +168,12 @@ class GraphConfig:
         if phase is Phase.DECODE:
             return self.decode_batch_sizes[-1]
         return self.prefill_max_requests
+
+    def max_tokens(self, phase: Phase) -> int:
+        """Query rows of the largest captured batch of ``phase``."""
+        if phase is Phase.DECODE:
+            return self.decode_batch_sizes[-1]
+        return self.prefill_num_tokens[-1]
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -24,11 +24,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..registry.capabilities import Capabilities, ForwardMethod, GraphMode, Phase, SplitKV
+from ..registry.capabilities import (
+    Capabilities,
+    CaptureShape,
+    ForwardMethod,
+    GraphMode,
+    Phase,
+    SplitKV,
+)
 from ..registry.errors import GraphPolicyError
 from ..registry.manager import BackendRegistry, get_registry
 from ..registry.platform import Platform
-from .config import GraphConfig, default_mode
+from .config import DEFAULT_MAX_SEQ_LEN, GraphConfig, default_mode
 from .decisions import Decision, Severity, Source, Violation
 from .features import ServerFeatures
 from .model import ModelFacts
@@ -118,7 +125,16 @@ def _capture_bytes(ctx: RuleContext, mode: GraphMode, config: GraphConfig) -> in
         return 0
     pool = (ctx.model.prefill_capture_pool_bytes if ctx.phase is Phase.PREFILL
             else ctx.model.decode_capture_pool_bytes)
-    return ctx.support(mode).capture_memory.estimate(config.max_slots(ctx.phase)) + pool
+    return ctx.support(mode).capture_memory.estimate(capture_shape(ctx, config)) + pool
+
+
+def capture_shape(ctx: RuleContext, config: GraphConfig) -> CaptureShape:
+    """The shape the policy estimates capture memory for: the config's largest
+    bucket of the phase, the model's heads and KV dtype."""
+    return CaptureShape(max_batch_size=config.max_slots(ctx.phase),
+                        max_num_tokens=config.max_tokens(ctx.phase),
+                        max_seq_len=DEFAULT_MAX_SEQ_LEN, num_heads=ctx.model.num_heads,
+                        kv_dtype=ctx.model.kv_dtype)
 
 
 def _apply_budget(ctxs: dict[Phase, RuleContext], modes: dict[Phase, GraphMode],

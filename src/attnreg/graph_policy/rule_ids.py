@@ -121,7 +121,7 @@ _PLAN_RULES = (
           "`capture.is_fallback`, `capture.cost_for(kv_dtype)`",
           "no default into a capture FALLBACK whose cost for this KV dtype is HIGH"),
     _rule("budget.capture_memory", PLAN, _S, Source.USER,
-          "`CaptureMemory.estimate(slots)` + model capture pool vs "
+          "`CaptureMemory.estimate(CaptureShape)` + model capture pool vs "
           "`capture_memory_budget_bytes`",
           "over budget: drop unlocked captures, prefill first (decode graphs carry the "
           "per-token latency)"),

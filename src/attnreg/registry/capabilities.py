@@ -17,7 +17,7 @@ Vocabulary (see docs/concepts.md):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .platform import Platform, Vendor
@@ -28,7 +28,9 @@ __all__ = [
     "METHOD_HEAD_DIMS",
     "VALID_GRAPH_MODES",
     "Capabilities",
+    "CaptureBytesFn",
     "CaptureMemory",
+    "CaptureShape",
     "CaptureSupport",
     "Cost",
     "DType",
@@ -219,18 +221,79 @@ class CaptureSupport:
 
 
 @dataclass(frozen=True)
+class CaptureShape:
+    """The bounds one backend instance captures graphs for: what capture memory depends on.
+
+    The graph policy builds one from the model and the engine's buckets to
+    estimate; the runtime builds one in ``init_cuda_graph_state`` to allocate.
+    Both then ask the same :class:`CaptureMemory`, so the estimate and the
+    allocation come from one formula.
+
+    Parameters
+    ----------
+    max_batch_size
+        Request slots of the largest captured batch.
+    max_num_tokens
+        Query rows of the largest captured batch (decode: equal to
+        ``max_batch_size``; speculative verify: batch x draft tokens).
+    max_seq_len
+        Longest sequence (prefix + new tokens) a replay may carry.
+    num_heads
+        Query heads on this rank.
+    page_size
+        Tokens per KV-pool page.
+    kv_dtype
+        dtype of the KV pool.
+    kv_pool_bytes
+        Size of the engine's whole KV pool; a fallback that converts or copies
+        the pool inside the graph (trtllm_mla's FP8 path) scales with it.  0 when
+        the engine did not say.
+    """
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    num_heads: int
+    page_size: int = 1
+    kv_dtype: DType = DType.BF16
+    kv_pool_bytes: int = 0
+
+
+#: A pure function from a declaration module: bytes a backend allocates for graph
+#: capture at a :class:`CaptureShape` (no torch, no device: arithmetic on the shape).
+CaptureBytesFn = Callable[[CaptureShape], int]
+
+
+@dataclass(frozen=True)
 class CaptureMemory:
-    """Estimate of device memory a backend allocates for graph capture.
+    """Device memory a backend allocates for graph capture, as a formula of the shape.
 
     ``fixed_bytes`` once per backend instance (workspaces), plus
-    ``per_batch_slot_bytes`` for each request slot of the largest captured batch.
+    ``per_batch_slot_bytes`` for each request slot of the largest captured
+    batch, plus ``bytes_fn(shape)`` when a backend's buffers depend on more
+    than the batch (heads, tokens, sequence length, the pool).  A backend's
+    runtime must size its graph buffers from the same constants or function
+    (see docs/decisions.md, "capture memory has one formula"); the
+    conformance suite measures the allocation against :meth:`estimate`.
     """
 
     fixed_bytes: int = 0
     per_batch_slot_bytes: int = 0
+    bytes_fn: CaptureBytesFn | None = field(default=None, compare=False)
+    #: How ``bytes_fn`` computes, in words (``attnreg backends --json``, docs).
+    formula: str = ""
 
-    def estimate(self, max_batch_size: int) -> int:
-        return self.fixed_bytes + self.per_batch_slot_bytes * max_batch_size
+    def estimate(self, shape: CaptureShape) -> int:
+        """Bytes allocated for capture at ``shape``."""
+        total = self.fixed_bytes + self.per_batch_slot_bytes * shape.max_batch_size
+        if self.bytes_fn is not None:
+            total += int(self.bytes_fn(shape))
+        return total
+
+    def to_dict(self) -> dict[str, object]:
+        return {"fixed_bytes": self.fixed_bytes,
+                "per_batch_slot_bytes": self.per_batch_slot_bytes,
+                "formula": self.formula or None}
 
 
 @dataclass(frozen=True)
@@ -256,10 +319,7 @@ class GraphModeSupport:
             "capture": self.capture.to_dict(),
             "pinned_method": self.pinned_method.value if self.pinned_method else None,
             "split_kv": self.split_kv.value,
-            "capture_memory": {
-                "fixed_bytes": self.capture_memory.fixed_bytes,
-                "per_batch_slot_bytes": self.capture_memory.per_batch_slot_bytes,
-            },
+            "capture_memory": self.capture_memory.to_dict(),
         }
 
 
