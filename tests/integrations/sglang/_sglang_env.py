@@ -146,6 +146,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     # A feature sglang and attnreg both rule on: pipeline parallelism.
     Scenario("dsv3_triton_h200_pp2", "deepseek-v3", 90,
              {"attention_backend": "triton", "pp_size": 2}),
+    # An sglang rule attnreg has no fact for (which MoE transports were validated).
+    Scenario("dsv3_triton_h200_a2a_mooncake", "deepseek-v3", 90,
+             {"attention_backend": "triton", "moe_a2a_backend": "mooncake"}),
 )
 
 SCENARIO_BY_NAME = {s.name: s for s in SCENARIOS}

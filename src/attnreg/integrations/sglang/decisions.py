@@ -20,6 +20,8 @@ __all__ = ["BRIDGE_RULES", "BridgeDecision"]
 
 #: Every id a :class:`BridgeDecision` may carry -> what it means.
 BRIDGE_RULES = MappingProxyType({
+    "sglang.backend": "which attnreg declaration describes a phase's sglang attention "
+                      "backend, and whether the user or sglang's defaults chose it",
     "sglang.deferred": "sglang's early compatibility step (before the attention backends "
                        "are known) is deferred: attnreg decides at the attention-backend step",
     "sglang.engine_rule": "an sglang rule attnreg has no fact for is kept as an engine rule "

@@ -91,6 +91,7 @@ class SglangFacts:
     host_modes: dict[Phase, frozenset[GraphMode]]
     sglang_modes: dict[Phase, GraphMode]
     locked: frozenset[Phase]
+    backends_by_user: frozenset[Phase] = frozenset()
     architecture: str = ""
     gaps: tuple[str, ...] = field(default=())
 
@@ -237,6 +238,13 @@ def _read_config(modes: dict[Phase, GraphMode], locked: frozenset[Phase],
         return None
 
 
+def _backends_by_user(server_args: Any) -> frozenset[Phase]:
+    """Phases whose attention backend the user named (sglang's raw input)."""
+    raw = getattr(server_args, "_raw_input", None) or {}
+    base = raw.get("attention_backend")
+    return frozenset(p for p in _PHASES if raw.get(f"{p.value}_attention_backend") or base)
+
+
 def read_facts(server_args: Any) -> SglangFacts:
     """Everything attnreg's policy needs, read from a resolving ``ServerArgs``.
 
@@ -267,6 +275,7 @@ def read_facts(server_args: Any) -> SglangFacts:
         host_modes=host_modes(),
         sglang_modes=modes,
         locked=locked,
+        backends_by_user=_backends_by_user(server_args),
         architecture=arch,
         gaps=tuple(gaps),
     )

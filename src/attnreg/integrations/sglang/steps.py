@@ -200,6 +200,13 @@ def policy_step(server_args: Any) -> None:
     bridge = list(getattr(server_args, _EARLY_ATTR, ()))
     before = _current_modes(server_args)
     facts = read_facts(server_args)
+    for phase, mapping in facts.backends.items():
+        who = "the user" if phase in facts.backends_by_user else "sglang's defaults"
+        target = f"attnreg's {mapping.attnreg}" if mapping.mapped else "no attnreg declaration"
+        bridge.append(BridgeDecision("sglang.backend", phase, None, None,
+                                     f"sglang's {mapping.sglang} (chosen by {who}) -> {target}: "
+                                     f"{mapping.reason}"))
+        _log_bridge(bridge[-1])
     if not facts.decidable:
         _leave_to_sglang(server_args, facts, bridge)
         setattr(server_args, _OUTCOME_ATTR, SglangOutcome(

@@ -1,0 +1,130 @@
+"""The plugin as sglang loads it, and the facts the bridge reads from real ServerArgs."""
+
+from __future__ import annotations
+
+import inspect
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from .conftest import SKIP_REASON
+
+pytest.importorskip("sglang", reason=SKIP_REASON)
+
+from attnreg.graph_policy import GraphConfig
+from attnreg.integrations.sglang import plugin, steps
+from attnreg.integrations.sglang.adapter import SglangGraphPolicyError, plan_for
+from attnreg.integrations.sglang.facts import host_modes
+from attnreg.registry.capabilities import DType, GraphMode, Phase
+from attnreg.registry.platform import Platform
+
+from . import _sglang_env
+
+
+def test_entry_point_is_in_sglangs_plugin_group() -> None:
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "attnreg"]
+    assert [ep.value for ep in eps] == ["attnreg.integrations.sglang.plugin:register"]
+    assert eps[0].load() is plugin.register
+
+
+def test_load_plugins_installs_both_replacements(plugin_on: None) -> None:
+    from sglang.srt.arg_groups import cuda_graph_hook
+
+    for target, step in plugin.HOOK_TARGETS.items():
+        installed = getattr(cuda_graph_hook, target.rsplit(".", 1)[1])
+        original = inspect.unwrap(installed)
+        assert installed is not original, f"{target} was not replaced"
+        assert original.__module__ == "sglang.srt.arg_groups.cuda_graph_hook"
+        # sglang's run_hook keys on __name__: the step keeps its place and name.
+        assert installed.__name__ == original.__name__
+        assert getattr(steps, step).__name__ == step
+
+
+def test_host_modes_of_sglang_0_5_23() -> None:
+    modes = host_modes()
+    assert GraphMode.TC_PIECEWISE not in modes[Phase.PREFILL]
+    assert modes[Phase.PREFILL] == {GraphMode.FULL, GraphMode.BREAKABLE, GraphMode.DISABLED}
+
+
+def _outcome(models: dict[str, Path], name: str) -> steps.SglangOutcome:
+    result = _sglang_env.run_scenario(_sglang_env.SCENARIO_BY_NAME[name], models)
+    outcome = steps.outcome_of(result["server_args"])
+    assert outcome is not None
+    return outcome
+
+
+def test_facts_of_deepseek_v3_fp8_on_blackwell(plugin_on: None, models: dict[str, Path]) -> None:
+    facts = _outcome(models, "dsv3_trtllm_fp8_b200").facts
+    assert facts.platform == Platform.parse("cuda:sm100")
+    assert facts.architecture == "DeepseekV3ForCausalLM"
+    assert facts.model is not None
+    assert (facts.model.kv_dtype, facts.model.act_dtype) == (DType.FP8_E4M3, DType.BF16)
+    assert facts.model.num_heads == 128 and not facts.model.multimodal
+    assert {p: m.attnreg for p, m in facts.backends.items()} == {
+        Phase.PREFILL: "trtllm_mla", Phase.DECODE: "trtllm_mla"}
+    assert facts.backends_by_user == frozenset()  # sglang's default choice
+    assert facts.locked == frozenset()
+    assert facts.engine.decode_batch_sizes and facts.engine.prefill_num_tokens
+    assert facts.engine.context_len == 163840
+    assert facts.config is not None
+    assert facts.config.decode_batch_sizes == facts.engine.decode_batch_sizes
+
+
+def test_facts_of_a_multimodal_model(plugin_on: None, models: dict[str, Path]) -> None:
+    facts = _outcome(models, "kimi_trtllm_fp8_b200").facts
+    assert facts.model is not None
+    assert facts.model.multimodal and facts.model.piecewise_validated
+    assert facts.model.num_heads == 64
+
+
+def test_features_and_locks_are_read(plugin_on: None, models: dict[str, Path]) -> None:
+    facts = _outcome(models, "dsv3_triton_h200_pp2").facts
+    assert facts.features.pipeline_parallel
+    assert facts.backends_by_user == {Phase.PREFILL, Phase.DECODE}
+    locked = _outcome(models, "dsv3_trtllm_fp8_locked_breakable").facts
+    assert locked.locked == {Phase.PREFILL}
+    assert locked.config is not None and locked.config.locked == {"prefill_mode"}
+
+
+def test_gap_names_what_attnreg_cannot_represent(plugin_on: None,
+                                                 models: dict[str, Path]) -> None:
+    outcome = _outcome(models, "dsv3_fa3_h200")
+    assert outcome.plan is None
+    assert any("fa3" in gap for gap in outcome.facts.gaps)
+    assert [d.rule for d in outcome.bridge if d.rule == "sglang.gap"] == ["sglang.gap"]
+
+
+def test_a_host_with_tc_piecewise_gets_the_upgrade(plugin_on: None,
+                                                   models: dict[str, Path]) -> None:
+    """The same attnreg on a host that lists tc_piecewise (sglang <= 0.5.21): the
+    validated multimodal upgrade applies where the backend captures it natively."""
+    from dataclasses import replace
+
+    facts = _outcome(models, "kimi_trtllm_bf16_b200").facts
+    with_tc = {Phase.PREFILL: facts.host_modes[Phase.PREFILL] | {GraphMode.TC_PIECEWISE},
+               Phase.DECODE: facts.host_modes[Phase.DECODE]}
+    triton = replace(facts.backends[Phase.PREFILL], attnreg="triton")
+    facts = replace(facts, host_modes=with_tc, platform=Platform.parse("cuda:sm90"),
+                    backends={Phase.PREFILL: triton, Phase.DECODE: triton})
+    result = plan_for(facts)
+    assert result.plan.prefill.mode is GraphMode.TC_PIECEWISE
+    assert "model.piecewise_upgrade" in [d.rule for d in result.plan.decisions if d.changed]
+    assert not result.notes
+    # ... and on 0.5.23's host modes the upgrade is not considered.
+    result = plan_for(replace(facts, host_modes=host_modes()))
+    assert result.plan.prefill.mode is GraphMode.BREAKABLE
+    assert [n.rule for n in result.notes] == ["sglang.host_modes"]
+
+
+def test_a_locked_mode_that_breaks_a_hard_rule_fails_startup(plugin_on: None,
+                                                             models: dict[str, Path]) -> None:
+    from dataclasses import replace
+
+    facts = _outcome(models, "dsv3_trtllm_fp8_locked_breakable").facts
+    assert facts.config is not None
+    locked_pp = replace(facts, config=GraphConfig.from_user(prefill="breakable"),
+                        features=replace(facts.features, two_batch_overlap=True))
+    with pytest.raises(SglangGraphPolicyError, match="feature.two_batch_overlap") as info:
+        plan_for(locked_pp)
+    assert isinstance(info.value, ValueError)
