@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - venv, install, and the compatibility report (this machine + simulated H200/B200)
-#   make test   - venv, install with test extras, the whole CPU test suite
+#   make test   - venv, install with test extras, the whole CPU test suite (and test-sglang)
 #
 # TORCH_SPEC pins the torch build installed first: this CPU machine's local
 # wheel by default.  On a GPU box use e.g. `make test TORCH_SPEC=torch`.
@@ -37,6 +37,7 @@ demo: $(VENV)/.demo-installed
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
+	$(MAKE) test-sglang
 
 # sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
 # sglang 0.5.23 and a pinned CPU set, installed without the resolver.

@@ -94,3 +94,18 @@ def test_nothing_in_core_imports_the_integrations() -> None:
                 offenders.append(str(path.relative_to(SRC)))
     assert offenders == []
     assert "sglang" not in sys.modules or "attnreg.integrations.sglang.steps" in sys.modules
+
+
+DOC = SRC.parents[1] / "docs" / "integrations" / "sglang.md"
+
+
+def test_doc_lists_every_bridge_rule_and_backend_name() -> None:
+    from attnreg.integrations.sglang.decisions import BRIDGE_RULES
+    from attnreg.integrations.sglang.names import UNMAPPED_BACKENDS
+
+    text = DOC.read_text()
+    missing = [f"`{rule}`" for rule in BRIDGE_RULES if f"`{rule}`" not in text]
+    missing += [f"`{name}`" for name in (*MAPPED_BACKENDS, *MAPPED_BACKENDS.values(),
+                                         *UNMAPPED_BACKENDS) if f"`{name}`" not in text]
+    assert missing == [], f"docs/integrations/sglang.md does not name {missing}"
+    assert f"`{ENV_SWITCH}`" in text

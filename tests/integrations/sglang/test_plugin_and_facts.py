@@ -128,3 +128,11 @@ def test_a_locked_mode_that_breaks_a_hard_rule_fails_startup(plugin_on: None,
     with pytest.raises(SglangGraphPolicyError, match="feature.two_batch_overlap") as info:
         plan_for(locked_pp)
     assert isinstance(info.value, ValueError)
+
+
+def test_doc_names_every_kept_engine_rule() -> None:
+    from attnreg.integrations.sglang.engine_rules import ENGINE_RULES
+
+    doc = Path(__file__).resolve().parents[3] / "docs" / "integrations" / "sglang.md"
+    text = doc.read_text()
+    assert [r.name for r in ENGINE_RULES if f"sglang.engine_rule:{r.name}" not in text] == []

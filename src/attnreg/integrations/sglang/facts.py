@@ -261,7 +261,7 @@ def read_facts(server_args: Any) -> SglangFacts:
     model, arch = _read_model(server_args, cfg, gaps)
     cg = cfg.cuda_graph_config
     modes = {p: graph_mode_from_sglang(getattr(cg, p.value).backend) for p in _PHASES}
-    sglang_locked = getattr(server_args, "_cuda_graph_config_locked", set())
+    sglang_locked: set[tuple[str, str]] = getattr(server_args, "_cuda_graph_config_locked", set())
     locked = frozenset(p for p in _PHASES if (p.value, "backend") in sglang_locked)
     engine = _read_engine(server_args, cfg)
     config = _read_config(modes, locked, engine, gaps)

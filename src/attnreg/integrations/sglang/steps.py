@@ -154,7 +154,7 @@ def early_step(server_args: Any) -> None:
     if outcome_of(server_args) is not None:
         policy_step(server_args)
         return
-    locked_keys = getattr(server_args, "_cuda_graph_config_locked", set())
+    locked_keys: set[tuple[str, str]] = getattr(server_args, "_cuda_graph_config_locked", set())
     modes = _current_modes(server_args)
     locked = {p: modes[p] for p in _PHASES if (p.value, "backend") in locked_keys}
     check_host_locks(locked, host_modes())
