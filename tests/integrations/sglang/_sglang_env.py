@@ -143,6 +143,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     # Hopper with backends attnreg declares: the breakable prefix rule by backend.
     Scenario("dsv3_triton_h200", "deepseek-v3", 90, {"attention_backend": "triton"}),
     Scenario("dsv3_flashinfer_h200", "deepseek-v3", 90, {"attention_backend": "flashinfer"}),
+    # A mapped backend whose attnreg declaration cannot serve a phase here
+    # (flash_attn_cute has no sm90 decode kernel): sglang's rules decide.
+    Scenario("dsv3_fa4_h200", "deepseek-v3", 90, {"attention_backend": "fa4"}),
     # A feature sglang and attnreg both rule on: pipeline parallelism.
     Scenario("dsv3_triton_h200_pp2", "deepseek-v3", 90,
              {"attention_backend": "triton", "pp_size": 2}),

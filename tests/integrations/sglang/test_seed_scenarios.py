@@ -56,6 +56,9 @@ EXPECTED: dict[str, Expected] = {
                                                  ("user.locked", "backend.high_cost_fallback")),
     # fa3 has no attnreg declaration: sglang's rules decide, unchanged.
     "dsv3_fa3_h200": Expected(("breakable", "full"), ("breakable", "full"), ("sglang.gap",)),
+    # fa4 maps to flash_attn_cute, whose declaration has no sm90 decode kernel: attnreg
+    # cannot judge what sglang runs there, so sglang's rules decide.
+    "dsv3_fa4_h200": Expected(("breakable", "full"), ("breakable", "full"), ("sglang.gap",)),
     "dsv3_triton_h200": Expected(("breakable", "full"), ("breakable", "full"),
                                  ("backend.pinning",)),
     "dsv3_flashinfer_h200": Expected(("breakable", "full"), ("breakable", "full"),

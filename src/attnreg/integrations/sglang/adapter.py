@@ -21,19 +21,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from attnreg.graph_policy import GraphPlan, resolve
+from attnreg.graph_policy import RULES, GraphPlan, resolve
 from attnreg.registry.capabilities import GraphMode, Phase
 from attnreg.registry.errors import GraphPolicyError
 
 from .decisions import BridgeDecision
 from .facts import SglangFacts
 
-__all__ = ["AdapterResult", "SglangGraphPolicyError", "check_host_locks", "plan_for"]
+__all__ = ["AdapterResult", "DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
+           "plan_for"]
+
+#: resolve()'s errors that mean "no attnreg declaration serves this" (no plan at all),
+#: as opposed to a lock that breaks a hard rule.
+_SELECTION_RULES = tuple(rule.id for rule in RULES.values() if rule.kind == "error")
 
 
 class SglangGraphPolicyError(GraphPolicyError, ValueError):
     """attnreg refuses sglang's graph configuration; a ValueError like sglang's own
     argument errors, so sglang's startup reports it the same way."""
+
+
+class DeclarationGap(Exception):
+    """attnreg's declaration of the mapped backend cannot serve a phase of this server
+    (unavailable on the platform, no kernel for the phase or the model): attnreg
+    has nothing to decide with, so sglang's own rules decide.  ``reasons`` lists why."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = reasons
+        super().__init__("; ".join(reasons))
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,9 @@ def plan_for(facts: SglangFacts) -> AdapterResult:
     """attnreg's plan for a server whose facts have no gap.
 
     Raises :class:`SglangGraphPolicyError` when a locked mode breaks a hard
-    rule or is one the host lacks (every reason listed).
+    rule or is one the host lacks (every reason listed), and
+    :class:`DeclarationGap` when the mapped declaration cannot serve a phase
+    at all (sglang's backend may well run it; attnreg cannot judge it).
     """
     if facts.model is None or facts.config is None:
         raise ValueError("plan_for needs facts without gaps: " + "; ".join(facts.gaps))
@@ -80,6 +97,8 @@ def plan_for(facts: SglangFacts) -> AdapterResult:
         plan = resolve(facts.platform, model, backends, facts.config, facts.features,
                        assume_installed=True)
     except GraphPolicyError as exc:
+        if any(f"{rule}:" in reason for reason in exc.reasons for rule in _SELECTION_RULES):
+            raise DeclarationGap(exc.reasons) from exc
         raise SglangGraphPolicyError(exc.reasons, exc.hint) from exc
     for phase in (Phase.PREFILL, Phase.DECODE):
         mode = plan.phase(phase).mode

@@ -37,7 +37,7 @@ from sglang.srt.model_executor.cuda_graph_config import with_phase
 from attnreg.graph_policy import Decision, GraphPlan
 from attnreg.registry.capabilities import GraphMode, Phase
 
-from .adapter import check_host_locks, plan_for
+from .adapter import DeclarationGap, check_host_locks, plan_for
 from .decisions import BridgeDecision
 from .engine_rules import first_engine_rule
 from .facts import SglangFacts, host_modes, read_facts
@@ -177,11 +177,11 @@ def early_step(server_args: Any) -> None:
     setattr(server_args, _EARLY_ATTR, tuple(decisions))
 
 
-def _leave_to_sglang(server_args: Any, facts: SglangFacts,
+def _leave_to_sglang(server_args: Any, gaps: tuple[str, ...] | list[str],
                      bridge: list[BridgeDecision]) -> None:
     bridge.append(BridgeDecision(
         "sglang.gap", None, None, None,
-        "attnreg cannot decide this server (" + "; ".join(facts.gaps) + "): sglang's own "
+        "attnreg cannot decide this server (" + "; ".join(gaps) + "): sglang's own "
         "graph-compatibility rules decide it, unchanged"))
     _log_bridge(bridge[-1])
     _sglang_original("apply_cuda_graph_compatibility")(server_args)
@@ -207,13 +207,19 @@ def policy_step(server_args: Any) -> None:
                                      f"sglang's {mapping.sglang} (chosen by {who}) -> {target}: "
                                      f"{mapping.reason}"))
         _log_bridge(bridge[-1])
-    if not facts.decidable:
-        _leave_to_sglang(server_args, facts, bridge)
+    gaps: tuple[str, ...] | list[str] = facts.gaps
+    result = None
+    if facts.decidable:
+        try:
+            with _one_voice():
+                result = plan_for(facts)
+        except DeclarationGap as gap:
+            gaps = [f"attnreg's declaration cannot serve it: {r}" for r in gap.reasons]
+    if result is None:
+        _leave_to_sglang(server_args, gaps, bridge)
         setattr(server_args, _OUTCOME_ATTR, SglangOutcome(
             facts, None, (), tuple(bridge), before, _current_modes(server_args)))
         return
-    with _one_voice():
-        result = plan_for(facts)
     for note in result.notes:
         bridge.append(note)
         _log_bridge(note)
