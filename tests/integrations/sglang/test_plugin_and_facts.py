@@ -136,3 +136,15 @@ def test_doc_names_every_kept_engine_rule() -> None:
     doc = Path(__file__).resolve().parents[3] / "docs" / "integrations" / "sglang.md"
     text = doc.read_text()
     assert [r.name for r in ENGINE_RULES if f"sglang.engine_rule:{r.name}" not in text] == []
+
+
+def test_resolved_server_args_still_pickle(plugin_on: None, models: dict[str, Path]) -> None:
+    """sglang sends ServerArgs to its scheduler processes: the outcome kept on them
+    must pickle (a MappingProxyType or a lambda there would break the server)."""
+    import pickle
+
+    result = _sglang_env.run_scenario(_sglang_env.SCENARIO_BY_NAME["kimi_trtllm_fp8_b200"],
+                                      models)
+    copy = pickle.loads(pickle.dumps(result["server_args"]))
+    outcome = steps.outcome_of(copy)
+    assert outcome is not None and outcome.after[Phase.PREFILL] is GraphMode.DISABLED
