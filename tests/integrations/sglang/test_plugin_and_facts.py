@@ -148,3 +148,17 @@ def test_resolved_server_args_still_pickle(plugin_on: None, models: dict[str, Pa
     copy = pickle.loads(pickle.dumps(result["server_args"]))
     outcome = steps.outcome_of(copy)
     assert outcome is not None and outcome.after[Phase.PREFILL] is GraphMode.DISABLED
+
+
+def test_a_release_without_the_hook_points_keeps_sglangs_rules(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv("ATTNREG_SGLANG", "1")
+    monkeypatch.setitem(plugin.HOOK_TARGETS, "sglang.srt.arg_groups.cuda_graph_hook.gone",
+                        "policy_step")
+    before = {t: list(h) for t, h in HookRegistry._hooks.items()}
+    caplog.set_level("WARNING", logger="attnreg.integrations.sglang")
+    plugin.register()
+    assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
+    assert "bridge NOT installed" in caplog.text and "cuda_graph_hook.gone" in caplog.text

@@ -46,7 +46,23 @@ def register() -> None:
         logger.debug("attnreg sglang plugin loaded but off (set %s=1 to switch it on)",
                      ENV_SWITCH)
         return
+    import pkgutil
+
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    missing = []
+    for target in HOOK_TARGETS:
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError):
+            missing.append(target)
+    if missing:
+        # A release that moved these steps: replacing one without the other would
+        # leave half of sglang's rules in force, so replace neither and say so.
+        logger.warning("attnreg sglang bridge NOT installed: this sglang has no %s "
+                       "(the bridge is tested with sglang 0.5.23); sglang's own graph rules "
+                       "apply", ", ".join(missing))
+        return
 
     from . import steps
 
