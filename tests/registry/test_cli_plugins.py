@@ -133,3 +133,11 @@ def test_a_backend_outranking_every_builtin_gets_a_visible_note(fake_site, monke
     captured = capsys.readouterr()
     assert captured.err == note
     assert [w["kind"] for w in json.loads(captured.out)["warnings"]] == ["priority"]
+
+
+def test_a_plugin_given_by_module_name_finds_its_distribution(fake_site):
+    reg = load_registry(autoload=False, extra_plugins=[("by_name", "attnreg_demo_plugin"),
+                                                       ("loose", "attnreg_unpackaged")])
+    assert (reg.get("demo_mla").distribution, reg.get("demo_mla").distribution_version) == \
+        ("attnreg_demo_plugin", "1.2.3")
+    assert reg.plugin("loose").origin == "plugin 'loose' (no distribution found)"

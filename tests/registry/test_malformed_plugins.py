@@ -112,7 +112,7 @@ def test_invalid_backend_spec_from_a_plugin_without_a_distribution():
     reg = load_registry(autoload=False, extra_plugins=[("sloppy", Plugin())])
     err = _only_error(reg, "sloppy")
     assert str(err) == (
-        "backend 'Bad Name' from plugin 'sloppy' (no installed distribution): invalid "
+        "backend 'Bad Name' from plugin 'sloppy' (no distribution found): invalid "
         "declaration: invalid BackendSpec: backend name 'Bad Name' must match "
         "^[a-z][a-z0-9_]{0,63}$; runtime 'nomodule' must be 'package.module:ClassName'. "
         + SKIP.format(p="sloppy"))

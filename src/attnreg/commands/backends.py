@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     print(table(headers, rows))
     for err in data["errors"]:
-        print(f"plugin error: {err['plugin']} ({_distribution(err, 'no installed distribution')})"
+        print(f"plugin error: {err['plugin']} ({_distribution(err, 'no distribution found')})"
               f"{' backend ' + repr(err['backend']) if err['backend'] else ''}: "
               f"{err['kind']}: {err['cause']}")
     if data["errors"]:

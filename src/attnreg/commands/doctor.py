@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  - {w['message']}")
     print(f"\nplugin errors: {len(data['errors'])}")
     for err in data["errors"]:
-        who = f"{err['plugin']} ({_dist(err) if err['distribution'] else 'no installed distribution'})"
+        who = f"{err['plugin']} ({_dist(err) if err['distribution'] else 'no distribution found'})"
         if err["backend"]:
             who += f", backend {err['backend']!r}"
         print(f"  - {who}: {err['kind']}: {err['cause']}")

@@ -47,7 +47,7 @@ def origin_label(plugin: str, distribution: str = "", version: str = "") -> str:
     if distribution:
         dist = f"{distribution} {version}".strip()
     else:
-        dist = "no installed distribution"
+        dist = "no distribution found"
     return f"plugin {plugin!r} ({dist})"
 
 
@@ -56,7 +56,8 @@ class PluginError(AttnregError):
 
     ``plugin`` is the entry-point name (what ``--disable`` takes);
     ``distribution`` and ``version`` name the installed package it came from
-    (empty for a plugin that is not from an installed distribution).
+    (empty when none is known: a plugin given as an object or by ``--plugin``
+    whose package is not installed under its own name).
     """
 
     def __init__(self, plugin: str, cause: str, *, backend: str | None = None,
