@@ -46,6 +46,7 @@ from attnreg.registry import DType, GraphPolicyError
 
 from ._common import (
     add_json_argument,
+    add_plugin_argument,
     add_registry_arguments,
     parse_platform,
     print_json,
@@ -112,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="cost profile JSON (from `attnreg calibrate`); default: the "
                            "profile shipped for the prefill backend and platform, if any")
     add_registry_arguments(parser)
+    add_plugin_argument(parser)
     add_json_argument(parser)
 
 

@@ -34,22 +34,27 @@ from .errors import (
     UnsupportedError,
 )
 from .hookspecs import hookimpl, hookspec
+from .loading import StartupLimits
 from .manager import (
     ENTRY_POINT_GROUP,
+    VALIDATION_PLATFORMS,
     Availability,
     BackendRegistry,
     PluginInfo,
+    StartupWarning,
     get_registry,
     load_registry,
 )
 from .platform import Platform, Vendor
+from .resolution import RuntimeCheck, RuntimeState
 from .spec import BackendSpec, DeclarationContext
-from .validation import validate_capabilities, validate_spec
+from .validation import validate_capabilities, validate_fallback_targets, validate_spec
 
 __all__ = [
     "CAPTURE_GRAPH_MODES",
     "ENTRY_POINT_GROUP",
     "METHOD_HEAD_DIMS",
+    "VALIDATION_PLATFORMS",
     "VALID_GRAPH_MODES",
     "AttnregError",
     "Availability",
@@ -75,7 +80,11 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Requirement",
+    "RuntimeCheck",
+    "RuntimeState",
     "SplitKV",
+    "StartupLimits",
+    "StartupWarning",
     "SupportKind",
     "UnknownBackendError",
     "UnsupportedError",
@@ -85,5 +94,6 @@ __all__ = [
     "hookspec",
     "load_registry",
     "validate_capabilities",
+    "validate_fallback_targets",
     "validate_spec",
 ]

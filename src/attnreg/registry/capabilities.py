@@ -17,6 +17,7 @@ Vocabulary (see docs/concepts.md):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -365,17 +366,68 @@ class KernelConstraints:
         }
 
 
+#: What a ``min_version`` must look like: dotted numbers, optionally a suffix (``2.4``, ``0.6.13``, ``1.0rc1``).
+_VERSION_RE = re.compile(r"^\d+(\.\d+)*([.+-]?[0-9A-Za-z]+)*$")
+
+
 @dataclass(frozen=True)
 class Requirement:
-    """An optional dependency: import name, distribution, and the extra that brings it."""
+    """A library a backend needs at run time; missing, the backend is *unavailable*.
+
+    Declared once per backend, in ``BackendSpec(requires=...)``.
+
+    Parameters
+    ----------
+    import_name
+        The module it provides (``"acme_kernels"``), used when the
+        distribution has no metadata (a source checkout on ``PYTHONPATH``).
+    distribution
+        The installable distribution (``"acme-kernels"``), whose installed
+        version decides.
+    min_version
+        Oldest version that works (``"1.2"``), or None for any.
+    extra
+        The *attnreg* extra that brings it (``"flashinfer"`` for
+        ``attnreg[flashinfer]``); only for attnreg's own backends.  A third
+        party leaves it None and the hint names the distribution.
+    install
+        A custom install hint, when ``pip install <distribution>`` is not how
+        it is installed (``"conda install -c acme acme-kernels"``).
+    """
 
     import_name: str
     distribution: str
-    extra: str
     min_version: str | None = None
+    extra: str | None = None
+    install: str | None = None
+
+    def __post_init__(self) -> None:
+        # Before attnreg 0.2 the third positional argument was the extra; a
+        # name there now would silently become a "version".  Say so instead.
+        if self.min_version is not None and not _VERSION_RE.match(self.min_version):
+            raise ValueError(
+                f"Requirement({self.import_name!r}, {self.distribution!r}, ...): min_version "
+                f"{self.min_version!r} is not a version such as '1.2'; the signature is "
+                "Requirement(import_name, distribution, min_version=None, extra=None, "
+                "install=None) (attnreg extras go in extra=)")
 
     def install_hint(self) -> str:
-        return f"install attnreg[{self.extra}]"
+        """What to run to install it: the custom hint, the attnreg extra, or pip."""
+        if self.install:
+            return self.install
+        if self.extra:
+            return f"install attnreg[{self.extra}]"
+        wanted = self.distribution + (f">={self.min_version}" if self.min_version else "")
+        return f"pip install '{wanted}'"
+
+    def describe(self) -> str:
+        """``acme-kernels >= 1.2``."""
+        return self.distribution + (f" >= {self.min_version}" if self.min_version else "")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"import_name": self.import_name, "distribution": self.distribution,
+                "min_version": self.min_version, "extra": self.extra,
+                "install": self.install, "install_hint": self.install_hint()}
 
 
 @dataclass(frozen=True)
@@ -387,6 +439,10 @@ class Capabilities:
     this platform; ``unavailable_kernels`` lists (kernel, reason) for what the
     backend has elsewhere but not here, so reports can say why.
     ``platform_reason`` is non-empty when nothing of the backend runs here.
+
+    ``requires`` is deprecated and must stay empty: requirements are declared
+    once, in ``BackendSpec(requires=...)`` (a non-empty value is refused at
+    registration as an invalid declaration saying so).
     """
 
     backend: str
@@ -482,11 +538,6 @@ class Capabilities:
             "vendors": sorted(v.value for v in self.vendors),
             "priority": self.priority,
             "platform_reason": self.platform_reason,
-            "requires": [
-                {"import_name": r.import_name, "distribution": r.distribution,
-                 "extra": r.extra, "min_version": r.min_version}
-                for r in self.requires
-            ],
             "kernels": [k.to_dict() for k in self.kernels],
             "unavailable_kernels": [{"kernel": n, "reason": r}
                                     for n, r in self.unavailable_kernels],

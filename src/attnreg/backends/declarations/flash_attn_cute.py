@@ -26,7 +26,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASH_ATTN_CUTE, HALF, MHA_DIMS, MLA_DIMS, TORCH
+from ._common import HALF, MHA_DIMS, MLA_DIMS
 
 SUPPORTED_SM = (90, 100, 103)
 QV_MIN_SM = 100
@@ -73,7 +73,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="flash_attn_cute", platform=plat, vendors=frozenset({Vendor.CUDA}),
-        kernels=tuple(kernels), graph_modes=modes, requires=(TORCH, FLASH_ATTN_CUTE),
+        kernels=tuple(kernels), graph_modes=modes,
         platform_reason=reason, unavailable_kernels=unavailable, priority=25,
         notes=("prefill only: pair it with a decode backend",),
     )

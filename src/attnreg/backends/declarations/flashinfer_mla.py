@@ -35,7 +35,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASHINFER, HALF, MHA_DIMS, MLA_DIMS, TORCH
+from ._common import FLASHINFER, HALF, MHA_DIMS, MLA_DIMS
 
 MIN_SM = 80
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -124,7 +124,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="flashinfer_mla", platform=plat, vendors=frozenset({Vendor.CUDA}),
-        kernels=kernels, graph_modes=modes, requires=(TORCH, FLASHINFER),
+        kernels=kernels, graph_modes=modes,
         unavailable_kernels=unavailable, platform_reason=reason, priority=30,
         notes=tuple(notes),
     )

@@ -15,7 +15,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF_AND_FP8, MHA_DIMS, MLA_DIMS, TORCH
+from ._common import HALF_AND_FP8, MHA_DIMS, MLA_DIMS
 
 _NOT_CAPTURABLE = ("the reference loops over sequences with host-side lengths "
                    "(.tolist()), which a CUDA graph cannot record")
@@ -42,7 +42,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="reference", platform=ctx.platform,
-        vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes, requires=(TORCH,),
+        vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes,
         priority=0,
         notes=("float32 math, slow: the oracle of the conformance suite and the cpu fallback",),
     )

@@ -17,7 +17,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF, MHA_DIMS, MLA_DIMS, TORCH, TRITON
+from ._common import HALF, MHA_DIMS, MLA_DIMS
 
 MIN_SM = 80
 PAGE_SIZES = (1, 16, 32, 64)
@@ -75,6 +75,6 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="triton", platform=plat, vendors=frozenset({Vendor.CUDA, Vendor.CPU}),
-        kernels=kernels, graph_modes=modes, requires=(TORCH, TRITON), platform_reason=reason,
+        kernels=kernels, graph_modes=modes, platform_reason=reason,
         priority=20,
     )

@@ -37,7 +37,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASHINFER, MLA_DIMS, TORCH
+from ._common import MLA_DIMS
 from .flashinfer_mla import _FIXED_BYTES as _FLASHINFER_FIXED_BYTES
 from .flashinfer_mla import _PER_SLOT_BYTES as _FLASHINFER_PER_SLOT_BYTES
 
@@ -112,7 +112,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="trtllm_mla", platform=plat, vendors=frozenset({Vendor.CUDA}), kernels=kernels,
-        graph_modes=modes, requires=(TORCH, FLASHINFER), platform_reason=reason,
+        graph_modes=modes, platform_reason=reason,
         unavailable_kernels=unavailable, priority=40,
         notes=(_NOTE,),
     )
