@@ -87,7 +87,7 @@ class Section:
     def function(self, kind: str) -> Callable[..., Any]:
         """``run``, ``checks`` or ``render`` of this section, imported on first use."""
         module = importlib.import_module(f"benchmarks.{self.module}")
-        return getattr(module, getattr(self, kind))  # type: ignore[no-any-return]
+        return getattr(module, getattr(self, kind))
 
     def load(self) -> Callable[[RunContext, dict], None]:
         return self.function("run")

@@ -105,6 +105,12 @@ def check_line(c: dict[str, Any]) -> str:
             f"{ratio} → **{c['status']}**")
 
 
+def anchor(heading: str) -> str:
+    """The link target a markdown renderer gives ``## heading``."""
+    keep = [ch if ch.isalnum() or ch in " -_" else "" for ch in heading.lower()]
+    return "".join(keep).replace(" ", "-")
+
+
 def rel(path: Path, root: Path = ROOT) -> str:
     try:
         return str(Path(path).resolve().relative_to(root))

@@ -424,8 +424,8 @@ def checks(doc: dict[str, Any]) -> list[Check]:
     targets = _gate_targets(doc)
     n_done, n_all = s.get("classes", 0), len(doc.get("classes", []))
     worst = s.get("worst_class") or {}
-    where = (f"B={worst.get('batch_size')}, prefix {worst.get('prefix')}, extend "
-             f"{worst.get('extend')}; " if worst else "")
+    worst_at = (f"B={worst.get('batch_size')}, prefix {worst.get('prefix')}, extend "
+                f"{worst.get('extend')}; " if worst else "")
     totals = s.get("total_ms", {})
     worse = max(("always_graph", "always_eager"), key=lambda k: totals.get(k, 0.0))
     mix = (f"{worse.replace('_', ' ')} {totals[worse]:.1f} ms vs cost-aware "
@@ -434,7 +434,7 @@ def checks(doc: dict[str, Any]) -> list[Check]:
         evaluate(f"cost gate {backend}: classes", "cost-aware / per-class best, worst batch class",
                  s.get("max_class_ratio_to_best"), "ratio", "<=",
                  target=targets["max_class_ratio_to_best"],
-                 detail=f"{where}{n_done} of {n_all} classes measured"),
+                 detail=f"{worst_at}{n_done} of {n_all} classes measured"),
         evaluate(f"cost gate {backend}: mix", "worse fixed policy / cost-aware, total over the mix",
                  s.get("speedup_over_worse_fixed"), "ratio", ">=",
                  target=targets["min_speedup_over_worse_fixed"], detail=mix),

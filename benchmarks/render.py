@@ -27,6 +27,7 @@ from ._report import (
     Page,
     Plotter,
     ResultsFile,
+    anchor,
     bounds,
     device,
     load_notes,
@@ -126,14 +127,17 @@ def section_runs(files: list[ResultsFile], chosen: dict[str, tuple[ResultsFile, 
 # The page
 # ----------------------------------------------------------------------------------------
 
-def _anchor(heading: str) -> str:
-    """The link target a markdown renderer gives ``## heading``."""
-    keep = [ch if ch.isalnum() or ch in " -_" else "" for ch in heading.lower()]
-    return "".join(keep).replace(" ", "-")
-
-
 def heading(sec: Section) -> str:
     return f"{sec.id}: {sec.title}"
+
+
+def _checks(sec: Section, rec: dict[str, Any], page: Page) -> list[dict[str, Any]]:
+    """A section's checks, over every run of it; none when it has no figures to state."""
+    data = rec.get("data", {})
+    if rec.get("status") != "ok" and not (rec.get("status") == "error" and data.get("rows")):
+        return []
+    runs = [d for _, d in page.runs.get(sec.id, [])] or None
+    return [c.to_dict() for c in sec.function("checks")(data, runs)]
 
 
 def page_checks(chosen: dict[str, tuple[ResultsFile, dict[str, Any]]], standalone: Standalone,
@@ -143,11 +147,8 @@ def page_checks(chosen: dict[str, tuple[ResultsFile, dict[str, Any]]], standalon
     for sec in SECTIONS:
         if sec.id in chosen:
             f, rec = chosen[sec.id]
-            data = rec.get("data", {})
-            runs = [d for _, d in page.runs.get(sec.id, [])] or None
             where = device(f.meta).split(" (")[0]
-            out += [(heading(sec), where, c.to_dict())
-                    for c in sec.function("checks")(data, runs)] if data else []
+            out += [(heading(sec), where, c) for c in _checks(sec, rec, page)]
     for module in STANDALONE:
         for f in standalone.get(module.__name__, []):
             out += [(module.TITLE, module.where(f.doc), c.to_dict()) for c in module.checks(f.doc)]
@@ -155,7 +156,7 @@ def page_checks(chosen: dict[str, tuple[ResultsFile, dict[str, Any]]], standalon
 
 
 def _summary(checks: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
-    rows = [[f"[{c['id']}](#{_anchor(head)})", c["what"], measured_text(c), bounds(c),
+    rows = [[f"[{c['id']}](#{anchor(head)})", c["what"], measured_text(c), bounds(c),
              f"**{c['status']}**", where] for head, where, c in checks]
     return [md_table(["id", "figure", "measured", "target / goal", "status", "where"], rows)
             if rows else "No figure has been measured yet.", ""]
@@ -177,10 +178,8 @@ def _section(sec: Section, chosen: dict[str, tuple[ResultsFile, dict[str, Any]]]
         if not data.get("rows"):
             return lines
         lines += ["Partial data measured before the error:", ""]
-    runs = [d for _, d in page.runs.get(sec.id, [])] or None
-    checks = [c.to_dict() for c in sec.function("checks")(data, runs)]
     return lines + sec.function("render")(data, page) + [""] + \
-        page.check_lines(checks, data) + [""]
+        page.check_lines(_checks(sec, rec, page), data) + [""]
 
 
 def _prepare(files: list[ResultsFile], repeats: list[ResultsFile], page: Page

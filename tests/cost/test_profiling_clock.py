@@ -188,3 +188,12 @@ def test_spread_quantiles() -> None:
     assert s["p20"] == pytest.approx(1.8) and s["p80"] == pytest.approx(4.2)
     with pytest.raises(ValueError):
         spread([])
+
+
+def test_eager_time_is_events_around_the_call_with_nothing_queued() -> None:
+    dev = FakeDevice()
+    clock = Clock(fake_torch(dev), "cuda", min_reps=4)
+    fn = call_taking(dev, 25.0)
+    m = clock.eager_us(fn)
+    assert m["us"] == pytest.approx(25.0) and len(m["samples_us"]) == 4
+    assert len(fn.calls) == 1 + 4 and dev.flushes == 0 and dev.sleeps == []
