@@ -40,8 +40,8 @@ from attnreg.graph_policy import (
     ServerFeatures,
     resolve,
 )
-from attnreg.graph_policy.cost_profile import crossover_extend
 from attnreg.graph_policy.features import FEATURE_HELP
+from attnreg.profiling.crossover import CROSSOVER_PREFIXES, crossover_extend
 from attnreg.registry import DType, GraphPolicyError
 
 from ._common import (
@@ -115,10 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_registry_arguments(parser)
     add_plugin_argument(parser)
     add_json_argument(parser)
-
-
-#: Prefix lengths the crossover is reported for.
-CROSSOVER_PREFIXES = (0, 4096, 32768)
 
 
 def crossover(plan: GraphPlan, cost_profile: str | None = None) -> dict[str, Any] | None:
