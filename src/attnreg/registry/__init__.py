@@ -16,6 +16,7 @@ from .capabilities import (
     DType,
     ForwardMethod,
     ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -42,14 +43,16 @@ from .manager import (
     get_registry,
     load_registry,
 )
-from .platform import Platform, Vendor
+from .platform import KNOWN_DEVICES, PLATFORM_TRAITS, Platform, Vendor
 from .spec import BackendSpec, DeclarationContext
 from .validation import validate_capabilities, validate_spec
 
 __all__ = [
     "CAPTURE_GRAPH_MODES",
     "ENTRY_POINT_GROUP",
+    "KNOWN_DEVICES",
     "METHOD_HEAD_DIMS",
+    "PLATFORM_TRAITS",
     "VALID_GRAPH_MODES",
     "AttnregError",
     "Availability",
@@ -66,6 +69,7 @@ __all__ = [
     "DuplicateBackendError",
     "ForwardMethod",
     "ForwardMode",
+    "ForwardModeSupport",
     "GraphMode",
     "GraphModeSupport",
     "GraphPolicyError",
