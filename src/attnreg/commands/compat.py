@@ -404,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
         engine = _engine_from(args, simulated)
     except ValueError as exc:
         if args.traceback:
-            raise
+            traceback.print_exc()
         print(f"attnreg compat: error: {exc}", file=sys.stderr)
         return 2
     features = ServerFeatures(**{name: bool(getattr(args, f"feature_{name}", False))
@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
                        registry=registry_from(args), assume_installed=simulated)
     except GraphPolicyError as exc:
         if args.traceback:
-            raise
+            traceback.print_exc()
         print("attnreg compat: the requested graph configuration cannot run:", file=sys.stderr)
         for reason in exc.reasons:
             print(f"  - {reason}", file=sys.stderr)
