@@ -151,7 +151,8 @@ class ReplayBatch:
     @property
     def query_lens(self) -> tuple[int, ...] | None:
         """New tokens per request, when the batch says them (decode: 1 each; a verify
-        batch's ``num_tokens`` split evenly, which verify batches are by definition)."""
+        batch's ``num_tokens`` split evenly, which verify batches are by definition; a
+        single request's ``num_tokens``)."""
         if self.extend_lens or self.batch_size == 0:
             return tuple(self.extend_lens)
         if self.forward_mode is ForwardMode.DECODE:
@@ -159,6 +160,8 @@ class ReplayBatch:
         if self.forward_mode is ForwardMode.TARGET_VERIFY and self.num_tokens is not None \
                 and self.num_tokens % self.batch_size == 0:
             return (self.num_tokens // self.batch_size,) * self.batch_size
+        if self.batch_size == 1 and self.num_tokens is not None:
+            return (self.num_tokens,)
         return None
 
     @property
