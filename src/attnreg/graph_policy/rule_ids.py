@@ -224,7 +224,7 @@ _GATE_RULES = (  # in evaluation order: the first that fails is the reason
     _rule("gate.padding_waste", GATE, _S, Source.BATCH, "`num_tokens` / `extend_lens`",
           "the prefill bucket exceeds the tokens by more than `padding_waste_factor` (2x)"),
     _rule("gate.cost_model", GATE, _S, Source.BATCH,
-          "`prefix_lens`, `extend_lens` (or `num_tokens`), the cost profile",
+          "`prefix_lens`, `extend_lens` (both required then), the cost profile",
           "only with a cost profile: a prefill batch under a `breakable` graph that runs "
           "absorbed MLA, and the profile predicts eager MHA no slower (ties run eagerly)"),
     _rule("gate.ok", GATE, _I, Source.BATCH, "everything above",
