@@ -85,7 +85,7 @@ def _raising_on(vendor: Vendor):  # type: ignore[no-untyped-def]
         def attnreg_register_backends(self, register):  # type: ignore[no-untyped-def]
             register(BackendSpec(name="gen_flaky", summary="raises on one vendor",
                                  capabilities=capabilities,
-                                 runtime="tests.policy.nowhere:Nothing"))
+                                 runtime="attnreg.backends.reference:ReferenceBackend"))
 
     return load_registry(autoload=False, extra_plugins=[("flaky", Plugin())])
 

@@ -89,7 +89,7 @@ def _registry_with(*decls: Capabilities) -> BackendRegistry:
                 register(BackendSpec(
                     name=caps.backend, summary="generated for a test",
                     capabilities=lambda ctx, c=caps: replace(c, platform=ctx.platform),
-                    runtime="tests.policy.nowhere:Nothing"))
+                    runtime="attnreg.backends.reference:ReferenceBackend"))
 
     reg = load_registry(autoload=False, extra_plugins=[("gen_plugin", Plugin())])
     assert not reg.errors, reg.errors

@@ -147,7 +147,7 @@ def test_selection_prefers_a_decode_backend_whose_graphs_serve_verify() -> None:
                 register(BackendSpec(name=caps.backend, summary="generated",
                                      capabilities=lambda ctx, c=caps: replace(
                                          c, platform=ctx.platform),
-                                     runtime="tests.policy.nowhere:Nothing"))
+                                     runtime="attnreg.backends.reference:ReferenceBackend"))
 
     reg = load_registry(autoload=False, extra_plugins=[("gen_plugin", Plugin())])
     without = resolve("rocm:gfx942", TEXT_MLA, registry=reg, assume_installed=True)
