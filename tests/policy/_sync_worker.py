@@ -1,4 +1,5 @@
-"""One rank of the sync tests: ``python _sync_worker.py RANK WORLD INIT_FILE OUT SEED TRIALS MODE``.
+"""One rank of the sync tests:
+``python _sync_worker.py RANK WORLD INIT_FILE OUT SEED TRIALS MODE [BACKEND]``.
 
 Every rank draws all ranks' batches from the same seeded generator, so each
 knows what the agreed answer must be; per trial it calls :func:`sync`
@@ -8,7 +9,8 @@ different forward modes on purpose: every rank must then raise
 :class:`SyncError` (and the next trial must still work).  Then the pairing
 of issue 18: rank 0 syncs a decode batch, every other rank a target-verify
 batch; all must raise, none may hang.  MODE is ``trials`` (all of that) or
-``mismatch`` (the pairing only).
+``mismatch`` (the pairing only).  BACKEND is ``gloo`` (default) or ``nccl`` (one
+GPU per rank: the exchanged tensor then lives on the rank's device).
 """
 
 from __future__ import annotations
@@ -102,10 +104,15 @@ def mismatch(rank: int) -> list[object]:
 
 def main() -> None:
     rank, world, init_file, out, seed, n, mode = sys.argv[1:8]
+    backend = sys.argv[8] if len(sys.argv) > 8 else "gloo"
     rank_i, world_i = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_i,
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank_i)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank_i,
                             world_size=world_i)
-    group = dist.new_group(list(range(world_i)), backend="gloo")
+    group = dist.new_group(list(range(world_i)), backend=backend)
     result = trials(rank_i, world_i, int(seed), int(n), group) if mode == "trials" else {}
     result["mismatch"] = mismatch(rank_i)
     dist.barrier()  # every rank is still in step after the errors

@@ -190,3 +190,12 @@ def test_capture_memory_is_estimated_for_the_engine_shape() -> None:
     for shape in seen:
         assert (shape.page_size, shape.max_seq_len, shape.kv_pool_bytes) == (64, 32768, 7)
         assert shape.num_heads == TEXT_MLA.num_heads and shape.kv_dtype is TEXT_MLA.kv_dtype
+
+
+@pytest.mark.gpu
+def test_the_device_memory_is_detected_on_a_gpu() -> None:
+    import torch
+
+    from attnreg.registry.platform import detect_device_memory
+
+    assert detect_device_memory() == torch.cuda.get_device_properties(0).total_memory

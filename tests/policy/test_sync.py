@@ -24,13 +24,13 @@ WORKER = Path(__file__).with_name("_sync_worker.py")
 TRIALS = 1000
 
 
-def _run(world: int, tmp_path: Path, mode: str, trials: int = 0,
-         timeout: float = 240) -> list[dict]:  # type: ignore[type-arg]
+def _run(world: int, tmp_path: Path, mode: str, trials: int = 0, timeout: float = 240,
+         backend: str = "gloo") -> list[dict]:  # type: ignore[type-arg]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
     init_file = tmp_path / "store"
     outs = [tmp_path / f"rank{r}.json" for r in range(world)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(init_file),
-                               str(outs[r]), str(world), str(trials), mode],
+                               str(outs[r]), str(world), str(trials), mode, backend],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     errors = []
@@ -47,9 +47,22 @@ def _run(world: int, tmp_path: Path, mode: str, trials: int = 0,
     return [json.loads(o.read_text()) for o in outs]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_rank_gets_the_same_agreed_answer(world: int, tmp_path: Path) -> None:
-    per_rank = _run(world, tmp_path, "trials", TRIALS)
+def _two_gpus() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize("world, backend", [
+    (2, "gloo"), (4, "gloo"),
+    pytest.param(2, "nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _two_gpus(), reason="NCCL sync needs two CUDA GPUs")]),
+])
+def test_every_rank_gets_the_same_agreed_answer(world: int, backend: str,
+                                                tmp_path: Path) -> None:
+    per_rank = _run(world, tmp_path, "trials", TRIALS, backend=backend)
     disagreements = [t for t in range(TRIALS)
                      if len({json.dumps(r["got"][t]) for r in per_rank}) != 1]
     assert disagreements == []
