@@ -122,10 +122,12 @@ def test_plugin_option_keeps_isolation(fake_site, monkeypatch, capsys):
 def test_a_backend_outranking_every_builtin_gets_a_visible_note(fake_site, monkeypatch, capsys):
     monkeypatch.setenv("ATTNREG_PLUGINS", "thirdparty")
     note = ("attnreg: note: backend 'greedy_mla' from plugin 'thirdparty' (attnreg-thirdparty "
-            "2.0.0) declares priority 1000000, above every built-in (at most 40): it is the "
-            "default wherever it is available; choose another with --backend, or --disable "
+            "2.0.0) declares priority 1000000, above every built-in (at most 40): it is "
+            "preferred wherever it lets the requested graph mode run; choose another with --backend, or --disable "
             "greedy_mla\n")
-    assert main(["compat", "--platform", "cuda:sm90"]) == 0
+    # Graphs off: greedy_mla cannot capture on sm90, and selection by need would pass it over.
+    assert main(["compat", "--platform", "cuda:sm90", "--prefill-graph", "disabled",
+                 "--decode-graph", "disabled"]) == 0
     captured = capsys.readouterr()
     assert "greedy_mla chosen for prefill" in captured.out
     assert captured.err == note

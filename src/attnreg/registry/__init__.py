@@ -16,6 +16,7 @@ from .capabilities import (
     DType,
     ForwardMethod,
     ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -45,7 +46,7 @@ from .manager import (
     get_registry,
     load_registry,
 )
-from .platform import Platform, Vendor
+from .platform import KNOWN_DEVICES, PLATFORM_TRAITS, Platform, Vendor
 from .resolution import RuntimeCheck, RuntimeState
 from .spec import BackendSpec, DeclarationContext
 from .validation import validate_capabilities, validate_fallback_targets, validate_spec
@@ -53,7 +54,9 @@ from .validation import validate_capabilities, validate_fallback_targets, valida
 __all__ = [
     "CAPTURE_GRAPH_MODES",
     "ENTRY_POINT_GROUP",
+    "KNOWN_DEVICES",
     "METHOD_HEAD_DIMS",
+    "PLATFORM_TRAITS",
     "VALIDATION_PLATFORMS",
     "VALID_GRAPH_MODES",
     "AttnregError",
@@ -71,6 +74,7 @@ __all__ = [
     "DuplicateBackendError",
     "ForwardMethod",
     "ForwardMode",
+    "ForwardModeSupport",
     "GraphMode",
     "GraphModeSupport",
     "GraphPolicyError",

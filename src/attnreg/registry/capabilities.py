@@ -37,8 +37,10 @@ __all__ = [
     "DType",
     "ForwardMethod",
     "ForwardMode",
+    "ForwardModeSupport",
     "GraphMode",
     "GraphModeSupport",
+    "PHASE_FORWARD_MODES",
     "KernelConstraints",
     "Phase",
     "Requirement",
@@ -135,6 +137,15 @@ CAPTURE_GRAPH_MODES: tuple[GraphMode, ...] = (
 VALID_GRAPH_MODES: Mapping[Phase, tuple[GraphMode, ...]] = {
     Phase.DECODE: (GraphMode.FULL,),
     Phase.PREFILL: (GraphMode.BREAKABLE, GraphMode.TC_PIECEWISE),
+}
+
+#: The forward modes a phase's graphs may serve.  Speculative batches belong to
+#: the decode phase: engines capture target-verify and draft-extend batches with
+#: their decode graph runners (sglang), as a uniform batch of a few query tokens
+#: per sequence (vLLM's ``UNIFORM_BATCH``).
+PHASE_FORWARD_MODES: Mapping[Phase, tuple[ForwardMode, ...]] = {
+    Phase.DECODE: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
+    Phase.PREFILL: (ForwardMode.EXTEND,),
 }
 
 #: The (head_dim_qk, head_dim_v) each forward method uses for DeepSeek-style MLA.
@@ -298,12 +309,60 @@ class CaptureMemory:
 
 
 @dataclass(frozen=True)
+class ForwardModeSupport:
+    """One forward mode a backend serves, eagerly or in a captured graph.
+
+    ``max_query_len`` is the largest number of query (new) tokens per
+    sequence served: 1 for DECODE, the draft tokens for TARGET_VERIFY /
+    DRAFT_EXTEND (a verify batch carries that many tokens per sequence,
+    causal among themselves, attending the whole prefix), None for no bound
+    (EXTEND: ragged prefill).  ``uniform`` says every sequence of a batch
+    must have the same query length (vLLM's ``UNIFORM_BATCH``); when False,
+    shorter sequences are served too (a draft-extend batch of accepted
+    lengths 1..max_query_len).
+    """
+
+    mode: ForwardMode
+    max_query_len: int | None = 1
+    uniform: bool = True
+
+    def serves_query_len(self, query_len: int) -> bool:
+        """Whether a sequence of ``query_len`` new tokens is served."""
+        return self.max_query_len is None or 1 <= query_len <= self.max_query_len
+
+    def describe(self) -> str:
+        if self.max_query_len is None:
+            return f"{self.mode} (any length)"
+        if self.max_query_len == 1:
+            return f"{self.mode} (1 token per sequence)"
+        shape = "uniform" if self.uniform else "ragged"
+        return f"{self.mode} (<= {self.max_query_len} tokens per sequence, {shape})"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mode": self.mode.value, "max_query_len": self.max_query_len,
+                "uniform": self.uniform}
+
+
+#: What a phase's graphs and eager path serve when a declaration does not say:
+#: decode one token per sequence, prefill ragged extend.  Speculative forward
+#: modes are served only where a declaration lists them.
+DEFAULT_FORWARD_MODES: Mapping[Phase, tuple[ForwardModeSupport, ...]] = {
+    Phase.DECODE: (ForwardModeSupport(ForwardMode.DECODE, 1, True),),
+    Phase.PREFILL: (ForwardModeSupport(ForwardMode.EXTEND, None, False),),
+}
+
+
+@dataclass(frozen=True)
 class GraphModeSupport:
     """A backend's declaration for one (phase, graph mode).
 
     ``pinned_method`` is the forward method the backend forces under this mode
     (None = no pinning: the MHA companion may be captured).  ``split_kv`` says
-    whether split-KV parallelism survives capture.
+    whether split-KV parallelism survives capture.  ``forward_modes`` lists
+    the forward modes a graph captured under this mode serves, each with the
+    largest query tokens per sequence; empty means the phase's plain mode
+    (decode: DECODE, one token; prefill: EXTEND), which keeps declarations
+    written before speculative decoding truthful.
     """
 
     phase: Phase
@@ -312,6 +371,16 @@ class GraphModeSupport:
     pinned_method: ForwardMethod | None = None
     split_kv: SplitKV = SplitKV.NONE
     capture_memory: CaptureMemory = field(default_factory=CaptureMemory)
+    forward_modes: tuple[ForwardModeSupport, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.forward_modes:
+            object.__setattr__(self, "forward_modes", DEFAULT_FORWARD_MODES[self.phase])
+
+    def serving(self, mode: ForwardMode | str) -> ForwardModeSupport | None:
+        """The entry for forward mode ``mode``, or None when these graphs do not serve it."""
+        wanted = ForwardMode.parse(mode)
+        return next((f for f in self.forward_modes if f.mode is wanted), None)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -321,6 +390,7 @@ class GraphModeSupport:
             "pinned_method": self.pinned_method.value if self.pinned_method else None,
             "split_kv": self.split_kv.value,
             "capture_memory": self.capture_memory.to_dict(),
+            "forward_modes": [f.to_dict() for f in self.forward_modes],
         }
 
 
@@ -330,7 +400,8 @@ class KernelConstraints:
 
     ``page_sizes`` is empty for kernels that read no paged cache (ragged MHA
     over materialised K/V).  ``head_counts`` empty means any count from 1 to
-    ``max_heads``.
+    ``max_heads``.  ``max_seq_len`` is the longest sequence (cached + new
+    tokens) the kernel serves, None for no declared limit.
     """
 
     method: ForwardMethod
@@ -344,6 +415,7 @@ class KernelConstraints:
     causal: bool = True
     kernel: str = ""
     split_kv: SplitKV = SplitKV.NONE
+    max_seq_len: int | None = None
 
     def accepts_heads(self, num_heads: int) -> bool:
         if self.head_counts:
@@ -363,6 +435,7 @@ class KernelConstraints:
             "causal": self.causal,
             "kernel": self.kernel,
             "split_kv": self.split_kv.value,
+            "max_seq_len": self.max_seq_len,
         }
 
 
@@ -443,6 +516,9 @@ class Capabilities:
     ``requires`` is deprecated and must stay empty: requirements are declared
     once, in ``BackendSpec(requires=...)`` (a non-empty value is refused at
     registration as an invalid declaration saying so).
+    ``eager_forward_modes`` lists the forward modes the backend serves
+    eagerly, with the largest query tokens per sequence; empty means the
+    plain ones (DECODE, one token; EXTEND, ragged).
     """
 
     backend: str
@@ -455,6 +531,13 @@ class Capabilities:
     platform_reason: str = ""
     priority: int = 0
     notes: tuple[str, ...] = ()
+    eager_forward_modes: tuple[ForwardModeSupport, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.eager_forward_modes:
+            object.__setattr__(self, "eager_forward_modes",
+                               DEFAULT_FORWARD_MODES[Phase.DECODE]
+                               + DEFAULT_FORWARD_MODES[Phase.PREFILL])
 
     # -- queries -----------------------------------------------------------
     def graph_support(self, phase: Phase | str, mode: GraphMode | str) -> GraphModeSupport:
@@ -462,7 +545,10 @@ class Capabilities:
         phase = Phase.parse(phase)
         mode = GraphMode.parse(mode)
         if mode is GraphMode.DISABLED:
-            return GraphModeSupport(phase, mode, CaptureSupport.native("eager"))
+            eager = tuple(f for f in self.eager_forward_modes
+                          if f.mode in PHASE_FORWARD_MODES[phase])
+            return GraphModeSupport(phase, mode, CaptureSupport.native("eager"),
+                                    forward_modes=eager)
         for entry in self.graph_modes:
             if entry.phase is phase and entry.mode is mode:
                 return entry
@@ -488,6 +574,11 @@ class Capabilities:
     def serves(self, phase: Phase | str) -> bool:
         return bool(self.methods(phase))
 
+    def eager_serving(self, mode: ForwardMode | str) -> ForwardModeSupport | None:
+        """The eager entry for forward mode ``mode``, or None when it is not served."""
+        wanted = ForwardMode.parse(mode)
+        return next((f for f in self.eager_forward_modes if f.mode is wanted), None)
+
     def check_request(
         self,
         method: ForwardMethod | str,
@@ -498,8 +589,13 @@ class Capabilities:
         kv_dtype: DType | str | None = None,
         page_size: int | None = None,
         num_heads: int | None = None,
+        max_seq_len: int | None = None,
     ) -> list[str]:
-        """Reasons a request falls outside every kernel's declaration (empty = accepted)."""
+        """Reasons a request falls outside every kernel's declaration (empty = accepted).
+
+        ``max_seq_len`` is the longest sequence the engine serves (its max
+        context); a kernel declaring a shorter ``max_seq_len`` rejects it.
+        """
         method = ForwardMethod.parse(method)
         phase = Phase.parse(phase)
         candidates = self.kernels_for(method, phase)
@@ -525,6 +621,10 @@ class Capabilities:
             if num_heads is not None and not k.accepts_heads(num_heads):
                 allowed = list(k.head_counts) if k.head_counts else f"1..{k.max_heads}"
                 reasons.append(f"{num_heads} heads not in {allowed}")
+            if max_seq_len is not None and k.max_seq_len is not None \
+                    and max_seq_len > k.max_seq_len:
+                reasons.append(f"max context {max_seq_len} above the kernel's "
+                               f"{k.max_seq_len} tokens")
             if not reasons:
                 return []
             if best is None or len(reasons) < len(best):
@@ -542,6 +642,7 @@ class Capabilities:
             "unavailable_kernels": [{"kernel": n, "reason": r}
                                     for n, r in self.unavailable_kernels],
             "graph_modes": [g.to_dict() for g in self.graph_modes],
+            "eager_forward_modes": [f.to_dict() for f in self.eager_forward_modes],
             "notes": list(self.notes),
         }
 

@@ -264,7 +264,7 @@ class BackendRegistry:
     # -- what every command should mention -------------------------------------
     def startup_warnings(self) -> list[StartupWarning]:
         """One line per plugin that made startup heavy or slow, and per backend that
-        outranks every built-in (it becomes the default wherever it is available)."""
+        outranks every built-in (it is preferred wherever it lets the requested mode run)."""
         out = []
         limit = self.limits.slow_seconds
         for p in self.plugins:
@@ -293,8 +293,8 @@ class BackendRegistry:
             if not self._is_builtin(spec) and top > ceiling:
                 notes.append(StartupWarning(spec.plugin, "priority", (
                     f"backend {name!r} from {_origin(spec)} declares priority {top}, above "
-                    f"every built-in (at most {ceiling}): it is the default wherever it is "
-                    f"available; choose another with --backend, or --disable {name}")))
+                    f"every built-in (at most {ceiling}): it is preferred wherever it lets "
+                    f"the requested graph mode run; choose another with --backend, or --disable {name}")))
         return notes
 
     def _is_builtin(self, spec: BackendSpec) -> bool:
