@@ -6,10 +6,13 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from .capabilities import (
+    PHASE_FORWARD_MODES,
     VALID_GRAPH_MODES,
     Capabilities,
     CaptureSupport,
     ForwardMethod,
+    ForwardMode,
+    ForwardModeSupport,
     GraphModeSupport,
     KernelConstraints,
     Phase,
@@ -52,6 +55,37 @@ def _validate_capture(entry: GraphModeSupport, backend: str) -> list[str]:
     mem = entry.capture_memory
     if mem.fixed_bytes < 0 or mem.per_batch_slot_bytes < 0:
         reasons.append(f"{where}: capture memory estimate is negative")
+    return reasons
+
+
+def _validate_forward_modes(served: tuple[ForwardModeSupport, ...], where: str,
+                            allowed: tuple[ForwardMode, ...]) -> list[str]:
+    """Reasons a list of served forward modes is malformed.
+
+    Each mode must belong to ``allowed`` (the phase's modes for a graph
+    entry), appear once, and bound its query length sensibly: DECODE serves
+    one token per sequence, a speculative mode at least one, EXTEND may be
+    unbounded (None).
+    """
+    reasons = []
+    seen: set[ForwardMode] = set()
+    for f in served:
+        if f.mode not in allowed:
+            reasons.append(f"{where}: serves forward mode {f.mode}, which is not one of "
+                           f"{[m.value for m in allowed]}")
+        if f.mode in seen:
+            reasons.append(f"{where}: forward mode {f.mode} listed twice")
+        seen.add(f.mode)
+        if f.max_query_len is not None and f.max_query_len < 1:
+            reasons.append(f"{where}: {f.mode} max_query_len must be >= 1 or None, got "
+                           f"{f.max_query_len}")
+        elif f.mode is ForwardMode.DECODE and f.max_query_len != 1:
+            reasons.append(f"{where}: DECODE serves exactly one query token per sequence, got "
+                           f"max_query_len={f.max_query_len}")
+        elif f.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) \
+                and f.max_query_len is None:
+            reasons.append(f"{where}: {f.mode} needs a bound on the draft tokens per sequence "
+                           "(max_query_len)")
     return reasons
 
 
@@ -106,6 +140,10 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
             reasons.append(f"{entry.phase}/{entry.mode} declared twice")
         seen.add(key)
         reasons.extend(_validate_capture(entry, caps.backend))
+        if not entry.capture.is_unsupported:
+            reasons.extend(_validate_forward_modes(entry.forward_modes,
+                                                   f"{entry.phase}/{entry.mode}",
+                                                   PHASE_FORWARD_MODES[entry.phase]))
         # A FALLBACK pins too: the backend still decides which method runs
         # (and e.g. refuses the other), so the pin must name a kernel it has.
         if not entry.capture.is_unsupported and entry.pinned_method is not None \
@@ -118,6 +156,8 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
                         if entry.phase in k.phases):
             reasons.append(f"{entry.phase}/{entry.mode} claims dynamic split-KV under capture "
                            "but no kernel of that phase declares split-KV")
+    reasons.extend(_validate_forward_modes(caps.eager_forward_modes, "eager forward modes",
+                                           tuple(ForwardMode)))
     if caps.kernels:
         for phase, modes in VALID_GRAPH_MODES.items():
             if not caps.serves(phase):
