@@ -203,11 +203,13 @@ class BackendRegistry:
 
         The declaration is evaluated for ``platform``; by default the platform of
         the config's device: ``cpu`` for a cpu config (even on a GPU machine),
-        else the detected one (``ATTNREG_PLATFORM`` overrides detection).
+        else the detected one.  ``ATTNREG_PLATFORM`` (a simulated platform)
+        overrides both.
         """
         if platform is not None:
             plat = Platform.parse(platform)
-        elif str(getattr(config, "device", "")).split(":")[0] == "cpu":
+        elif (str(getattr(config, "device", "")).split(":")[0] == "cpu"
+              and not os.environ.get("ATTNREG_PLATFORM")):
             plat = Platform.parse("cpu")
         else:
             plat = Platform.detect()
