@@ -130,9 +130,8 @@ def test_default_path_is_under_the_user_cache(monkeypatch: pytest.MonkeyPatch,
 
 def test_absorbed_and_mha_paths_of_the_layer_agree() -> None:
     """The check calibrate relies on: W_UK/W_UV absorption reproduces the MHA form."""
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import extend_batch
     from attnreg.registry import get_registry
+    from attnreg.runtime import MLAConfig, extend_batch
 
     heads = 2
     cfg = MLAConfig(num_heads=heads, page_size=1, device="cpu", max_context_len=64)

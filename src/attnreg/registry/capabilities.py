@@ -260,6 +260,14 @@ class CaptureShape:
         Size of the engine's whole KV pool; a fallback that converts or copies
         the pool inside the graph (trtllm_mla's FP8 path) scales with it.  0 when
         the engine did not say.
+    num_graphs
+        Graphs captured within these bounds (one per bucket); a backend that
+        allocates per captured graph scales with it.  0: unknown, assume one
+        per batch size up to ``max_batch_size`` (the upper bound; see :attr:`graphs`).
+    num_sms
+        Multiprocessors of the device; a backend whose split-KV workspace
+        fills one wave of them scales with it.  0: unknown (startup queries run
+        without torch), each such backend assumes its declared upper bound.
     """
 
     max_batch_size: int
@@ -269,6 +277,18 @@ class CaptureShape:
     page_size: int = 1
     kv_dtype: DType = DType.BF16
     kv_pool_bytes: int = 0
+    num_graphs: int = 0
+    num_sms: int = 0
+
+    @property
+    def graphs(self) -> int:
+        """``num_graphs``, or ``max_batch_size`` (one graph per batch size) when unknown."""
+        return self.num_graphs or self.max_batch_size
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of the longest sequence: ``ceil(max_seq_len / page_size)``."""
+        return -(-self.max_seq_len // max(1, self.page_size))
 
 
 #: A pure function from a declaration module: bytes a backend allocates for graph
@@ -280,13 +300,21 @@ CaptureBytesFn = Callable[[CaptureShape], int]
 class CaptureMemory:
     """Device memory a backend allocates for graph capture, as a formula of the shape.
 
-    ``fixed_bytes`` once per backend instance (workspaces), plus
-    ``per_batch_slot_bytes`` for each request slot of the largest captured
-    batch, plus ``bytes_fn(shape)`` when a backend's buffers depend on more
-    than the batch (heads, tokens, sequence length, the pool).  A backend's
-    runtime must size its graph buffers from the same constants or function
-    (see docs/decisions.md, "capture memory has one formula"); the
-    conformance suite measures the allocation against :meth:`estimate`.
+    Capture memory is what exists because graphs are captured: the buffers
+    ``init_cuda_graph_state`` and ``init_forward_metadata_capture`` allocate
+    and what the captured graphs keep in their memory pool (tensors created
+    inside the graph, a pool converted inside the graph).  Workspaces a
+    backend allocates when it is created serve eager runs too and are not
+    counted; neither are the runtime's own index buffers (lengths, page table).
+
+    ``fixed_bytes`` once per backend instance, plus ``per_batch_slot_bytes``
+    for each request slot of the largest captured batch, plus
+    ``bytes_fn(shape)`` when a backend's buffers depend on more than the batch
+    (heads, tokens, sequence length, captured graphs, the pool).  A backend's
+    runtime sizes its graph buffers from the same constants or function (see
+    docs/decisions.md, "capture memory has one formula"); the conformance
+    suite's ``capture_memory`` claim measures the allocation against
+    :meth:`estimate`.
     """
 
     fixed_bytes: int = 0

@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -60,6 +60,9 @@ from .platform import Platform
 from .resolution import RuntimeCheck, check_runtime
 from .spec import BackendSpec, DeclarationContext, installed_version
 from .validation import validate_capabilities, validate_fallback_targets, validate_spec
+
+if TYPE_CHECKING:  # annotations only: the registry imports no torch at run time
+    from attnreg.runtime import AttentionBackend, MLAConfig
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -253,13 +256,26 @@ class BackendRegistry:
                 name, f"runtime {spec.runtime!r} could not be imported ({exc}); "
                 f"plugin {spec.plugin!r} may be incomplete") from exc
 
-    def create(self, name: str, config: Any, *, platform: Platform | str | None = None,
-               **kwargs: Any) -> Any:
-        """Instantiate backend ``name`` for an ``MLAConfig``."""
-        plat = Platform.parse(platform) if platform is not None else Platform.detect()
+    def create(self, name: str, config: MLAConfig, *, platform: Platform | str | None = None,
+               **kwargs: Any) -> AttentionBackend[Any, Any]:
+        """Instantiate backend ``name`` for an ``MLAConfig``.
+
+        The declaration is evaluated for ``platform``; by default the platform of
+        the config's device: ``cpu`` for a cpu config (even on a GPU machine),
+        else the detected one.  ``ATTNREG_PLATFORM`` (a simulated platform)
+        overrides both.
+        """
+        if platform is not None:
+            plat = Platform.parse(platform)
+        elif (str(getattr(config, "device", "")).split(":")[0] == "cpu"
+              and not os.environ.get("ATTNREG_PLATFORM")):
+            plat = Platform.parse("cpu")
+        else:
+            plat = Platform.detect()
         cls = self.load(name, plat)
         caps = self.declaration(name, plat)
-        return cls(config, capabilities=caps, **kwargs)
+        backend: AttentionBackend[Any, Any] = cls(config, capabilities=caps, **kwargs)
+        return backend
 
     # -- what every command should mention -------------------------------------
     def startup_warnings(self) -> list[StartupWarning]:

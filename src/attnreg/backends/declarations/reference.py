@@ -1,4 +1,8 @@
-"""Declaration of the ``reference`` backend: float32 torch, the conformance oracle."""
+"""Declaration of the ``reference`` backend: float32 torch, the cpu fallback.
+
+(Not the conformance oracle: that is the float64 computation of
+``attnreg.testing.workload``, which checks this backend like any other.)
+"""
 
 from __future__ import annotations
 
@@ -44,5 +48,6 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         backend="reference", platform=ctx.platform,
         vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes,
         priority=0,
-        notes=("float32 math, slow: the oracle of the conformance suite and the cpu fallback",),
+        notes=("float32 math, slow: a plain implementation to compare against, and the cpu "
+               "fallback",),
     )
