@@ -14,7 +14,11 @@ pytest.importorskip("sglang", reason=SKIP_REASON)
 
 from attnreg.graph_policy import GraphConfig
 from attnreg.integrations.sglang import plugin, steps
-from attnreg.integrations.sglang.adapter import SglangGraphPolicyError, plan_for
+from attnreg.integrations.sglang.adapter import (
+    SglangGraphPolicyError,
+    check_host_locks,
+    plan_for,
+)
 from attnreg.integrations.sglang.facts import host_modes
 from attnreg.registry.capabilities import DType, GraphMode, Phase
 from attnreg.registry.platform import Platform
@@ -45,6 +49,9 @@ def test_host_modes_of_sglang_0_5_23() -> None:
     modes = host_modes()
     assert GraphMode.TC_PIECEWISE not in modes[Phase.PREFILL]
     assert modes[Phase.PREFILL] == {GraphMode.FULL, GraphMode.BREAKABLE, GraphMode.DISABLED}
+    assert check_host_locks({Phase.PREFILL: GraphMode.BREAKABLE}, modes) is None
+    with pytest.raises(SglangGraphPolicyError, match="sglang.host_modes"):
+        check_host_locks({Phase.PREFILL: GraphMode.TC_PIECEWISE}, modes)
 
 
 def _outcome(models: dict[str, Path], name: str) -> steps.SglangOutcome:
@@ -65,10 +72,13 @@ def test_facts_of_deepseek_v3_fp8_on_blackwell(plugin_on: None, models: dict[str
         Phase.PREFILL: "trtllm_mla", Phase.DECODE: "trtllm_mla"}
     assert facts.backends_by_user == frozenset()  # sglang's default choice
     assert facts.locked == frozenset()
-    assert facts.engine.decode_batch_sizes and facts.engine.prefill_num_tokens
-    assert facts.engine.context_len == 163840
+    assert facts.engine.max_context_len == 163840
+    assert facts.engine.page_size == 64  # sglang's trtllm_mla page constraint, resolved
+    assert facts.engine.prefill_graph_modes == {GraphMode.BREAKABLE, GraphMode.DISABLED}
+    assert facts.engine.decode_graph_modes == {GraphMode.FULL, GraphMode.DISABLED}
     assert facts.config is not None
-    assert facts.config.decode_batch_sizes == facts.engine.decode_batch_sizes
+    assert facts.config.decode_batch_sizes[0] == 1 and len(facts.config.decode_batch_sizes) > 8
+    assert facts.config.prefill_num_tokens[-1] == 4096
 
 
 def test_facts_of_a_multimodal_model(plugin_on: None, models: dict[str, Path]) -> None:
@@ -102,19 +112,19 @@ def test_a_host_with_tc_piecewise_gets_the_upgrade(plugin_on: None,
     from dataclasses import replace
 
     facts = _outcome(models, "kimi_trtllm_bf16_b200").facts
-    with_tc = {Phase.PREFILL: facts.host_modes[Phase.PREFILL] | {GraphMode.TC_PIECEWISE},
-               Phase.DECODE: facts.host_modes[Phase.DECODE]}
+    with_tc = replace(facts.engine, prefill_graph_modes=facts.engine.prefill_graph_modes
+                      | {GraphMode.TC_PIECEWISE})
     triton = replace(facts.backends[Phase.PREFILL], attnreg="triton")
-    facts = replace(facts, host_modes=with_tc, platform=Platform.parse("cuda:sm90"),
+    facts = replace(facts, platform=Platform.parse("cuda:sm90"),
                     backends={Phase.PREFILL: triton, Phase.DECODE: triton})
-    result = plan_for(facts)
-    assert result.plan.prefill.mode is GraphMode.TC_PIECEWISE
-    assert "model.piecewise_upgrade" in [d.rule for d in result.plan.decisions if d.changed]
-    assert not result.notes
-    # ... and on 0.5.23's host modes the upgrade is not considered.
-    result = plan_for(replace(facts, host_modes=host_modes()))
-    assert result.plan.prefill.mode is GraphMode.BREAKABLE
-    assert [n.rule for n in result.notes] == ["sglang.host_modes"]
+    plan = plan_for(replace(facts, engine=with_tc))
+    assert plan.prefill.mode is GraphMode.TC_PIECEWISE
+    assert "model.piecewise_upgrade" in [d.rule for d in plan.decisions if d.changed]
+    # ... and with 0.5.23's host modes the upgrade is refused, with the reason.
+    plan = plan_for(facts)
+    assert plan.prefill.mode is GraphMode.BREAKABLE
+    refused = [d for d in plan.decisions if d.rule == "model.piecewise_upgrade"]
+    assert "engine.mode_unsupported" in refused[0].message
 
 
 def test_a_locked_mode_that_breaks_a_hard_rule_fails_startup(plugin_on: None,

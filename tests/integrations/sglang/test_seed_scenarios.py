@@ -47,10 +47,11 @@ EXPECTED: dict[str, Expected] = {
                                      ("backend.high_cost_fallback",)),
     # seed 002 on a multimodal model: sglang keeps breakable with an FP8 pool and pays
     # the pool conversion on every replay; attnreg runs prefill eagerly.
+    # Both: the tc_piecewise upgrade is not applied (this sglang has no tc_piecewise).
     "kimi_trtllm_fp8_b200": Expected(("breakable", "full"), ("disabled", "full"),
-                                     ("sglang.host_modes", "backend.high_cost_fallback")),
+                                     ("model.piecewise_upgrade", "backend.high_cost_fallback")),
     "kimi_trtllm_bf16_b200": Expected(("breakable", "full"), ("breakable", "full"),
-                                      ("sglang.host_modes", "backend.fallback_in_effect")),
+                                      ("model.piecewise_upgrade", "backend.fallback_in_effect")),
     # The user's lock beats the soft rule, which is recorded as yielding.
     "dsv3_trtllm_fp8_locked_breakable": Expected(("breakable", "full"), ("breakable", "full"),
                                                  ("user.locked", "backend.high_cost_fallback")),
@@ -136,6 +137,17 @@ def test_a_lock_on_a_mode_sglang_lacks_fails_with_the_reason(
     assert result["error"] == "SglangGraphPolicyError"
     assert "sglang.host_modes: prefill tc_piecewise was set explicitly" in result["message"]
     assert "accepts only breakable, disabled, full" in result["message"]
+
+
+def test_the_upgrade_is_refused_for_the_host_lacking_tc_piecewise(
+        plugin_on: None, models: dict[str, Path]) -> None:
+    result = _sglang_env.run_scenario(_sglang_env.SCENARIO_BY_NAME["kimi_trtllm_bf16_b200"],
+                                      models)
+    outcome = outcome_of(result["server_args"])
+    assert outcome is not None and outcome.plan is not None
+    upgrade = [d for d in outcome.decisions if d.rule == "model.piecewise_upgrade"]
+    assert len(upgrade) == 1 and not upgrade[0].changed
+    assert "engine.mode_unsupported" in upgrade[0].message
 
 
 def test_logs_carry_rule_ids(plugin_on: None, models: dict[str, Path],

@@ -1,34 +1,27 @@
 """The one call from the sglang bridge into :func:`attnreg.graph_policy.resolve`.
 
 :func:`plan_for` is the only function of the bridge that knows resolve()'s
-signature.  resolve() of this release takes no engine facts and no host
-modes, so the adapter wraps what it needs around the call:
-
-* host modes: a mode sglang does not accept is never a default (the
-  breakable -> tc_piecewise upgrade is turned off by presenting the model as
-  not piecewise-validated, with a ``sglang.host_modes`` decision), and a lock
-  on it fails startup (:class:`SglangGraphPolicyError`, rule
-  ``sglang.host_modes``);
-* engine facts (page size, context length, speculative decoding): read and
-  carried in :class:`~.facts.EngineFacts`; resolve() reads the capture
-  buckets through :class:`~attnreg.graph_policy.GraphConfig`.
-
-When resolve() takes engine facts and host modes itself, only this function
-changes.
+signature.  resolve() takes the engine facts (page size, context, running
+requests, draft tokens) and the host's graph modes in
+:class:`~attnreg.graph_policy.EngineFacts`: a mode sglang lacks is never a
+default and a lock on it is a hard error (``engine.mode_unsupported``).
+:func:`check_host_locks` refuses such a lock earlier, in the bridge's first
+step, before sglang's own validation would stop startup with a bare
+``not allowed``.  resolve()'s errors split in two: a lock that breaks a
+hard rule fails startup (:class:`SglangGraphPolicyError`); a declaration
+that cannot serve a phase at all (:class:`DeclarationGap`) leaves the server
+to sglang's rules.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, replace
 
 from attnreg.graph_policy import RULES, GraphPlan, resolve
 from attnreg.registry.capabilities import GraphMode, Phase
 from attnreg.registry.errors import GraphPolicyError
 
-from .decisions import BridgeDecision
 from .facts import SglangFacts
 
-__all__ = ["AdapterResult", "DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
+__all__ = ["DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
            "plan_for"]
 
 #: resolve()'s errors that mean "no attnreg declaration serves this" (no plan at all),
@@ -51,14 +44,6 @@ class DeclarationGap(Exception):
         super().__init__("; ".join(reasons))
 
 
-@dataclass(frozen=True)
-class AdapterResult:
-    """attnreg's plan and the bridge decisions taken around the call."""
-
-    plan: GraphPlan
-    notes: tuple[BridgeDecision, ...]
-
-
 def check_host_locks(locked: dict[Phase, GraphMode],
                      host_modes: dict[Phase, frozenset[GraphMode]]) -> None:
     """Raise :class:`SglangGraphPolicyError` when a locked mode is one the host lacks."""
@@ -71,7 +56,7 @@ def check_host_locks(locked: dict[Phase, GraphMode],
                           "(--cuda-graph-backend-prefill / --cuda-graph-config).")
 
 
-def plan_for(facts: SglangFacts) -> AdapterResult:
+def plan_for(facts: SglangFacts) -> GraphPlan:
     """attnreg's plan for a server whose facts have no gap.
 
     Raises :class:`SglangGraphPolicyError` when a locked mode breaks a hard
@@ -81,29 +66,14 @@ def plan_for(facts: SglangFacts) -> AdapterResult:
     """
     if facts.model is None or facts.config is None:
         raise ValueError("plan_for needs facts without gaps: " + "; ".join(facts.gaps))
-    check_host_locks({p: facts.sglang_modes[p] for p in facts.locked}, facts.host_modes)
-    model = facts.model
-    notes: list[BridgeDecision] = []
-    if GraphMode.TC_PIECEWISE not in facts.host_modes[Phase.PREFILL] and model.piecewise_validated:
-        model = replace(model, piecewise_validated=False)
-        notes.append(BridgeDecision(
-            "sglang.host_modes", Phase.PREFILL, None, None,
-            "piecewise prefill is validated for this model, but this sglang has no "
-            "tc_piecewise prefill: the breakable -> tc_piecewise upgrade is not considered"))
     backends = (facts.backends[Phase.PREFILL].attnreg, facts.backends[Phase.DECODE].attnreg)
     try:
         # assume_installed: the kernels run inside sglang, whose install carries the
         # libraries; attnreg's own optional extras need not be present.
-        plan = resolve(facts.platform, model, backends, facts.config, facts.features,
-                       assume_installed=True)
+        plan = resolve(facts.platform, facts.model, backends, facts.config, facts.features,
+                       facts.engine, assume_installed=True)
     except GraphPolicyError as exc:
         if any(f"{rule}:" in reason for reason in exc.reasons for rule in _SELECTION_RULES):
             raise DeclarationGap(exc.reasons) from exc
         raise SglangGraphPolicyError(exc.reasons, exc.hint) from exc
-    for phase in (Phase.PREFILL, Phase.DECODE):
-        mode = plan.phase(phase).mode
-        if mode not in facts.host_modes[phase]:  # a policy default the host lacks: a bug here
-            raise SglangGraphPolicyError(
-                [f"sglang.host_modes: attnreg planned {phase} {mode}, which this sglang does "
-                 "not accept"], hint="Report this as an attnreg bug.")
-    return AdapterResult(plan, tuple(notes))
+    return plan

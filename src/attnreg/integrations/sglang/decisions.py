@@ -29,8 +29,9 @@ BRIDGE_RULES = MappingProxyType({
                           "sglang",
     "sglang.gap": "a fact attnreg cannot represent (backend, model, KV dtype, graph mode): "
                   "sglang's own rules decide this server, unchanged",
-    "sglang.host_modes": "a mode this sglang does not accept (e.g. tc_piecewise on 0.5.22+) "
-                         "is never a default; a lock on it fails startup",
+    "sglang.host_modes": "a lock on a mode this sglang does not accept (e.g. tc_piecewise on "
+                         "0.5.22+) fails startup in the bridge's first step; the policy never "
+                         "plans such a mode (engine.mode_unsupported)",
     "sglang.declared": "attnreg's mode for a phase, written back with sglang's "
                        "declare_resolution",
 })

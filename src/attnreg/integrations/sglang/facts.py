@@ -27,14 +27,19 @@ from sglang.srt.arg_groups.overrides import (
 from sglang.srt.model_executor.cuda_graph_config import ALLOWED_BACKENDS_PER_PHASE
 from sglang.srt.runtime_context import get_platform
 
-from attnreg.graph_policy import AttentionKind, GraphConfig, ModelFacts, ServerFeatures
-from attnreg.registry.capabilities import DType, GraphMode, Phase
+from attnreg.graph_policy import (
+    AttentionKind,
+    EngineFacts,
+    GraphConfig,
+    ModelFacts,
+    ServerFeatures,
+)
+from attnreg.registry.capabilities import VALID_GRAPH_MODES, DType, GraphMode, Phase
 from attnreg.registry.platform import Platform, Vendor
 
 from .names import BackendMapping, graph_mode_from_sglang, kv_dtype_from_sglang, map_backend
 
 __all__ = [
-    "EngineFacts",
     "SglangFacts",
     "host_modes",
     "read_facts",
@@ -45,41 +50,15 @@ _PHASES = (Phase.PREFILL, Phase.DECODE)
 
 
 @dataclass(frozen=True)
-class EngineFacts:
-    """Engine facts beside the model: paging, context, capture buckets, speculation.
-
-    The policy of this release reads the buckets (through :class:`GraphConfig`);
-    page size, context length and speculative settings are carried for the
-    engine-facts input of ``resolve()`` (see :mod:`.adapter`).
-    """
-
-    page_size: int | None
-    context_len: int | None
-    decode_batch_sizes: tuple[int, ...]
-    prefill_num_tokens: tuple[int, ...]
-    prefill_max_requests: int | None
-    speculative_algorithm: str | None
-    speculative_num_draft_tokens: int | None
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "page_size": self.page_size,
-            "context_len": self.context_len,
-            "decode_batch_sizes": list(self.decode_batch_sizes),
-            "prefill_num_tokens": list(self.prefill_num_tokens),
-            "prefill_max_requests": self.prefill_max_requests,
-            "speculative_algorithm": self.speculative_algorithm,
-            "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
-        }
-
-
-@dataclass(frozen=True)
 class SglangFacts:
     """What attnreg knows about one sglang server at the attention-backend step.
 
     ``model`` and ``config`` are None when a gap prevents them; ``gaps`` says
-    why, one line each.  ``sglang_modes`` is each phase's mode as sglang's
-    resolution holds it now; ``locked`` the phases whose mode the user set.
+    why, one line each.  ``engine`` is attnreg's :class:`EngineFacts` (page
+    size, context, running requests, draft tokens, the host's graph modes);
+    ``host_modes`` is every mode sglang accepts per phase, attnreg's or not.
+    ``sglang_modes`` is each phase's mode as sglang's resolution holds it
+    now; ``locked`` the phases whose mode the user set.
     """
 
     platform: Platform
@@ -206,29 +185,40 @@ def _buckets(values: Any) -> tuple[int, ...]:
     return tuple(sorted({int(v) for v in values})) if values else ()
 
 
-def _read_engine(server_args: Any, cfg: Any) -> EngineFacts:
-    cg = cfg.cuda_graph_config
+def _attnreg_modes(phase: Phase, modes: frozenset[GraphMode]) -> frozenset[GraphMode]:
+    """The host's modes attnreg has a name for in ``phase`` (sglang's ``full`` prefill
+    and ``breakable`` decode have none: a server using them is a gap)."""
+    return frozenset(m for m in modes if m is GraphMode.DISABLED or m in VALID_GRAPH_MODES[phase])
+
+
+def _read_engine(server_args: Any, cfg: Any,
+                 host: dict[Phase, frozenset[GraphMode]]) -> EngineFacts:
+    """attnreg's engine facts.  Not passed: the KV pool size (sglang sizes the pool
+    in the model runner, after resolution) and the device memory (the policy
+    then budgets with the smallest known device of the architecture)."""
     mc = model_config_of(server_args)
+    context = getattr(mc, "context_len", None)
     return EngineFacts(
         page_size=cfg.page_size,
-        context_len=getattr(mc, "context_len", None),
-        decode_batch_sizes=_buckets(cg.decode.bs),
-        prefill_num_tokens=_buckets(cg.prefill.bs),
-        prefill_max_requests=cg.prefill.full_prefill_max_req,
-        speculative_algorithm=cfg.speculative_algorithm,
-        speculative_num_draft_tokens=cfg.speculative_num_draft_tokens,
+        max_context_len=int(context) if context else EngineFacts().max_context_len,
+        max_running_requests=cfg.max_running_requests,
+        num_draft_tokens=int(cfg.speculative_num_draft_tokens or 0)
+        if cfg.speculative_algorithm is not None else 0,
+        prefill_graph_modes=_attnreg_modes(Phase.PREFILL, host[Phase.PREFILL]),
+        decode_graph_modes=_attnreg_modes(Phase.DECODE, host[Phase.DECODE]),
     )
 
 
-def _read_config(modes: dict[Phase, GraphMode], locked: frozenset[Phase],
-                 engine: EngineFacts, gaps: list[str]) -> GraphConfig | None:
+def _read_config(server_args: Any, cfg: Any, modes: dict[Phase, GraphMode],
+                 locked: frozenset[Phase], gaps: list[str]) -> GraphConfig | None:
+    cg = cfg.cuda_graph_config
     sizes: dict[str, object] = {}
-    if engine.decode_batch_sizes:
-        sizes["decode_batch_sizes"] = engine.decode_batch_sizes
-    if engine.prefill_num_tokens:
-        sizes["prefill_num_tokens"] = engine.prefill_num_tokens
-    if engine.prefill_max_requests:
-        sizes["prefill_max_requests"] = engine.prefill_max_requests
+    if cg.decode.bs:
+        sizes["decode_batch_sizes"] = _buckets(cg.decode.bs)
+    if cg.prefill.bs:
+        sizes["prefill_num_tokens"] = _buckets(cg.prefill.bs)
+    if cg.prefill.full_prefill_max_req:
+        sizes["prefill_max_requests"] = int(cg.prefill.full_prefill_max_req)
     try:
         return GraphConfig(prefill_mode=modes[Phase.PREFILL], decode_mode=modes[Phase.DECODE],
                            locked=frozenset(f"{p.value}_mode" for p in locked),
@@ -263,16 +253,16 @@ def read_facts(server_args: Any) -> SglangFacts:
     modes = {p: graph_mode_from_sglang(getattr(cg, p.value).backend) for p in _PHASES}
     sglang_locked: set[tuple[str, str]] = getattr(server_args, "_cuda_graph_config_locked", set())
     locked = frozenset(p for p in _PHASES if (p.value, "backend") in sglang_locked)
-    engine = _read_engine(server_args, cfg)
-    config = _read_config(modes, locked, engine, gaps)
+    host = host_modes()
+    config = _read_config(server_args, cfg, modes, locked, gaps)
     return SglangFacts(
         platform=read_platform(),
         backends=backends,
         model=model,
         config=config,
         features=_read_features(server_args, cfg),
-        engine=engine,
-        host_modes=host_modes(),
+        engine=_read_engine(server_args, cfg, host),
+        host_modes=host,
         sglang_modes=modes,
         locked=locked,
         backends_by_user=_backends_by_user(server_args),

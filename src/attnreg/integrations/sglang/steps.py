@@ -208,34 +208,31 @@ def policy_step(server_args: Any) -> None:
                                      f"{mapping.reason}"))
         _log_bridge(bridge[-1])
     gaps: tuple[str, ...] | list[str] = facts.gaps
-    result = None
+    plan = None
     if facts.decidable:
         try:
             with _one_voice():
-                result = plan_for(facts)
+                plan = plan_for(facts)
         except DeclarationGap as gap:
             gaps = [f"attnreg's declaration cannot serve it: {r}" for r in gap.reasons]
-    if result is None:
+    if plan is None:
         _leave_to_sglang(server_args, gaps, bridge)
         setattr(server_args, _OUTCOME_ATTR, SglangOutcome(
             facts, None, (), tuple(bridge), before, _current_modes(server_args)))
         return
-    for note in result.notes:
-        bridge.append(note)
-        _log_bridge(note)
-    for decision in result.plan.decisions:
+    for decision in plan.decisions:
         _log_policy(decision)
     after: dict[Phase, GraphMode] = {}
     for phase in _PHASES:
-        mode = result.plan.phase(phase).mode
+        mode = plan.phase(phase).mode
         _declare(server_args, phase, mode)
         after[phase] = mode
-        why = [d.rule for d in result.plan.decisions_for(phase) if d.changed]
+        why = [d.rule for d in plan.decisions_for(phase) if d.changed]
         declared = BridgeDecision(
             "sglang.declared", phase, before[phase], mode,
-            f"attnreg's {phase} mode on {result.plan.phase(phase).backend} written to sglang's "
+            f"attnreg's {phase} mode on {plan.phase(phase).backend} written to sglang's "
             f"cuda_graph_config" + (f" (changed by {', '.join(why)})" if why else ""))
         bridge.append(declared)
         _log_bridge(declared)
     setattr(server_args, _OUTCOME_ATTR, SglangOutcome(
-        facts, result.plan, result.plan.decisions, tuple(bridge), before, after))
+        facts, plan, plan.decisions, tuple(bridge), before, after))
