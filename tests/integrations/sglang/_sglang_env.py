@@ -149,6 +149,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     # A feature sglang and attnreg both rule on: pipeline parallelism.
     Scenario("dsv3_triton_h200_pp2", "deepseek-v3", 90,
              {"attention_backend": "triton", "pp_size": 2}),
+    # Speculative decoding (MTP, 4 draft tokens): the plan says how verify batches run.
+    Scenario("dsv3_triton_h200_mtp4", "deepseek-v3", 90,
+             {"attention_backend": "triton", "speculative_algorithm": "NEXTN",
+              "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+              "speculative_num_draft_tokens": 4}),
     # An sglang rule attnreg has no fact for (which MoE transports were validated).
     Scenario("dsv3_triton_h200_a2a_mooncake", "deepseek-v3", 90,
              {"attention_backend": "triton", "moe_a2a_backend": "mooncake"}),
