@@ -108,9 +108,11 @@ def render(data: dict[str, Any], *, traceback: bool = False, width: int | None =
          "module, hooks"),
         [(p["name"], _dist(p), _status(p, data["errors"]), _ms(p["import_seconds"]),
           _ms(p["hook_seconds"]) if p["call_order"] is not None else "-",
-          "\n".join(p["heavy_imports"]) or "-", "\n".join([p["module"], *p["hooks"]]))
+          ", ".join(p["heavy_imports"]) or "-",
+          # one line each when wrapping (they are long), one line together with --wide
+          ("\n" if width else ", ").join([p["module"], *p["hooks"]]))
          for p in data["plugins"]],
-        wrap_columns=("distribution", "module, hooks"), width=width))
+        wrap_columns=("distribution", "heavy imports", "module, hooks"), width=width))
     lines += ["", "backends", table(
         ("backend", "plugin", "distribution", "runtime", "resolves"),
         [(name, b["plugin"], _dist(b), b["runtime"],

@@ -462,9 +462,9 @@ def _calibrated_heads(raw: Any, problems: list[str]) -> int | None:
 def load_profile(path: str | os.PathLike[str]) -> CostProfile:
     """Read and validate a profile JSON file.
 
-    ``path`` is a file, or the bare name of a profile shipped with attnreg
-    (``"h200-triton.json"``; a file of that name in the working directory
-    comes first).
+    ``path`` is a file, or the bare file name of a profile shipped with
+    attnreg (in ``attnreg/data/profiles``; a file of that name in the working
+    directory comes first).
 
     Raises
     ------
