@@ -52,12 +52,12 @@ if __package__ in (None, ""):  # run as a script: the renderer helpers are bench
 
 from attnreg.graph_policy import GraphConfig, ModelFacts, ReplayBatch, ReplayGate, resolve
 from attnreg.graph_policy.cost_profile import CostProfile, PrefillShape, load_profile
+from attnreg.graph_policy.replay import smallest_bucket
 from attnreg.profiling import (
     DRY_LAYER,
     Clock,
     LayerShape,
     MLALayer,
-    bucket_for,
     kv_slots_of,
     library_versions,
     random_pool,
@@ -110,7 +110,7 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
     cuda, dev, hidden = ctx["cuda"], ctx["device"], ctx["shape"].hidden
     seq_lens = [prefix + extend] * batch_size
     tokens = batch_size * extend
-    padded = bucket_for(tokens, ctx["buckets"]) or tokens
+    padded = smallest_bucket(tokens, ctx["buckets"]) or tokens
     pools = [random_pool(torch, backend.config, sum(seq_lens), seed + i)
              for i in range(len(layers))]
     pages = pools[0].allocate(seq_lens, shuffle=seed)
