@@ -46,8 +46,7 @@ P4_DRY_SHAPE, P4_DRY_HEADS, P4_DRY_LAYERS = LayerShape(hidden=256, q_lora=128), 
 
 
 def run_p4(ctx: RunContext, data: dict[str, Any]) -> None:
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import decode_batch
+    from attnreg.runtime import MLAConfig, decode_batch
 
     torch = ctx.torch
     variants, skipped = available_variants(ctx, PREFILL_VARIANTS)
