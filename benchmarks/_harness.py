@@ -230,23 +230,6 @@ def environment(command: str, *, quick: bool, dry_run: bool) -> dict[str, Any]:
 # The run context
 # ----------------------------------------------------------------------------------------
 
-class _EagerGraph:
-    """Stand-in for a CUDA graph on a machine without CUDA (dry runs only).
-
-    ``replay()`` calls the function again under the same capture mode, so the
-    backend code paths of capture and replay still run.
-    """
-
-    def __init__(self, fn: Callable[[], Any], mode: Any) -> None:
-        self._fn = fn
-        self._mode = mode
-
-    def replay(self) -> None:
-        from attnreg.graph_policy import capturing
-        with capturing(self._mode):
-            self._fn()
-
-
 @dataclass
 class RunContext:
     """What a section needs: where to write, how big to measure, how to time.
@@ -361,30 +344,17 @@ class RunContext:
 
     # -- graphs ----------------------------------------------------------------------
     def capture(self, fn: Callable[[], Any], mode: Any, *, warmup: int = 1) -> Any:
-        """Capture ``fn`` into a CUDA graph under ``capturing(mode)``; return it.
+        """``fn`` captured under ``capturing(mode)`` by a new :class:`attnreg.runtime.GraphRunner`.
 
-        The warm-up calls run on a side stream under the same capture mode
-        (Triton compiles there, outside the capture).  Without CUDA a stand-in
-        whose ``replay()`` calls ``fn`` again is returned (dry runs).
+        Returns the :class:`attnreg.runtime.CapturedGraph`; its ``replay()``
+        never synchronises, so it can be timed back to back.  The runner warms
+        ``fn`` up ``warmup`` times on a side stream first (Triton compiles
+        there) and records into a memory pool of its own.  Without CUDA (dry
+        runs) it records no device graph: capture runs ``fn`` once and each
+        replay runs it again, so the backends' capture-mode code paths still run.
         """
-        from attnreg.graph_policy import capturing
-        if not self.cuda:
-            with capturing(mode):
-                fn()
-            return _EagerGraph(fn, mode)
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), capturing(mode):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with capturing(mode), torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        return graph
+        from attnreg.runtime import GraphRunner
+        return GraphRunner(self.device, warmup=warmup).capture(fn, mode)
 
 
 # ----------------------------------------------------------------------------------------
