@@ -29,8 +29,9 @@ Run it standalone (no benchmarks harness; the attnreg package must import)::
 graph path is emulated eagerly (it declares no prefill graph); with ``--backend
 triton`` (Triton interpreter) the graph path goes through
 :class:`attnreg.runtime.GraphRunner`, which on a CPU runs the captured function
-once and re-runs it at each replay.  It checks the script; its times mean nothing.  Timing: CUDA events around each step, L2
-flushed before each, median of repeated steps (at least 2).
+once and re-runs it at each replay.  It checks the script; its times mean
+nothing.  Timing: CUDA events around each step, L2 flushed before each, median
+of repeated steps (at least 2).
 """
 
 from __future__ import annotations
