@@ -529,6 +529,11 @@ def test_p4_states_the_median_of_every_run_with_min_and_max(tmp_path):
         assert "2.50x (min 2.00x, max 5.00x, 3 runs)" in summary and "5.00x |" not in summary
     # the graph step is the same in every run; the eager step moves 2.5x
     assert "at most 1.00x its fastest, its eager step up to 2.50x" in p4
+    # the table's B=1 rows state the median too, never the main file's single 5x
+    for v in variants:
+        row = next(ln for ln in p4.splitlines() if ln.startswith(f"| {v} | 1 |"))
+        assert "| **2.50x** (2.00 – 5.00x) |" in row and "5.00x**" not in row
+    assert "medians over the 3 runs" in p4
     # P6 is stated over the runs too
     assert "| **median** |  | 3 runs |" in text.split("## P6:")[1].split("\n## ")[0]
     # one run: no runs table; the check is that run's figure, said to be one run's
