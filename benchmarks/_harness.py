@@ -2,9 +2,10 @@
 
 A *section* is one figure of issue 7 (P1 ... P6, prefill) plus ``ceilings``
 (the device copy bandwidth and matrix rate every other number is compared
-with).  Each is a function ``run(ctx, data)`` that fills the dict ``data`` as it
-measures; the runner catches anything it raises, records it, saves the JSON
-and goes on, so one failing section never loses the others.
+with) and ``pool`` (the KV pool's page bookkeeping, on the CPU).  Each is a
+function ``run(ctx, data)`` that fills the dict ``data`` as it measures; the
+runner catches anything it raises, records it, saves the JSON and goes on, so
+one failing section never loses the others.
 
 Timing is :class:`attnreg.profiling.Clock` (the same clock ``attnreg
 calibrate`` uses): CUDA events around each call, the L2 flushed before each
@@ -59,7 +60,7 @@ class Section:
     Attributes
     ----------
     id : str
-        ``ceilings``, ``P1`` ... ``P6`` or ``prefill``.
+        ``ceilings``, ``P1`` ... ``P6``, ``prefill`` or ``pool``.
     title : str
     module : str
         The module under ``benchmarks`` that holds the three functions below.
@@ -70,9 +71,11 @@ class Section:
         median) and ``render(data, page)`` (markdown lines) in ``module``.
     where : str
         ``"device"``: needs CUDA (or ``--dry-run``); ``"host"``: measures this
-        CPU machine (P5), so on a GPU machine it runs only when asked by name.
+        CPU machine (P5, pool), so on a GPU machine it runs only when asked by name.
     needs : tuple[str, ...]
         Sections whose data it reads; they are run first when selected implicitly.
+    results : str
+        A host section's committed results file under ``benchmarks/results/``.
     """
 
     id: str
@@ -83,6 +86,11 @@ class Section:
     render: str = "render"
     where: str = "device"
     needs: tuple[str, ...] = ()
+    results: str = ""
+
+    def __post_init__(self) -> None:
+        if self.where == "host" and not self.results:
+            raise ValueError(f"host section {self.id} needs the name of its results file")
 
     def function(self, kind: str) -> Callable[..., Any]:
         """``run``, ``checks`` or ``render`` of this section, imported on first use."""
@@ -91,6 +99,13 @@ class Section:
 
     def load(self) -> Callable[[RunContext, dict], None]:
         return self.function("run")
+
+    @property
+    def host_command(self) -> str:
+        """How a host section is measured and its results committed (from the repo root)."""
+        out = f"bench-out/{self.id.lower()}"
+        return (f"python -m benchmarks --only {self.id} --out {out} && "
+                f"cp {out}/results.json benchmarks/results/{self.results}")
 
 
 #: Run order: cheap and most asked-for first, so a run cut short still has them.
@@ -108,7 +123,10 @@ SECTIONS: tuple[Section, ...] = (
             "run_p4", "p4_checks", "render_p4", needs=("ceilings",)),
     Section("prefill", "Prefill: absorbed extend vs MHA ragged prefill + decompression",
             "prefill", needs=("ceilings",)),
-    Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host"),
+    Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host",
+            results="cpu-startup.json"),
+    Section("pool", "MLAKVPool.free: 100,000 pages of a 400,000-page pool", "pool_free",
+            where="host", results="cpu-pool-free.json"),
 )
 
 _BY_ID = {s.id.lower(): s for s in SECTIONS}
@@ -408,8 +426,8 @@ def _cannot_run_here(ctx: RunContext, sec: Section, named: set[str]) -> str | No
                 "(raise --time-budget-s or run it alone with --only)")
     if sec.where == "host":
         if ctx.cuda and sec.id not in named:
-            return ("measures process start-up of the CPU development machine; its results "
-                    "are benchmarks/results/cpu-startup.json (run it here with --only P5)")
+            return (f"measures the CPU development machine; its results are "
+                    f"benchmarks/results/{sec.results} (run it here with --only {sec.id})")
         return None
     if not ctx.cuda and not ctx.dry_run:
         return "needs a CUDA device (on a CPU machine, --dry-run exercises it on tiny shapes)"
