@@ -12,6 +12,7 @@ Also a float32 decode reference for spot checks of the outputs that are timed
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "available_variants",
     "create_backend",
     "declared_reasons",
+    "planned_splits",
     "reference_decode",
 ]
 
@@ -101,9 +103,24 @@ def declared_reasons(ctx: RunContext, variant: Variant, method: str, phase: str,
 
 def create_backend(ctx: RunContext, variant: Variant, **config: Any) -> Any:
     """``get_registry().create(variant.backend, MLAConfig(**config), **variant.options)``."""
-    from attnreg.backends.base import MLAConfig
+    from attnreg.runtime import MLAConfig
     config.setdefault("device", ctx.device)
     return _registry().create(variant.backend, MLAConfig(**config), **variant.options)
+
+
+def planned_splits(md: Any) -> int | None:
+    """The static split-KV count in a forward's metadata: ``TritonPlan.splits``.
+
+    None for metadata without a Triton plan (other backends plan their splits
+    inside their libraries).  The Triton backend's module is looked up, not
+    imported: a plan of its class exists only once it was loaded, and a machine
+    without triton cannot import it.
+    """
+    triton_mla = sys.modules.get("attnreg.backends.triton_mla")
+    plan = getattr(md, "plan", None)
+    if triton_mla is not None and isinstance(plan, triton_mla.TritonPlan):
+        return int(plan.splits)
+    return None
 
 
 def reference_decode(ctx: RunContext, q: Any, pool: Any, page_table: Any, seq_lens: list[int],

@@ -2,9 +2,10 @@
 
 A *section* is one figure of issue 7 (P1 ... P6, prefill) plus ``ceilings``
 (the device copy bandwidth and matrix rate every other number is compared
-with).  Each is a function ``run(ctx, data)`` that fills the dict ``data`` as it
-measures; the runner catches anything it raises, records it, saves the JSON
-and goes on, so one failing section never loses the others.
+with) and ``pool`` (the KV pool's page bookkeeping, on the CPU).  Each is a
+function ``run(ctx, data)`` that fills the dict ``data`` as it measures; the
+runner catches anything it raises, records it, saves the JSON and goes on, so
+one failing section never loses the others.
 
 Timing is :class:`attnreg.profiling.Clock` (the same clock ``attnreg
 calibrate`` uses): CUDA events around each call, the L2 flushed before each
@@ -60,7 +61,7 @@ class Section:
     Attributes
     ----------
     id : str
-        ``ceilings``, ``P1`` ... ``P6`` or ``prefill``.
+        ``ceilings``, ``P1`` ... ``P6``, ``prefill`` or ``pool``.
     title : str
     module : str
         The module under ``benchmarks`` that holds the three functions below.
@@ -71,9 +72,11 @@ class Section:
         median) and ``render(data, page)`` (markdown lines) in ``module``.
     where : str
         ``"device"``: needs CUDA (or ``--dry-run``); ``"host"``: measures this
-        CPU machine (P5), so on a GPU machine it runs only when asked by name.
+        CPU machine (P5, pool), so on a GPU machine it runs only when asked by name.
     needs : tuple[str, ...]
         Sections whose data it reads; they are run first when selected implicitly.
+    results : str
+        A host section's committed results file under ``benchmarks/results/``.
     """
 
     id: str
@@ -84,6 +87,11 @@ class Section:
     render: str = "render"
     where: str = "device"
     needs: tuple[str, ...] = ()
+    results: str = ""
+
+    def __post_init__(self) -> None:
+        if self.where == "host" and not self.results:
+            raise ValueError(f"host section {self.id} needs the name of its results file")
 
     def function(self, kind: str) -> Callable[..., Any]:
         """``run``, ``checks`` or ``render`` of this section, imported on first use."""
@@ -92,6 +100,13 @@ class Section:
 
     def load(self) -> Callable[[RunContext, dict], None]:
         return self.function("run")
+
+    @property
+    def host_command(self) -> str:
+        """How a host section is measured and its results committed (from the repo root)."""
+        out = f"bench-out/{self.id.lower()}"
+        return (f"python -m benchmarks --only {self.id} --out {out} && "
+                f"cp {out}/results.json benchmarks/results/{self.results}")
 
 
 #: Run order: cheap and most asked-for first, so a run cut short still has them.
@@ -109,7 +124,10 @@ SECTIONS: tuple[Section, ...] = (
             "run_p4", "p4_checks", "render_p4", needs=("ceilings",)),
     Section("prefill", "Prefill: absorbed extend vs MHA ragged prefill + decompression",
             "prefill", needs=("ceilings",)),
-    Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host"),
+    Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host",
+            results="cpu-startup.json"),
+    Section("pool", "MLAKVPool.free: 100,000 pages of a 400,000-page pool", "pool_free",
+            where="host", results="cpu-pool-free.json"),
 )
 
 _BY_ID = {s.id.lower(): s for s in SECTIONS}
@@ -231,23 +249,6 @@ def environment(command: str, *, quick: bool, dry_run: bool) -> dict[str, Any]:
 # The run context
 # ----------------------------------------------------------------------------------------
 
-class _EagerGraph:
-    """Stand-in for a CUDA graph on a machine without CUDA (dry runs only).
-
-    ``replay()`` calls the function again under the same capture mode, so the
-    backend code paths of capture and replay still run.
-    """
-
-    def __init__(self, fn: Callable[[], Any], mode: Any) -> None:
-        self._fn = fn
-        self._mode = mode
-
-    def replay(self) -> None:
-        from attnreg.graph_policy import capturing
-        with capturing(self._mode):
-            self._fn()
-
-
 @dataclass
 class RunContext:
     """What a section needs: where to write, how big to measure, how to time.
@@ -366,30 +367,17 @@ class RunContext:
 
     # -- graphs ----------------------------------------------------------------------
     def capture(self, fn: Callable[[], Any], mode: Any, *, warmup: int = 1) -> Any:
-        """Capture ``fn`` into a CUDA graph under ``capturing(mode)``; return it.
+        """``fn`` captured under ``capturing(mode)`` by a new :class:`attnreg.runtime.GraphRunner`.
 
-        The warm-up calls run on a side stream under the same capture mode
-        (Triton compiles there, outside the capture).  Without CUDA a stand-in
-        whose ``replay()`` calls ``fn`` again is returned (dry runs).
+        Returns the :class:`attnreg.runtime.CapturedGraph`; its ``replay()``
+        never synchronises, so it can be timed back to back.  The runner warms
+        ``fn`` up ``warmup`` times on a side stream first (Triton compiles
+        there) and records into a memory pool of its own.  Without CUDA (dry
+        runs) it records no device graph: capture runs ``fn`` once and each
+        replay runs it again, so the backends' capture-mode code paths still run.
         """
-        from attnreg.graph_policy import capturing
-        if not self.cuda:
-            with capturing(mode):
-                fn()
-            return _EagerGraph(fn, mode)
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), capturing(mode):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with capturing(mode), torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        return graph
+        from attnreg.runtime import GraphRunner
+        return GraphRunner(self.device, warmup=warmup).capture(fn, mode)
 
 
 # ----------------------------------------------------------------------------------------
@@ -449,8 +437,8 @@ def _cannot_run_here(ctx: RunContext, sec: Section, named: set[str]) -> str | No
                 "(raise --time-budget-s or run it alone with --only)")
     if sec.where == "host":
         if ctx.cuda and sec.id not in named:
-            return ("measures process start-up of the CPU development machine; its results "
-                    "are benchmarks/results/cpu-startup.json (run it here with --only P5)")
+            return (f"measures the CPU development machine; its results are "
+                    f"benchmarks/results/{sec.results} (run it here with --only {sec.id})")
         return None
     if not ctx.cuda and not ctx.dry_run:
         return "needs a CUDA device (on a CPU machine, --dry-run exercises it on tiny shapes)"

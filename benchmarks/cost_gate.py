@@ -6,7 +6,8 @@ through an 8-layer DeepSeek-V3-shaped MLA stack (random bf16 weights, real
 projection shapes, the backend's attention) two ways:
 
 * **graph**: absorbed MLA, the whole stack captured once per class in a
-  BREAKABLE CUDA graph at the class's token bucket and replayed
+  BREAKABLE CUDA graph (:class:`attnreg.runtime.GraphRunner`) at the class's
+  token bucket and replayed
   (``init_forward_metadata_replay`` + input copies + replay, timed together);
 * **eager**: the MHA companion, eagerly (``init_forward_metadata``, then per
   layer: projections, KV write, latent decompression with ``kv_b_proj``,
@@ -24,10 +25,13 @@ Run it standalone (no benchmarks harness; the attnreg package must import)::
     python3 benchmarks/cost_gate.py --profile h200-triton.json --out cost_gate.json
     python3 benchmarks/cost_gate.py --profile /tmp/dry.json --out /tmp/cg.json --dry-run
 
-``--dry-run`` runs on the CPU with tiny shapes, the reference backend and the
-graph path emulated eagerly (no CUDA graphs on a CPU): it checks the script,
-and its times mean nothing.  Timing: CUDA events around each step, L2
-flushed before each, median of repeated steps (at least 2).
+``--dry-run`` runs on the CPU with tiny shapes and the reference backend, whose
+graph path is emulated eagerly (it declares no prefill graph); with ``--backend
+triton`` (Triton interpreter) the graph path goes through
+:class:`attnreg.runtime.GraphRunner`, which on a CPU runs the captured function
+once and re-runs it at each replay.  It checks the script; its times mean
+nothing.  Timing: CUDA events around each step, L2 flushed before each, median
+of repeated steps (at least 2).
 """
 
 from __future__ import annotations
@@ -52,18 +56,18 @@ if __package__ in (None, ""):  # run as a script: the renderer helpers are bench
 
 from attnreg.graph_policy import GraphConfig, ModelFacts, ReplayBatch, ReplayGate, resolve
 from attnreg.graph_policy.cost_profile import CostProfile, PrefillShape, load_profile
+from attnreg.graph_policy.replay import smallest_bucket
 from attnreg.profiling import (
     DRY_LAYER,
     Clock,
     LayerShape,
     MLALayer,
-    bucket_for,
     kv_slots_of,
     library_versions,
     random_pool,
     rel_error,
 )
-from attnreg.registry import ForwardMode, GraphMode, Platform
+from attnreg.registry import ForwardMode, GraphMode, Phase, Platform
 from benchmarks._report import (
     SETUP_COMMAND,
     Page,
@@ -103,14 +107,13 @@ def _mix(text: str) -> tuple[tuple[int, int, int], ...]:
 
 def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
                seed: int) -> dict[str, Any]:
-    from attnreg.backends.batch import extend_batch
-    from attnreg.graph_policy import capturing
+    from attnreg.runtime import GraphRunner, extend_batch
 
     torch, backend, layers = ctx["torch"], ctx["backend"], ctx["layers"]
     cuda, dev, hidden = ctx["cuda"], ctx["device"], ctx["shape"].hidden
     seq_lens = [prefix + extend] * batch_size
     tokens = batch_size * extend
-    padded = bucket_for(tokens, ctx["buckets"]) or tokens
+    padded = smallest_bucket(tokens, ctx["buckets"]) or tokens
     pools = [random_pool(torch, backend.config, sum(seq_lens), seed + i)
              for i in range(len(layers))]
     pages = pools[0].allocate(seq_lens, shuffle=seed)
@@ -133,7 +136,8 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
     row: dict[str, Any] = {"batch_size": batch_size, "prefix": prefix, "extend": extend,
                            "tokens": tokens, "padded_tokens": padded}
     out_eager = eager_step()
-    if cuda:
+    runner: GraphRunner | None = None
+    if cuda or _captures_prefill(backend):
         x_static = torch.zeros(padded, hidden, dtype=torch.bfloat16, device=dev)
         pos_static = torch.zeros(padded, dtype=torch.long, device=dev)
         x_static[:tokens].copy_(x)
@@ -149,16 +153,15 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
                 h = layer.forward_absorbed(h, pos_static, backend, pool, None)
             return h
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), capturing(GraphMode.BREAKABLE):
-            absorbed_stack()  # compiles kernels outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with capturing(GraphMode.BREAKABLE), torch.cuda.graph(graph):
-            out_static = absorbed_stack()
-        torch.cuda.synchronize()
+        out_static: list[Any] = []
+
+        def capture_stack() -> None:
+            out_static[:] = [absorbed_stack()]
+
+        # the warm-up run on a side stream compiles the kernels outside the capture; on a
+        # cpu the runner records no device graph (capture runs once, replay re-runs)
+        runner = GraphRunner(dev)
+        graph = runner.capture(capture_stack, GraphMode.BREAKABLE)
 
         def graph_step() -> Any:
             backend.init_forward_metadata_replay(batch_size, padded, batch,
@@ -166,9 +169,11 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
             x_static[:tokens].copy_(x)
             pos_static[:tokens].copy_(positions)
             graph.replay()
-            return out_static[:tokens]
+            return out_static[0][:tokens]
 
-        row["graph"] = "cuda graph (breakable, absorbed MLA pinned)"
+        row["graph"] = ("cuda graph (breakable, absorbed MLA pinned)" if runner.device_graphs
+                        else "GraphRunner without device graphs (cpu dry run: replay re-runs "
+                             "the capture-mode path)")
     else:
         def graph_step() -> Any:
             h = x
@@ -185,12 +190,19 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
     del out_eager, out_graph
     row["graph_timing"] = ctx["clock"].step(graph_step, rep_ms=ctx["rep_ms"])
     row["eager_timing"] = ctx["clock"].step(eager_step, rep_ms=ctx["rep_ms"])
-    if cuda:
-        del graph
+    if runner is not None:
+        del graph, runner
         backend.graph_state = None
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     return row
+
+
+def _captures_prefill(backend: Any) -> bool:
+    """Whether the backend declares a BREAKABLE prefill graph (the reference one does not)."""
+    support = backend.capabilities.graph_support(Phase.PREFILL, GraphMode.BREAKABLE)
+    return not support.capture.is_unsupported
 
 
 def _decide(ctx: dict[str, Any], row: dict[str, Any]) -> None:
@@ -296,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     import torch
 
-    from attnreg.backends.base import MLAConfig
     from attnreg.registry import get_registry
+    from attnreg.runtime import MLAConfig
 
     profile = load_profile(args.profile)
     cuda = not args.dry_run

@@ -31,6 +31,7 @@ from ._backends import (
     available_variants,
     create_backend,
     declared_reasons,
+    planned_splits,
     reference_decode,
 )
 from ._harness import RunContext, SkipSection
@@ -100,8 +101,7 @@ def run_p2(ctx: RunContext, data: dict[str, Any]) -> None:
 def measure_shape(ctx: RunContext, shape: tuple[int, int, int], variants: list[Variant],
                   copy: float | None) -> dict[str, Any]:
     """Time every variant on one (B, L, H) shape; one pool and query shared by all."""
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import decode_batch
+    from attnreg.runtime import MLAConfig, decode_batch
 
     torch = ctx.torch
     B, L, H = shape
@@ -156,7 +156,7 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
     be.forward_decode(q, None, None, pool, batch, out=out)
     ctx.sync()
     res: dict[str, Any] = {"rel_err_eager": rel_error(ctx.torch, out[:REF_ROWS], ref)}
-    splits = be.forward_metadata.extras.get("max_splits") if be.forward_metadata else None
+    splits = planned_splits(be.forward_metadata)
     if splits is not None:
         res["max_splits"] = int(splits)
     try:

@@ -12,11 +12,13 @@ host work around the kernels -- attnreg's share of an eager decode step.
 
 * ``triton``: the two Triton launches of ``mla_decode`` are replaced by no-ops;
   the host wrapper (argument checks, launch config, workspace) still runs.
-  ``kernel`` is ``mla_decode`` with a preallocated workspace, as in P6.
+  ``kernel`` is ``mla_decode`` with a preallocated workspace: P6's own direct
+  path (``benchmarks.overhead.DIRECT``).
 * ``flashinfer_mla``: ``flashinfer`` is replaced by a stub whose
   ``BatchMLAPagedAttentionWrapper.plan`` / ``run`` only keep their arguments.
   ``kernel`` is ``run`` of a wrapper planned once; ``kernel_with_plan`` is
-  ``plan`` + ``run`` with CSR inputs built once by hand, as in P6.
+  ``plan`` + ``run`` with CSR inputs built once by hand: P6's direct paths,
+  run against the stub.
 * ``backend``: ``init_forward_metadata(batch)`` + ``forward_decode(...)`` per
   call; ``planned_once``: ``forward_decode`` only; ``metadata_only``:
   ``init_forward_metadata`` only (flashinfer plans lazily in the first forward,
@@ -62,6 +64,7 @@ from attnreg.profiling import load_average  # noqa: E402
 from benchmarks._harness import _cpu_model  # noqa: E402
 from benchmarks._report import Page, ResultsFile, rel  # noqa: E402
 from benchmarks.metrics import Check  # noqa: E402
+from benchmarks.overhead import DIRECT  # noqa: E402
 
 SHAPES: tuple[tuple[int, int, int], ...] = ((8, 1024, 128), (64, 2048, 64), (128, 4096, 16),
                                             (1, 32768, 128))
@@ -146,8 +149,8 @@ def install_stub_flashinfer() -> None:
 # ----------------------------------------------------------------------------------------
 def make_backend(name: str, heads: int, max_len: int) -> Any:
     """A backend on ``cpu`` with the declaration it has where P6 ran it (sm90 for flashinfer)."""
-    from attnreg.backends.base import MLAConfig
     from attnreg.registry import load_registry
+    from attnreg.runtime import MLAConfig
 
     cfg = MLAConfig(num_heads=heads, page_size=1, max_context_len=max_len, device="cpu")
     reg = load_registry(autoload=False)
@@ -158,54 +161,6 @@ def make_backend(name: str, heads: int, max_len: int) -> Any:
                                                                   "cuda:sm90"))
 
 
-def _triton_direct(be: Any, pool: Any, batch: Any, q: torch.Tensor, out: torch.Tensor
-                   ) -> dict[str, Callable[[], Any]]:
-    from attnreg.backends._triton_kernels import mla_decode, mla_decode_workspace
-
-    be.init_forward_metadata(batch)
-    splits = int(be.forward_metadata.extras["max_splits"])
-    workspace = mla_decode_workspace(q.shape[0], q.shape[1], splits, "cpu") \
-        if splits > 1 else None
-    scale = be.config.softmax_scale
-
-    def kernel() -> None:
-        mla_decode(q, pool.buffer, batch.page_table, batch.seq_lens, out, sm_scale=scale,
-                   max_splits=splits, workspace=workspace)
-
-    return {"kernel": kernel}
-
-
-def _flashinfer_direct(be: Any, pool: Any, batch: Any, q: torch.Tensor, out: torch.Tensor
-                       ) -> dict[str, Callable[[], Any]]:
-    import torch
-
-    cfg = be.config
-    lens = list(batch.seq_lens_cpu)
-    pages = [-(-n // cfg.page_size) for n in lens]
-    qo_indptr = torch.arange(len(lens) + 1, dtype=torch.int32)
-    kv_indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
-    kv_indices = torch.cat([batch.page_table[b, :pages[b]] for b in range(len(lens))])
-    kv_lens = torch.tensor(lens, dtype=torch.int32)
-    wrapper = _StubMLAWrapper(torch.empty(0, dtype=torch.uint8))
-    latent = cfg.kv_lora_rank
-
-    def plan() -> None:
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, q.shape[1], latent,
-                     cfg.qk_rope_head_dim, cfg.page_size, False, cfg.softmax_scale, q.dtype,
-                     pool.buffer.dtype)
-
-    def kernel() -> None:
-        wrapper.run(q[..., :latent], q[..., latent:], pool.buffer[..., :latent],
-                    pool.buffer[..., latent:], out=out)
-
-    def kernel_with_plan() -> None:
-        plan()
-        kernel()
-
-    plan()
-    return {"kernel": kernel, "kernel_with_plan": kernel_with_plan}
-
-
 def build_paths(name: str, shape: tuple[int, int, int], width: int
                 ) -> dict[str, Callable[[], Any]]:
     """The timed callables of one (backend, shape), inputs built as P6 builds them.
@@ -214,7 +169,7 @@ def build_paths(name: str, shape: tuple[int, int, int], width: int
     """
     import torch
 
-    from attnreg.backends.batch import decode_batch
+    from attnreg.runtime import decode_batch
 
     B, L, H = shape
     torch.manual_seed(B + L + H)
@@ -224,8 +179,7 @@ def build_paths(name: str, shape: tuple[int, int, int], width: int
                          page_table_width=width)
     q = torch.randn(B, H, 576).to(torch.bfloat16)
     out = torch.empty(B, H, 512, dtype=torch.bfloat16)
-    direct = _triton_direct if name == "triton" else _flashinfer_direct
-    paths = direct(be, pool, batch, q, out)
+    paths = DIRECT[name](be, pool, batch, q, out)  # P6's direct paths, kernels stubbed
 
     def backend() -> None:
         be.init_forward_metadata(batch)

@@ -14,13 +14,14 @@ It checks three things and writes ``DIR/summary.json`` and ``DIR/summary.md``:
    resolved plan (a model preset with the ``triton`` backend), a different
    random :class:`~attnreg.graph_policy.ReplayBatch` on each rank per step,
    ``can_replay`` for the local eligibility, ``vote``, then a decode step of the
-   triton backend: a replay of a ``torch.cuda.CUDAGraph`` captured once when
-   the vote says replay, an eager forward otherwise.  Every rank records the
+   triton backend: a replay of a graph captured once by
+   :class:`attnreg.runtime.GraphRunner` (``capture_error_mode="thread_local"``)
+   when the vote says replay, an eager forward otherwise.  Every rank records the
    path it actually ran; a step *disagrees* when ranks ran different paths.
    Must be 0.  Replayed outputs are also compared with an eager forward of the
-   same inputs.  On a cpu there is no device graph: the "replay" drives the
-   backend's capture-mode code path (``init_forward_metadata_replay`` and the
-   forward under ``capturing(FULL)``) in the Triton interpreter.
+   same inputs.  On a cpu the runner records no device graph: its "replay"
+   drives the backend's capture-mode code path (``init_forward_metadata_replay``
+   and the forward under ``capturing(FULL)``) in the Triton interpreter.
 3. **tensor-parallel conformance**: ``attnreg conformance --backend triton
    --heads H`` with ``H = 128 / N`` (DeepSeek-V3's 128 heads split over TP=N),
    one process per rank at the same time, each on its own GPU
@@ -211,10 +212,9 @@ class DecodeStep:
 
     def __init__(self, torch: Any, device: str, heads: int, max_bs: int, max_seq: int,
                  seed: int) -> None:
-        from attnreg.backends.base import MLAConfig
-        from attnreg.backends.batch import decode_batch
         from attnreg.graph_policy import capturing
         from attnreg.registry import GraphMode, Phase, Platform, get_registry
+        from attnreg.runtime import GraphRunner, MLAConfig, decode_batch
 
         self.torch = torch
         self.real_graphs = device.startswith("cuda")
@@ -230,32 +230,23 @@ class DecodeStep:
         self.pages = self.pool.allocate([max_seq] * (max_bs + 4))
         self.width = max_seq // GATE_PAGE
         self._decode_batch = decode_batch
-        self._capturing = capturing
-        self._full = GraphMode.FULL
         dev, bf16, c = self.pool.device, torch.bfloat16, self.config
         self.q = torch.zeros(max_bs, heads, c.kv_row_dim, dtype=bf16, device=dev)
         self.latent = torch.zeros(max_bs, c.kv_lora_rank, dtype=bf16, device=dev)
         self.rope = torch.zeros(max_bs, c.qk_rope_head_dim, dtype=bf16, device=dev)
         self.out = torch.zeros(max_bs, heads, c.kv_lora_rank, dtype=bf16, device=dev)
-        self.graph: Any = None
-        # capture: buffers, metadata for a short batch, a warm-up, then the graph
+        # capture: buffers, metadata for a short batch, then the graph (the runner warms
+        # the forward up first).  thread_local: the process group's watchdog thread may
+        # query CUDA events while this thread captures; "global" would make that an error.
+        # On a cpu the runner records no device graph: capture runs the forward once under
+        # capturing(FULL) and each replay runs it again (the capture-mode code path).
         capture_batch = self.batch([1 + (i * 7) % 16 for i in range(max_bs)])
         with capturing(GraphMode.FULL):
             self.backend.init_cuda_graph_state(max_bs, max_bs, max_seq_len=max_seq,
                                                graph_modes={Phase.DECODE: GraphMode.FULL})
         self.backend.init_forward_metadata_capture(max_bs, max_bs, batch=capture_batch)
-        with capturing(GraphMode.FULL):
-            self._forward_static()
-        if self.real_graphs:
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the process group's watchdog thread may query CUDA events
-            # while this thread captures; "global" mode would make that an error
-            with capturing(GraphMode.FULL), torch.cuda.graph(graph,
-                                                             capture_error_mode="thread_local"):
-                self._forward_static()
-            torch.cuda.synchronize()
-            self.graph = graph
+        self.runner = GraphRunner(device, capture_error_mode="thread_local")
+        self.graph = self.runner.capture(self._forward_static, GraphMode.FULL)
 
     def batch(self, seq_lens: list[int]) -> Any:
         return self._decode_batch(self.pool, seq_lens, pages=self.pages[:len(seq_lens)],
@@ -281,11 +272,7 @@ class DecodeStep:
             static[b:].zero_()
         self.backend.init_forward_metadata_replay(self.max_bs, self.max_bs,
                                                   self.batch(seq_lens))
-        if self.graph is not None:
-            self.graph.replay()
-        else:  # cpu: the capture-mode code path, without a device graph
-            with self._capturing(self._full):
-                self._forward_static()
+        self.graph.replay()
         return self.out[:b].clone()
 
     def eager(self, q: Any, latent: Any, rope: Any, seq_lens: list[int]) -> Any:

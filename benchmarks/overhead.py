@@ -30,7 +30,7 @@ from typing import Any
 
 from attnreg.profiling import random_pool
 
-from ._backends import Variant, available_variants, create_backend
+from ._backends import Variant, available_variants, create_backend, planned_splits
 from ._harness import RunContext, SkipSection
 from ._report import (
     REPEATS_COMMAND,
@@ -78,15 +78,18 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
     data["checks"] = [c.to_dict() for c in p6_checks(data)]
 
 
-def _triton_direct(ctx: RunContext, be: Any, pool: Any, batch: Any, q: Any, out: Any
-                   ) -> dict[str, Callable[[], Any]]:
-    """``mla_decode`` with a preallocated workspace and the backend's split count."""
+def triton_direct(be: Any, pool: Any, batch: Any, q: Any, out: Any
+                  ) -> dict[str, Callable[[], Any]]:
+    """``mla_decode`` with a preallocated workspace and the split count the backend plans.
+
+    Shared with ``benchmarks/host_overhead.py`` (its launches stubbed out there).
+    """
     from attnreg.backends._triton_kernels import mla_decode, mla_decode_workspace
 
     be.init_forward_metadata(batch)
-    splits = int(be.forward_metadata.extras["max_splits"])
+    splits = be.forward_metadata.plan.splits
     B, H = q.shape[0], q.shape[1]
-    workspace = mla_decode_workspace(B, H, splits, ctx.device) if splits > 1 else None
+    workspace = mla_decode_workspace(B, H, splits, q.device) if splits > 1 else None
     scale = be.config.softmax_scale
 
     def kernel() -> None:
@@ -96,17 +99,20 @@ def _triton_direct(ctx: RunContext, be: Any, pool: Any, batch: Any, q: Any, out:
     return {"kernel": kernel}
 
 
-def _flashinfer_direct(ctx: RunContext, be: Any, pool: Any, batch: Any, q: Any, out: Any
-                       ) -> dict[str, Callable[[], Any]]:
+def flashinfer_direct(be: Any, pool: Any, batch: Any, q: Any, out: Any
+                      ) -> dict[str, Callable[[], Any]]:
     """flashinfer's ``BatchMLAPagedAttentionWrapper`` driven by hand (no attnreg in between).
 
     The CSR plan inputs are built once, as an engine keeps them in its own
     buffers; ``kernel`` is ``run`` of a wrapper planned once, ``kernel_with_plan``
     plans and runs on every call (the direct counterpart of "metadata included").
+    Shared with ``benchmarks/host_overhead.py`` (a do-nothing ``flashinfer`` there).
     """
     import flashinfer
+    import torch
 
-    torch = ctx.torch
+    from attnreg.backends.declarations.flashinfer_mla import FLOAT_WORKSPACE_BYTES
+
     cfg = be.config
     B, H = q.shape[0], q.shape[1]
     lens = list(batch.seq_lens_cpu)
@@ -116,7 +122,7 @@ def _flashinfer_direct(ctx: RunContext, be: Any, pool: Any, batch: Any, q: Any, 
     kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
     kv_indices = torch.cat([batch.page_table[b, :pages[b]] for b in range(B)]).to(torch.int32)
     kv_lens = torch.tensor(lens, dtype=torch.int32)
-    workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=ctx.device)
+    workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
         workspace, backend=getattr(be.kernels, "mla_backend", "auto"))
     latent = cfg.kv_lora_rank
@@ -140,12 +146,13 @@ def _flashinfer_direct(ctx: RunContext, be: Any, pool: Any, batch: Any, q: Any, 
     return {"kernel": kernel, "kernel_with_plan": kernel_with_plan}
 
 
+#: The direct-kernel paths of each backend: ``DIRECT[name](be, pool, batch, q, out)``.
 DIRECT: dict[str, Callable[..., dict[str, Callable[[], Any]]]] = {
-    "triton": _triton_direct, "flashinfer_mla": _flashinfer_direct}
+    "triton": triton_direct, "flashinfer_mla": flashinfer_direct}
 
 
 def _measure(ctx: RunContext, variant: Variant, shape: tuple[int, int, int]) -> dict[str, Any]:
-    from attnreg.backends.batch import decode_batch
+    from attnreg.runtime import decode_batch
 
     torch = ctx.torch
     B, L, H = shape
@@ -155,7 +162,7 @@ def _measure(ctx: RunContext, variant: Variant, shape: tuple[int, int, int]) -> 
     batch = decode_batch(pool, [L] * B, pages=pool.allocate([L] * B, shuffle=L))
     q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=ctx.device)
     out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=ctx.device)
-    paths = DIRECT[variant.backend](ctx, be, pool, batch, q, out)
+    paths = DIRECT[variant.backend](be, pool, batch, q, out)
 
     def backend_with_metadata() -> None:
         be.init_forward_metadata(batch)
@@ -172,8 +179,9 @@ def _measure(ctx: RunContext, variant: Variant, shape: tuple[int, int, int]) -> 
     row: dict[str, Any] = {"variant": variant.label, "B": B, "L": L, "H": H,
                            "max_abs_diff_backend_vs_kernel": float((out.float() - ref).abs()
                                                                    .max())}
-    if be.forward_metadata is not None and "max_splits" in be.forward_metadata.extras:
-        row["max_splits"] = int(be.forward_metadata.extras["max_splits"])
+    splits = planned_splits(be.forward_metadata)
+    if splits is not None:
+        row["max_splits"] = splits
     paths["backend"] = backend_with_metadata
     be.init_forward_metadata(batch)
     paths["backend_planned_once"] = backend_planned

@@ -83,8 +83,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
 
 def _point(ctx: RunContext, variants: list[Variant], heads: int, prefix: int, extend: int,
            layer: MLALayer) -> dict[str, Any]:
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import extend_batch
+    from attnreg.runtime import MLAConfig, extend_batch
 
     torch = ctx.torch
     tokens = prefix + extend
@@ -182,7 +181,7 @@ def _measure_variant(ctx: RunContext, v: Variant, heads: int, tokens: int,
         # The reference materialises fp32 scores (rows x tokens x heads: 72 GiB for the
         # last 4096 rows of 36864 at 128 heads), so only the last REFERENCE_ROWS query rows
         # are checked: as a sequence of their own over the same pages they see the same keys.
-        from attnreg.backends.batch import extend_batch
+        from attnreg.runtime import extend_batch
 
         extend = q_nope.shape[0]
         rows = min(REFERENCE_ROWS, extend)

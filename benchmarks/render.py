@@ -46,8 +46,6 @@ REPEATS = "repeats"
 STANDALONE: tuple[ModuleType, ...] = (cost_gate, multi_gpu, host_overhead, triton_decode_tuning)
 
 DEVICE_COMMAND = f"{SETUP_COMMAND} && python3 -m benchmarks --out $OUT/bench"
-HOST_COMMAND = ("python -m benchmarks --only P5 --out /tmp/p5 && "
-                "cp /tmp/p5/results.json benchmarks/results/cpu-startup.json")
 
 Standalone = dict[str, list[ResultsFile]]
 
@@ -166,7 +164,7 @@ def _section(sec: Section, chosen: dict[str, tuple[ResultsFile, dict[str, Any]]]
              page: Page) -> list[str]:
     lines = [f"## {heading(sec)}", ""]
     if sec.id not in chosen:
-        where = HOST_COMMAND if sec.where == "host" else DEVICE_COMMAND
+        where = sec.host_command if sec.where == "host" else DEVICE_COMMAND
         return lines + [f"Not measured yet. Run `{where}`.", ""]
     f, rec = chosen[sec.id]
     lines += [provenance(f, rec, page.root), ""]
@@ -221,8 +219,10 @@ def render_markdown(files: list[ResultsFile], page: Page, *,
         "command shown with it; a section that was not measured says so.", "",
         f"How to run: on the H200, in one device call, `{DEVICE_COMMAND}` (bring back "
         "`$OUT/bench/results.json` as `benchmarks/results/h200.json`); on the CPU "
-        f"development machine, `{HOST_COMMAND}`; then `python -m benchmarks.render`. "
-        "See `benchmarks/README.md`.", "", "## Summary", ""]
+        "development machine, " + "; ".join(f"`{s.host_command}`" for s in SECTIONS
+                                             if s.where == "host")
+        + "; then `python -m benchmarks.render`. See `benchmarks/README.md`.", "",
+        "## Summary", ""]
     lines += _summary(page_checks(chosen, standalone, page))
     for sec in SECTIONS:
         lines += _section(sec, chosen, page)

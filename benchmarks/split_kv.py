@@ -22,6 +22,7 @@ from ._backends import (
     available_variants,
     create_backend,
     declared_reasons,
+    planned_splits,
     reference_decode,
 )
 from ._harness import RunContext, SkipSection
@@ -74,8 +75,7 @@ def run_p3(ctx: RunContext, data: dict[str, Any]) -> None:
 
 def _p3_point(ctx: RunContext, heads: int, length: int, extend: int,
               variants: list[Variant]) -> dict[str, Any]:
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import decode_batch, extend_batch
+    from attnreg.runtime import MLAConfig, decode_batch, extend_batch
 
     torch = ctx.torch
     torch.manual_seed(length + heads)
@@ -155,10 +155,9 @@ def _p3_graph(ctx: RunContext, be: Any, kind: str, batch: Any, q: Any, ref: Any,
     timing = ctx.time(graph.replay)
     res: dict[str, Any] = {"us": timing["median_us"], "timing": timing, "rel_err": err,
                            "correct": err <= MAX_REL_ERR}
-    md = be.forward_metadata
-    key = "max_splits" if kind == "decode" else "extend_splits"  # the triton backend's
-    if md is not None and md.extras.get(key) is not None:
-        res["max_splits"] = int(md.extras[key])
+    splits = planned_splits(be.forward_metadata)  # decode or extend: the captured shape's
+    if splits is not None:
+        res["max_splits"] = splits
     return res
 
 

@@ -171,21 +171,13 @@ def bench(fn, rep=60):
 
 
 def graph_of(fn):
-    """Capture fn (already compiled) in a CUDA graph."""
-    import torch
+    """``fn`` (already compiled) captured by attnreg's one graph runner; ``.replay`` it.
 
-    fn()
-    torch.cuda.synchronize()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
+    On a machine without CUDA the runner records no device graph (replay re-runs ``fn``).
+    """
+    from attnreg.runtime import GraphRunner
+
+    return GraphRunner().capture(fn)
 
 
 def time_shapes(configs_for, num_sms, results, tag):

@@ -22,6 +22,10 @@
 #                                                              JIT cache hold? (seconds if so)
 #   repeat  carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    P4 and P6 three times over
 #                                                              (host-bound: their spread)
+#   port    carry .gpu/base .gpu/setup.sh .gpu/fi-cache.tgz    issue 15: every GPU section once
+#                                                              (P1, P3, P4 through GraphRunner:
+#                                                              the new results/h200.json), then
+#                                                              P4 and P6 three times (repeats)
 #   cost    carry .gpu/base .gpu/setup.sh                      calibrate flashinfer_mla, then
 #                                                              benchmarks/cost_gate.py per profile
 #   multi   kind nvidia-h200-x2, carry .gpu/base .gpu/setup.sh  benchmarks/multi_gpu.py over
@@ -36,7 +40,7 @@
 # Everything a step writes goes into one archive, $OUT/STEP.tgz (the device
 # returns at most 8 files), and its summary is printed last.
 set -u
-step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|retest|warm|repeat|cost|multi}
+step=${1:?usage: h200_session.sh stage|fa4|gpu|bench|retest|warm|repeat|port|cost|multi}
 OUT=${OUT:-/tmp/h200-out}
 work=/tmp/h200-$step
 mkdir -p "$OUT" "$work"
@@ -145,6 +149,25 @@ case $step in
       echo "rc=$?" >>"$work/repeat$i.log"
       grep -E "^\[.*(P4|P6) " "$work/repeat$i.log"
     done
+    ;;
+  port)
+    # Everything measured since the port onto attnreg.runtime.GraphRunner (issue 15): one
+    # run of every GPU section, then P4 and P6 three more times (host-bound: the page
+    # states their median over the runs).  Results go under the repository's bench-out/,
+    # so the commands the JSON records name no machine path; they are archived with the logs.
+    warm_flashinfer
+    rm -rf bench-out/h200-port
+    python3 -m benchmarks --out bench-out/h200-port/bench --no-render --time-budget-s 240 \
+      >"$work/bench.log" 2>&1
+    echo "rc=$?" >>"$work/bench.log"
+    grep -E "^\[.*(P1|P3|P4) " "$work/bench.log" | tail -40
+    for i in 1 2 3; do
+      python3 -m benchmarks --only P4,P6 --out "bench-out/h200-port/run$i" --no-render \
+        --no-jit-cache >"$work/repeat$i.log" 2>&1
+      echo "rc=$?" >>"$work/repeat$i.log"
+      grep -E "^\[.*P4 .* B=1:" "$work/repeat$i.log"
+    done
+    cp -r bench-out/h200-port/. "$work"/
     ;;
   cost)
     timeout 150 python3 -m attnreg calibrate --backend flashinfer_mla \

@@ -105,10 +105,12 @@ def test_device_sections_need_cuda_or_dry_run(tmp_path, monkeypatch):
 
 def test_host_section_runs_on_a_gpu_machine_only_when_named(tmp_path, monkeypatch):
     monkeypatch.setattr(RunContext, "cuda", property(lambda self: True))
-    host = FakeSection("H", "h", "x:y", where="host", fn=_ok)
+    host = FakeSection("H", "h", "x:y", where="host", results="cpu-h.json", fn=_ok)
     doc = run_sections(_ctx(tmp_path), [host], set())
     assert doc["sections"]["H"]["status"] == "skipped"
-    assert "cpu-startup.json" in doc["sections"]["H"]["reason"]
+    assert "benchmarks/results/cpu-h.json" in doc["sections"]["H"]["reason"]
+    assert host.host_command == ("python -m benchmarks --only H --out bench-out/h && "
+                                 "cp bench-out/h/results.json benchmarks/results/cpu-h.json")
     doc = run_sections(_ctx(tmp_path), [host], {"H"})
     assert doc["sections"]["H"]["status"] == "ok"
 

@@ -133,8 +133,14 @@ def synthetic_host_doc() -> dict[str, Any]:
                       "attnreg_modules": ["attnreg"]},
           "checks": [evaluate("P5", "compat above python", 299.0, "ms", "<=",
                               goal=150.0).to_dict()]}
+    pool = {"what": SYNTHETIC, "pool_pages": 400_000, "freed_pages": 100_000,
+            "free_ms": {"median": 31.0, "min": 30.0, "max": 44.0, "runs": 7},
+            "allocate_ms": {"median": 90.0, "min": 88.0, "max": 95.0, "sequences": 100_000},
+            "load_average": {"before": [1.0, 1.0, 1.0], "after": [1.5, 1.1, 1.0]},
+            "python": "3.11", "timing": SYNTHETIC}
     return {"schema": SCHEMA, "meta": _meta("cpu"), "sections": {
-        "P5": {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": p5}}}
+        "P5": {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": p5},
+        "pool": {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": pool}}}
 
 
 def _write(tmp_path: Path, name: str, doc: dict[str, Any]) -> Path:
@@ -173,6 +179,8 @@ def test_every_section_rendered_with_provenance_checks_and_plots(tmp_path):
     assert f"{SYNTHETIC} GPU" in text and f"{SYNTHETIC} CPU" in text
     # P5 came from the host file although the device file has a (skipped) P5
     assert "+299.0" in text
+    # the pool's page bookkeeping: the median of the runs against its 50 ms target
+    assert "**pool free** — " in text and "**31.0 ms** (min 30.0 ms, max 44.0 ms)" in text
     # ratios against targets; a miss gets its hand-written note, or says it has none
     assert "measured / target =" in text
     missed = [ln for ln in text.splitlines() if ln.startswith("- **") and
@@ -197,8 +205,8 @@ def test_sections_never_measured_say_so(tmp_path):
     host = _write(tmp_path, "cpu-startup.json", synthetic_host_doc())
     text = render.render_files([host], tmp_path / "b.md", tmp_path / "img",
                                plots=False, **_no_extras(tmp_path)).read_text()
-    # every harness section but P5, and the four standalone benchmarks
-    assert text.count("Not measured yet") == len(SECTIONS) - 1 + len(render.STANDALONE)
+    # every harness section but the host file's two (P5, pool), and the standalone benchmarks
+    assert text.count("Not measured yet") == len(SECTIONS) - 2 + len(render.STANDALONE)
     assert "python3 -m benchmarks --out $OUT/bench" in text
 
 
@@ -529,6 +537,11 @@ def test_p4_states_the_median_of_every_run_with_min_and_max(tmp_path):
         assert "2.50x (min 2.00x, max 5.00x, 3 runs)" in summary and "5.00x |" not in summary
     # the graph step is the same in every run; the eager step moves 2.5x
     assert "at most 1.00x its fastest, its eager step up to 2.50x" in p4
+    # the table's B=1 rows state the median too, never the main file's single 5x
+    for v in variants:
+        row = next(ln for ln in p4.splitlines() if ln.startswith(f"| {v} | 1 |"))
+        assert "| **2.50x** (2.00 – 5.00x) |" in row and "5.00x**" not in row
+    assert "medians over the 3 runs" in p4
     # P6 is stated over the runs too
     assert "| **median** |  | 3 runs |" in text.split("## P6:")[1].split("\n## ")[0]
     # one run: no runs table; the check is that run's figure, said to be one run's

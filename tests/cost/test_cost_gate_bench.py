@@ -74,3 +74,19 @@ def test_a_custom_mix_is_run(tmp_path: Path) -> None:
                           str(out), "--mix", "1:2"], capture_output=True, text=True,
                          check=False, timeout=120)
     assert bad.returncode == 2 and "expected B:P:E" in bad.stderr
+
+
+def test_a_backend_that_captures_prefill_goes_through_the_graph_runner(tmp_path: Path) -> None:
+    """triton declares a BREAKABLE prefill graph: on a cpu the graph path is the runner's
+    capture-mode path (capture runs once, replay re-runs), and it agrees with eager."""
+    profile = tmp_path / "dry.json"
+    assert main(["calibrate", "--dry-run", "--batch-sizes", "1", "--prefixes", "0",
+                 "--extends", "4", "--layer-tokens", "4", "--json", "--out", str(profile)]) == 0
+    out = tmp_path / "cg.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--profile", str(profile), "--out",
+                           str(out), "--dry-run", "--backend", "triton", "--mix", "1:8:4"],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["classes"]
+    assert "error" not in row, row
+    assert row["graph"].startswith("GraphRunner without device graphs") and row["agree"] is True

@@ -7,11 +7,9 @@ from typing import Any
 
 import pytest
 
-from attnreg.graph_policy import replay
 from attnreg.graph_policy.cost_profile import TERM_FEATURES, TERMS, CostProfile, PrefillShape
 from attnreg.profiling import (
     batch_record,
-    bucket_for,
     crossover_extend,
     fit_profile_terms,
     fit_term,
@@ -131,14 +129,6 @@ def test_crossover_extremes_are_described() -> None:
     point = crossover_extend(always, heads=HEADS, prefix=4096, max_extend=512)
     assert point.max_graph_extend == 512
     assert point.describe() == "absorbed graph for every extend <= 512 tokens at prefix 4096"
-
-
-@pytest.mark.parametrize("tokens", [1, 63, 64, 65, 4096, 4097])
-def test_crossover_pads_tokens_as_the_replay_gate_does(tokens: int) -> None:
-    # graph_policy keeps a private copy for the gate (it cannot import profiling): the two
-    # must agree, or the crossover would describe padding the gate does not do.
-    assert bucket_for(tokens, BUCKETS) == replay._bucket(tokens, BUCKETS)
-    assert bucket_for(tokens, BUCKETS) == next((b for b in BUCKETS if b >= tokens), None)
 
 
 # -- calibration records ----------------------------------------------------------------

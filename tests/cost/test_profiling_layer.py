@@ -10,9 +10,8 @@ torch = pytest.importorskip("torch")
 
 
 def test_decode_step_matches_a_one_token_absorbed_extend() -> None:
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import decode_batch, extend_batch
     from attnreg.registry import get_registry
+    from attnreg.runtime import MLAConfig, decode_batch, extend_batch
 
     heads, lens = 2, [7, 12]
     cfg = MLAConfig(num_heads=heads, page_size=1, device="cpu", max_context_len=32)

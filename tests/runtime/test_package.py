@@ -24,9 +24,6 @@ SRC = REPO / "src" / "attnreg"
 #: What engines and backends import (issue 15), all from attnreg.runtime.
 CONTRACT = ("AttentionBackend", "MLAConfig", "MLAKVPool", "ForwardBatch", "ForwardMetadata",
             "GraphState", "GraphRunner", "decode_batch", "extend_batch")
-#: Files that still capture graphs themselves until they are ported onto the runner
-#: (issue 15, the lead's part): each entry must still need it, so the list shrinks.
-PENDING_PORT = {"src/attnreg/commands/calibrate.py"}
 _CAPTURE = re.compile(r"torch\.cuda\.graph\(|CUDAGraph\(")
 
 
@@ -59,22 +56,19 @@ def test_nothing_in_src_imports_the_deprecated_modules() -> None:
     absolute = re.compile(r"attnreg\.backends\.(base|kv_pool|batch)\b")
     relative = re.compile(r"from \.(base|kv_pool|batch) import")  # inside attnreg.backends
     shims = {SRC / "backends" / f"{n}.py" for n in ("base", "kv_pool", "batch")}
-    pending = {REPO / p for p in PENDING_PORT}
     hits = [f"{p.relative_to(REPO)}:{n}" for p in SRC.rglob("*.py")
-            if p not in shims and p not in pending
+            if p not in shims
             for n, line in enumerate(p.read_text().splitlines(), 1)
             if absolute.search(line) or (p.parent.name == "backends" and relative.search(line))]
     assert hits == []
 
 
 def test_graphs_are_captured_only_by_the_runtime() -> None:
-    files = [p for root in ("src", "tests") for p in (REPO / root).rglob("*.py")]
+    files = [p for root in ("src", "tests", "benchmarks") for p in (REPO / root).rglob("*.py")]
     found = {str(p.relative_to(REPO)) for p in files if _CAPTURE.search(p.read_text())}
     found.discard("tests/runtime/test_package.py")  # this file names the pattern
     allowed = {"src/attnreg/runtime/graph_runner.py"}
-    assert found - allowed - PENDING_PORT == set(), "capture through attnreg.runtime.GraphRunner"
-    # a ported file leaves the pending list (so the exception cannot outlive the port)
-    assert PENDING_PORT <= found, "remove ported files from PENDING_PORT"
+    assert found - allowed == set(), "capture through attnreg.runtime.GraphRunner"
 
 
 def test_no_backend_state_is_kept_under_string_keys() -> None:

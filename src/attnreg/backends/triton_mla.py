@@ -69,11 +69,6 @@ class TritonPlan:
     splits: int
     workspace: MLADecodeWorkspace | MLAExtendWorkspace | None = None
 
-    def legacy_extras(self) -> dict[str, object]:
-        """The keys of the removed ``extras`` dict (``ForwardMetadata.extras``, deprecated)."""
-        return {"max_splits": self.splits, "extend_splits": self.splits,
-                "workspace": self.workspace, "extend_workspace": self.workspace}
-
 
 @dataclass
 class TritonGraphBuffers:

@@ -209,28 +209,24 @@ def _measure_layers(ses: Session, layers: list[MLALayer]) -> list[dict[str, Any]
 
 
 def _graph_of(ses: Session, fn: Callable[[], Any]) -> tuple[Callable[[], Any], str]:
-    """A replay callable for ``fn`` captured in a CUDA graph (on CPU: ``fn`` itself)."""
-    torch = ses.torch
-    if not ses.clock.cuda:
-        return fn, "none (cpu dry run: the layer runs eagerly)"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay, "cuda graph"
+    """A replay callable for ``fn`` captured by :class:`attnreg.runtime.GraphRunner`.
+
+    On a cpu (dry run) the runner records no device graph: capture runs ``fn``
+    once and each replay runs it again, eagerly.
+    """
+    from attnreg.runtime import GraphRunner
+
+    runner = GraphRunner(ses.device)
+    graph = runner.capture(fn)
+    how = "cuda graph" if runner.device_graphs else "none (cpu dry run: the layer runs eagerly)"
+    return graph.replay, how
 
 
 def _measure_point(ses: Session, backend: Any, layer: MLALayer, shape: PrefillShape,
                    seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """absorbed_attention, mha_attention, decompress and eager_host at one batch shape."""
-    from attnreg.backends.batch import extend_batch
     from attnreg.registry import ForwardMethod
+    from attnreg.runtime import extend_batch
 
     torch = ses.torch
     s, heads, dev = ses.layer_shape, shape.heads, ses.device
@@ -398,8 +394,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace, torch: Any, device: str, grid: Grid,
                shape: LayerShape, backend_name: str) -> int:
-    from attnreg.backends.base import MLAConfig
     from attnreg.registry import Platform, UnsupportedError
+    from attnreg.runtime import MLAConfig
 
     from ._common import registry_from
 

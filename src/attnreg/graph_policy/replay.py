@@ -55,7 +55,7 @@ from .rule_ids import RULES, check_rule_id
 from .sync import BatchFacts
 
 __all__ = ["GATE_RULES", "CostProfileArg", "HiddenCapture", "ReplayBatch", "ReplayGate",
-           "ReplayReason"]
+           "ReplayReason", "smallest_bucket"]
 
 logger = logging.getLogger("attnreg.graph_policy")
 
@@ -201,7 +201,15 @@ class ReplayReason:
 GATE_RULES: tuple[str, ...] = tuple(r.id for r in RULES.values() if r.kind == "gate")
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int | None:
+def smallest_bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """The padding rule: the smallest of ``buckets`` (ascending) that holds ``n``; None above all.
+
+    What :meth:`ReplayGate.bucket_for` pads a batch to, and what the cost
+    model's graph time is predicted at (``attnreg.profiling`` uses it too).
+
+    >>> smallest_bucket(300, (64, 512, 1024)), smallest_bucket(2000, (64, 512, 1024))
+    (512, None)
+    """
     for b in buckets:
         if b >= n:
             return b
@@ -329,8 +337,8 @@ class ReplayGate:
             if tokens is None:
                 raise _missing("num_tokens", "prefill graphs are chosen by token count (give "
                                "num_tokens or extend_lens)")
-            return _bucket(tokens, shapes.buckets())
-        return _bucket(batch.batch_size, shapes.buckets())
+            return smallest_bucket(tokens, shapes.buckets())
+        return smallest_bucket(batch.batch_size, shapes.buckets())
 
     def _first_blocker(self, batch: ReplayBatch) -> ReplayReason | None:
         mode = batch.forward_mode
@@ -453,7 +461,7 @@ class ReplayGate:
         shape = PrefillShape(tuple(batch.prefix_lens), tuple(batch.extend_lens),
                              self.plan.model.num_heads)
         tokens = shape.q_tokens
-        padded = _bucket(tokens, self.plan.config.prefill_num_tokens) or tokens
+        padded = smallest_bucket(tokens, self.plan.config.prefill_num_tokens) or tokens
         cmp = profile.compare(shape, graph_tokens=padded)
         what = f"{shape.describe()}" + (f", padded to {padded}" if padded != tokens else "")
         if cmp.graph_wins:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 #: Public name -> the submodule that defines it.  Loaded on first use: ``attnreg
 #: compat`` imports the crossover alone, and its start-up time is a measured figure (P5).
 _WHERE = {
-    "CROSSOVER_PREFIXES": "crossover", "CrossoverPoint": "crossover", "bucket_for": "crossover",
+    "CROSSOVER_PREFIXES": "crossover", "CrossoverPoint": "crossover",
     "crossover_extend": "crossover",
     "VERSIONED": "environment", "library_versions": "environment", "load_average": "environment",
     "FitResult": "fit", "batch_record": "fit", "fit_profile_terms": "fit", "fit_term": "fit",
@@ -46,7 +46,6 @@ __all__ = [
     "LayerShape",
     "MLALayer",
     "batch_record",
-    "bucket_for",
     "crossover_extend",
     "fit_profile_terms",
     "fit_term",
@@ -60,7 +59,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .crossover import CROSSOVER_PREFIXES, CrossoverPoint, bucket_for, crossover_extend
+    from .crossover import CROSSOVER_PREFIXES, CrossoverPoint, crossover_extend
     from .environment import VERSIONED, library_versions, load_average
     from .fit import FitResult, batch_record, fit_profile_terms, fit_term, shape_of_record
     from .layer import DRY_LAYER, LayerShape, MLALayer

@@ -2,8 +2,8 @@
 
 ``attnreg calibrate`` prints it after a fit and ``attnreg compat`` shows it
 for the shipped profile.  The graph pads a batch's tokens to a captured
-bucket exactly as :class:`~attnreg.graph_policy.ReplayGate` does
-(:func:`bucket_for`).
+bucket exactly as :class:`~attnreg.graph_policy.ReplayGate` does (with the
+gate's own :func:`~attnreg.graph_policy.replay.smallest_bucket`).
 """
 
 from __future__ import annotations
@@ -12,23 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from attnreg.graph_policy.cost_profile import CostProfile, PrefillShape
+from attnreg.graph_policy.replay import smallest_bucket
 
-__all__ = ["CROSSOVER_PREFIXES", "CrossoverPoint", "bucket_for", "crossover_extend"]
+__all__ = ["CROSSOVER_PREFIXES", "CrossoverPoint", "crossover_extend"]
 
 #: Prefix lengths the crossover is reported at.
 CROSSOVER_PREFIXES = (0, 4096, 32768)
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds ``n`` tokens (``buckets`` ascending); None above them all.
-
-    >>> bucket_for(300, (64, 512, 1024)), bucket_for(2000, (64, 512, 1024))
-    (512, None)
-    """
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
 
 
 @dataclass(frozen=True)
@@ -81,7 +70,7 @@ def crossover_extend(profile: CostProfile, *, heads: int, prefix: int, max_exten
     def graph_wins(extend: int) -> bool:
         shape = PrefillShape.uniform(batch_size, prefix, extend, heads)
         tokens = extend * batch_size
-        return profile.compare(shape, graph_tokens=bucket_for(tokens, ordered)
+        return profile.compare(shape, graph_tokens=smallest_bucket(tokens, ordered)
                                or tokens).graph_wins
 
     samples = sorted({1, max_extend} | {2 ** k for k in range(max_extend.bit_length())

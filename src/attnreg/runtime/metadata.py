@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Generic, TypeVar
 
 import torch
@@ -81,26 +78,6 @@ class ForwardMetadata(Generic[PlanT]):
     @property
     def phase(self) -> Phase:
         return phase_of(self.forward_mode)
-
-    @property
-    def extras(self) -> Mapping[str, object]:
-        """Deprecated read-only view of ``plan`` under the old string keys.
-
-        Kept for one release for code written against the removed ``extras``
-        dict (the benchmarks, until they are ported to ``md.plan``): the plan's
-        fields by name, plus the names a plan lists in ``legacy_extras()``.
-        Read ``md.plan`` instead; nothing can be stored here.
-        """
-        warnings.warn("ForwardMetadata.extras is deprecated: read the typed md.plan "
-                      "(e.g. md.plan.splits) instead", DeprecationWarning, stacklevel=2)
-        plan = self.plan
-        view: dict[str, object] = {}
-        if plan is not None and dataclasses.is_dataclass(plan):
-            view = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-        legacy = getattr(plan, "legacy_extras", None)
-        if callable(legacy):
-            view.update(legacy())
-        return MappingProxyType(view)
 
     @property
     def is_graph(self) -> bool:
