@@ -14,7 +14,8 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from attnreg.backends._triton_kernels import (
     default_extend_splits,
@@ -25,7 +26,10 @@ from attnreg.backends._triton_kernels import (
     mla_extend,
     mla_extend_workspace,
 )
+from attnreg.backends._triton_kernels import extend as extend_mod
+from attnreg.backends._triton_kernels._common import next_pow2, to_dot
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
+from attnreg.backends._triton_kernels.extend import ExtendConfig
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,7 +217,87 @@ def test_decode_kernel_variants(cfg, kv):
         assert_close(out, ref)
 
 
-@pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2)])
+# fp8 conversion variants (see kv_tile in _common.py): dots in fp16 or q's dtype, the tile
+# converted once / per use / loaded twice, integer-op (shift) conversion; with the
+# mma.sync path (16 heads), the un-chained wgmma path (64-head block) and the split-V path.
+@pytest.mark.parametrize("cfg", [
+    DecodeConfig(16, 16, 4, 2, dot_f16=True),
+    DecodeConfig(16, 16, 4, 2, fp8_cvt=1),
+    DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=2),
+    DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=2, fp8_shift=True),
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True, dot_f16=True, fp8_shift=True),
+    DecodeConfig(64, 32, 4, 2, dv_split=2, dot_f16=True, fp8_cvt=1, fp8_shift=True),
+], ids=["f16", "cvt1", "f16_cvt2", "f16_cvt2_shift", "isolate_f16_shift", "dv2_cvt1_shift"])
+def test_decode_fp8_conversion_variants(cfg):
+    lens, H, ps = [3, 50, 33], 3, 16
+    cache, table, dense = make_paged_kv(lens, ps, FP8, seed=6)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1, 0.6)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 3, DEV)
+    for splits in (1, 3):
+        out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+        _mla_decode_impl(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                         out, sm_scale=0.1, kv_scale=0.6, num_splits=splits,
+                         min_chunk=cfg.block_n, workspace=ws, cfg=cfg)
+        assert_close(out, ref)
+
+
+def test_decode_fp8_shift_needs_fp16_dots():
+    cache, table, _ = make_paged_kv([5], 16, FP8)
+    q = torch.randn(1, 2, 576).bfloat16().to(DEV)
+    out = torch.empty(1, 2, 512, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="dot_f16"):
+        _mla_decode_impl(q, cache, table, torch.tensor([5], dtype=torch.int32, device=DEV),
+                         out, sm_scale=0.1, kv_scale=1.0, num_splits=1, min_chunk=16,
+                         workspace=None, cfg=DecodeConfig(16, 16, 4, 2, fp8_shift=True))
+
+
+@triton.jit
+def _to_dot_probe(X, Y, N: tl.constexpr, SHIFT: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, to_dot(tl.load(X + offs), tl.float16, SHIFT))
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch has no float8_e4m3fn")
+@pytest.mark.parametrize("shift", [False, True])
+def test_fp8_to_fp16_conversion_is_exact_for_every_code(shift):
+    """Every finite e4m3 code (subnormals, +-0, +-448 included): the native conversion
+    gives the value, the shift conversion exactly value * 2^-8."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    x = codes.view(FP8)
+    finite = ~torch.isnan(x.float())
+    x = x[finite].contiguous()
+    n = next_pow2(x.numel())
+    xp = torch.zeros(n, dtype=torch.uint8).view(FP8)
+    xp[:x.numel()] = x
+    y = torch.empty(n, dtype=torch.float16)
+    xp, y = xp.to(DEV), y.to(DEV)
+    _to_dot_probe[(1,)](xp, y, N=n, SHIFT=shift)
+    want = x.float() * (2.0 ** -8 if shift else 1.0)
+    assert torch.equal(y[:x.numel()].float().cpu(), want)
+
+
+def test_decode_parts_launch_each_kernel():
+    """parts=("decode",) then ("merge",) gives what one call gives (timing probes)."""
+    lens, H = [70, 5, 40], 3
+    cache, table, dense = make_paged_kv(lens, 16, torch.bfloat16, seed=4)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 4, DEV)
+    out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kw = dict(sm_scale=0.1, kv_scale=1.0, num_splits=4, min_chunk=16, workspace=ws,
+              cfg=decode_config(H)._replace(block_n=16))
+    _mla_decode_impl(q, cache, table, sl, out, parts=("decode",), **kw)
+    assert torch.isnan(out.float()).all(), "decode alone must leave out to the merge"
+    _mla_decode_impl(q, cache, table, sl, out, parts=("merge",), **kw)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2),
+                                       (1, 64, 32, 2)])
 def test_decode_merge_variants(merge_cfg):
     """Every merge-kernel shape the host may pick (heads per program, columns, splits
     per step), with 3 heads so that a 4-head program has a masked head."""
@@ -313,6 +397,22 @@ def test_extend_split_kv_partials_are_finite():
 
 def test_extend_split_kv_fp8():
     run_extend_case([60, 3], [5, 30], 2, 16, FP8, kv_scale=0.7, num_splits=3, min_chunk=1)
+
+
+# Extend tile variants (ExtendConfig): mma.sync rows (32 heads, chained dots), two
+# queries per program, fp8 conversion variants; with and without KV splits.
+@pytest.mark.parametrize("cfg,kv", [
+    (ExtendConfig(32, 1, 16, 8, 2, isolate_qk=False), "bf16"),
+    (ExtendConfig(2, 2, 16, 4, 3), "bf16"),
+    (ExtendConfig(4, 1, 16, 8, 2, dot_f16=True, fp8_cvt=2, fp8_shift=True), "fp8"),
+    (ExtendConfig(4, 1, 16, 8, 2, isolate_qk=False, dot_f16=True, fp8_cvt=1), "fp8"),
+], ids=["h32_chained", "q2", "fp8_f16_cvt2_shift", "fp8_f16_cvt1_chained"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_extend_config_variants(monkeypatch, cfg, kv, splits):
+    monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)
+    kv_dtype, scale = (torch.bfloat16, 1.0) if kv == "bf16" else (FP8, 0.7)
+    run_extend_case([20, 0], [9, 17], 3, 16, kv_dtype, kv_scale=scale, num_splits=splits,
+                    min_chunk=1)
 
 
 def test_extend_split_kv_refuses_a_small_workspace():

@@ -129,3 +129,71 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def to_dot(x, DT: tl.constexpr, SHIFT: tl.constexpr):
+    """``x`` as a dot operand of dtype ``DT``.
+
+    SHIFT (fp8 e4m3 ``x``, fp16 ``DT``): rebuild each value with integer ops instead of a
+    conversion instruction.  Sign to bit 15, exponent and mantissa (7 bits) to bits 13..7:
+    the fp16 with those bits is exactly value * 2^-8 for every finite e4m3 value,
+    subnormals included (both formats' subnormals line up), so the caller multiplies its
+    scale by 256.  Integer ops run at full ALU rate where the native
+    e4m3 -> fp16 conversion may not.
+    """
+    if SHIFT:
+        u = x.to(tl.uint8, bitcast=True).to(tl.uint32)
+        h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        return h.to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.constexpr,
+            KV_FP8: tl.constexpr, FP8_CVT: tl.constexpr, FP8_SHIFT: tl.constexpr):
+    """Load one tile of the latent cache and return its dot operands in dtype ``DT``:
+    ``(k_lat [lat, N], k_pe [64, N], v [N, lat])`` (the K parts transposed for the scores,
+    the latent part also the V of ``P @ V``).
+
+    ``row`` [N] is each token's element offset in ``KV``; ``mask_n`` [N] its validity (used
+    when MASKED).  A 16-bit tile is loaded once and read by both dots from shared memory.
+    For an fp8 tile FP8_CVT picks where it is converted (dot operands must be 16-bit):
+
+    * 0: once, in the layout it was loaded in, before the transposes; the 16-bit tile then
+      goes back to shared memory for the dots (a register round trip of the whole tile,
+      which at 4 warps does not fit in registers and spills);
+    * 1: per use, after the transpose (the compiler may then convert in each dot's operand
+      layout);
+    * 2: load the tile a second time, transposed, for the scores (an L2 hit): each dot
+      then reads its own fp8 copy from shared memory, and the loads stay asynchronous.
+
+    FP8_SHIFT converts with integer ops (see :func:`to_dot`).
+    """
+    kv_row = KV + row[:, None]
+    if MASKED:
+        kv = tl.load(kv_row + offs_lat[None, :], mask=mask_n[:, None], other=0.0)
+        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        kv = tl.load(kv_row + offs_lat[None, :])
+        kpe = tl.load(kv_row + offs_pe[None, :])
+    if KV_FP8:
+        if FP8_CVT == 2:
+            kv_col = KV + row[None, :]
+            if MASKED:
+                k_t = tl.load(kv_col + offs_lat[:, None], mask=mask_n[None, :], other=0.0)
+                kpe_t = tl.load(kv_col + offs_pe[:, None], mask=mask_n[None, :], other=0.0)
+            else:
+                k_t = tl.load(kv_col + offs_lat[:, None])
+                kpe_t = tl.load(kv_col + offs_pe[:, None])
+            return (to_dot(k_t, DT, FP8_SHIFT), to_dot(kpe_t, DT, FP8_SHIFT),
+                    to_dot(kv, DT, FP8_SHIFT))
+        elif FP8_CVT == 1:
+            return (to_dot(tl.trans(kv), DT, FP8_SHIFT), to_dot(tl.trans(kpe), DT, FP8_SHIFT),
+                    to_dot(kv, DT, FP8_SHIFT))
+        else:
+            kv = to_dot(kv, DT, FP8_SHIFT)
+            return tl.trans(kv), tl.trans(to_dot(kpe, DT, FP8_SHIFT)), kv
+    else:
+        return tl.trans(kv), tl.trans(kpe), kv

@@ -54,7 +54,9 @@ from ._common import (
     check_tensor,
     dot_upcast,
     kv_dtypes_for,
+    kv_tile,
     next_pow2,
+    to_dot,
 )
 
 D_LATENT = 512
@@ -96,6 +98,10 @@ class DecodeConfig(NamedTuple):
     isolate_qk: bool = False  # see the kernel: un-chain the QK dot (8 warps, 64 heads)
     ctas_per_sm: int = 1  # programs resident per SM: how many the split heuristic aims at
     min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
+    # fp8 cache only (ignored for 16-bit caches); see kv_tile in _common.py:
+    dot_f16: bool = False  # dots in fp16 (q cast once per program) rather than q's dtype
+    fp8_cvt: int = 0  # where the tile is converted: 0 once, 1 per use, 2 second load
+    fp8_shift: bool = False  # integer-op conversion (needs dot_f16)
 
 
 def decode_config(num_heads: int, kv_dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
@@ -201,6 +207,7 @@ def _mla_decode_kernel(
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr,
+    DOT_F16: tl.constexpr = False, FP8_CVT: tl.constexpr = 0, FP8_SHIFT: tl.constexpr = False,
 ):
     pid0 = tl.program_id(0)
     sid = tl.program_id(1)
@@ -221,6 +228,8 @@ def _mla_decode_kernel(
         kvs = tl.load(KVS).to(tl.float32)
     else:
         kvs = kv_scale
+    if FP8_SHIFT:
+        kvs = kvs * 256.0  # the shifted operands hold value * 2^-8 (see to_dot)
     scale = qk_scale * kvs  # sm_scale * log2(e) * kv_scale: scores go straight to exp2
 
     DV_BLK: tl.constexpr = D_V // DV_SPLIT
@@ -233,29 +242,30 @@ def _mla_decode_kernel(
     offs_pe = D_V + tl.arange(0, D_PE)
 
     q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    q_own = tl.load(q_row + offs_own[None, :], mask=mask_h[:, None], other=0.0)
-    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0)
+    # Dot operand dtype: q's, or fp16 for an fp8 cache (see kv_tile).
+    if DOT_F16:
+        DT: tl.constexpr = tl.float16
+    else:
+        DT: tl.constexpr = Q.dtype.element_ty
+    q_own = tl.load(q_row + offs_own[None, :], mask=mask_h[:, None], other=0.0).to(DT)
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
     if DV_SPLIT == 2:
-        q_oth = tl.load(q_row + offs_oth[None, :], mask=mask_h[:, None], other=0.0)
+        q_oth = tl.load(q_row + offs_oth[None, :], mask=mask_h[:, None], other=0.0).to(DT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DV_BLK], dtype=tl.float32)
 
     pt_row = PT + b.to(tl.int64) * stride_ptb
-    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=Q.dtype.element_ty)
+    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=DT)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         row = page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
-        kv_row = KV + row[:, None]
         # One load of the latent tile: K for the scores, V for the output.
-        kv = tl.load(kv_row + offs_own[None, :], mask=mask_n[:, None], other=0.0)
-        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            kv = kv.to(Q.dtype.element_ty)
-            kpe = kpe.to(Q.dtype.element_ty)
+        k_lat, k_pe, v = kv_tile(KV, row, offs_own, offs_pe, mask_n, DT, True, KV_FP8,
+                                 FP8_CVT, FP8_SHIFT)
         if ISOLATE_QK:
             # Triton lays out a dot whose result feeds another dot ("chained": S feeds
             # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
@@ -272,33 +282,31 @@ def _mla_decode_kernel(
             # layout conversions into the region and needs 270 KB of shared memory.
             qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             if end > n0:
-                qk_pe = _dot(q_pe, tl.trans(kpe), qk_pe, UPCAST)
+                qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
             # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
             # operand layout (a constant else-value would take its own shared memory).
             alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
             m_new = m_i
             l_new = l_i
             if n0 < end:
-                qk = _dot(q_own, tl.trans(kv), qk_pe, UPCAST) * scale
+                qk = _dot(q_own, k_lat, qk_pe, UPCAST) * scale
                 qk = tl.where(mask_n[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(qk - m_new[:, None])
                 l_new = l_i * alpha + tl.sum(p, 1)
-                p16 = p.to(kv.dtype)
+                p16 = p.to(DT)
             acc = acc * alpha[:, None]
-            acc = _dot(p16, kv, acc, UPCAST)
+            acc = _dot(p16, v, acc, UPCAST)
             m_i = m_new
             l_i = l_new
         else:
-            qk = _dot(q_pe, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
-                      UPCAST)
-            qk = _dot(q_own, tl.trans(kv), qk, UPCAST)
+            qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
+            qk = _dot(q_own, k_lat, qk, UPCAST)
             if DV_SPLIT == 2:
-                kvo = tl.load(kv_row + offs_oth[None, :], mask=mask_n[:, None], other=0.0)
-                if KV_FP8:
-                    kvo = kvo.to(Q.dtype.element_ty)
-                qk = _dot(q_oth, tl.trans(kvo), qk, UPCAST)
+                kvo = tl.load(KV + row[:, None] + offs_oth[None, :], mask=mask_n[:, None],
+                              other=0.0)
+                qk = _dot(q_oth, to_dot(tl.trans(kvo), DT, FP8_SHIFT), qk, UPCAST)
             qk = qk * scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
@@ -307,7 +315,7 @@ def _mla_decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            acc = _dot(p.to(kv.dtype), kv, acc, UPCAST)
+            acc = _dot(p.to(DT), v, acc, UPCAST)
             m_i = m_new
 
     has = l_i > 0.0
@@ -447,12 +455,21 @@ def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, for
 
 
 def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
-                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None):
+                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None,
+                     parts=("decode", "merge")):
+    """Launch the decode kernel and, when splitting, the merge kernel.
+
+    ``merge_cfg``: (BLOCK_HM, BLOCK_D, CHUNK_S[, num_warps]) of the merge (default
+    :func:`_merge_config`).  ``parts`` launches only some of the two kernels (timing
+    probes; with splits, ``("merge",)`` merges whatever the workspace holds).
+    """
     B, H, _ = q.shape
     if B == 0 or H == 0:
         return out
     ps = kv_cache.shape[1]
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
+    if is_fp8 and cfg.fp8_shift and not cfg.dot_f16:
+        raise ValueError("DecodeConfig: fp8_shift builds fp16 operands; it needs dot_f16=True")
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     kvs_arg = kv_scale if scale_ptr else q  # dummy pointer, never read when not scale_ptr
     kvs_val = 1.0 if scale_ptr else float(kv_scale)
@@ -469,32 +486,36 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
         pl_strides = (0, 0)
     n_hb = triton.cdiv(H, cfg.block_h)
     grid = (n_hb * cfg.dv_split, num_splits, B)
-    _LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
-        q, kv_cache, page_table, seq_lens, out, po, pl, kvs_arg,
-        float(sm_scale) * LOG2E, kvs_val,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        out.stride(0), out.stride(1),
-        *po_strides, *pl_strides,
-        H, num_splits, min_chunk,
-        PAGE_SIZE=ps,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
-        D_V=D_LATENT, D_PE=D_ROPE,
-        SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split:
-        block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
-        _mla_merge_kernel[(triton.cdiv(H, block_hm), B, D_LATENT // block_d)](
+    if "decode" in parts:
+        _LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
+            q, kv_cache, page_table, seq_lens, out, po, pl, kvs_arg,
+            float(sm_scale) * LOG2E, kvs_val,
+            q.stride(0), q.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1),
+            page_table.stride(0),
+            out.stride(0), out.stride(1),
+            *po_strides, *pl_strides,
+            H, num_splits, min_chunk,
+            PAGE_SIZE=ps,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
+            D_V=D_LATENT, D_PE=D_ROPE,
+            SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
+            UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
+            DOT_F16=is_fp8 and cfg.dot_f16, FP8_CVT=cfg.fp8_cvt if is_fp8 else 0,
+            FP8_SHIFT=is_fp8 and cfg.fp8_shift,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if split and "merge" in parts:
+        block_hm, block_d, chunk_s, *warps = merge_cfg or _merge_config(B, H)
+        _LAST_LAUNCH["merge"] = _mla_merge_kernel[(triton.cdiv(H, block_hm), B,
+                                                   D_LATENT // block_d)](
             po, pl, seq_lens, out,
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),
             H, num_splits, min_chunk,
             BLOCK_N=cfg.block_n, SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=chunk_s,
             BLOCK_HM=block_hm, BLOCK_D=block_d,
-            num_warps=4, num_stages=2,
+            num_warps=warps[0] if warps else 4, num_stages=2,
         )
     return out
 

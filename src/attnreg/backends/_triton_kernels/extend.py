@@ -36,6 +36,7 @@ from ._common import (
     check_kv_scale,
     check_tensor,
     dot_upcast,
+    kv_tile,
     next_pow2,
 )
 from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs
@@ -57,26 +58,19 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
                      stride_kvp, stride_kvr,
                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr,
                      D_PE: tl.constexpr, MASK: tl.constexpr, KV_FP8: tl.constexpr,
-                     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, SAFE_MAX: tl.constexpr):
+                     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, SAFE_MAX: tl.constexpr,
+                     FP8_CVT: tl.constexpr, FP8_SHIFT: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
+    mask_n = offs_n < kv_end
     if MASK:
-        mask_n = offs_n < kv_end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
     else:
         page = tl.load(pt_row + offs_n // PAGE_SIZE)
     row = page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
-    kv_row = KV + row[:, None]
-    if MASK:
-        kv = tl.load(kv_row + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
-    else:
-        kv = tl.load(kv_row + offs_d[None, :])
-        kpe = tl.load(kv_row + offs_pe[None, :])
-    if KV_FP8:
-        kv = kv.to(q_nope.dtype)
-        kpe = kpe.to(q_nope.dtype)
+    k_lat, k_pe, v = kv_tile(KV, row, offs_d, offs_pe, mask_n, q_nope.dtype, MASK, KV_FP8,
+                             FP8_CVT, FP8_SHIFT)
     if ISOLATE_QK:
         # Same device as the decode kernel (see decode.py): the score dots sit in the
         # regions of always-true runtime ifs so that Triton does not lay them out as
@@ -84,12 +78,12 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
         # the whole score tile.  p16 is loop-carried for the same reason as there.
         qk_pe = tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32)
         if kv_end > n0:
-            qk_pe = _dot(q_pe, tl.trans(kpe), qk_pe, UPCAST)
+            qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
         alpha = tl.full([q_nope.shape[0]], 1.0, dtype=tl.float32)
         m_new = m_i
         l_new = l_i
         if n0 < kv_end:
-            qk = _dot(q_nope, tl.trans(kv), qk_pe, UPCAST) * scale
+            qk = _dot(q_nope, k_lat, qk_pe, UPCAST) * scale
             if MASK:
                 ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
                 qk = tl.where(ok, qk, float("-inf"))
@@ -99,14 +93,13 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
             alpha = tl.exp2(m_i - m_sub)
             p = tl.exp2(qk - m_sub[:, None])
             l_new = l_i * alpha + tl.sum(p, 1)
-            p16 = p.to(kv.dtype)
+            p16 = p.to(v.dtype)
         acc = acc * alpha[:, None]
-        acc = _dot(p16, kv, acc, UPCAST)
+        acc = _dot(p16, v, acc, UPCAST)
         return acc, m_new, l_new, p16
     else:
-        qk = _dot(q_pe, tl.trans(kpe), tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32),
-                  UPCAST)
-        qk = _dot(q_nope, tl.trans(kv), qk, UPCAST)
+        qk = _dot(q_pe, k_pe, tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
+        qk = _dot(q_nope, k_lat, qk, UPCAST)
         qk = qk * scale
         if MASK:
             ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -117,7 +110,7 @@ def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv
         p = tl.exp2(qk - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = _dot(p.to(kv.dtype), kv, acc, UPCAST)
+        acc = _dot(p.to(v.dtype), v, acc, UPCAST)
         return acc, m_new, l_i, p16
 
 
@@ -137,6 +130,7 @@ def _mla_extend_kernel(
     BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, UPCAST: tl.constexpr,
     ISOLATE_QK: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_F16: tl.constexpr = False, FP8_CVT: tl.constexpr = 0, FP8_SHIFT: tl.constexpr = False,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -153,7 +147,14 @@ def _mla_extend_kernel(
         kvs = tl.load(KVS).to(tl.float32)
     else:
         kvs = kv_scale
+    if FP8_SHIFT:
+        kvs = kvs * 256.0  # the shifted operands hold value * 2^-8 (see to_dot)
     scale = qk_scale * kvs
+    # Dot operand dtype: q's, or fp16 for an fp8 cache (see kv_tile).
+    if DOT_F16:
+        DT: tl.constexpr = tl.float16
+    else:
+        DT: tl.constexpr = Q.dtype.element_ty
 
     ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
     r = tl.arange(0, ROWS)
@@ -164,8 +165,8 @@ def _mla_extend_kernel(
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
     q_row = Q + (q_start + qi).to(tl.int64) * stride_qt + h * stride_qh
-    q_nope = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_r[:, None], other=0.0)
-    q_pe = tl.load(q_row[:, None] + offs_pe[None, :], mask=mask_r[:, None], other=0.0)
+    q_nope = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_r[:, None], other=0.0).to(DT)
+    q_pe = tl.load(q_row[:, None] + offs_pe[None, :], mask=mask_r[:, None], other=0.0).to(DT)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -184,19 +185,21 @@ def _mla_extend_kernel(
     full_end = tl.minimum((q_first + 1) // BLOCK_N, kv_end // BLOCK_N) * BLOCK_N
     full_end = tl.maximum(full_end, 0)
     pt_row = PT + b.to(tl.int64) * stride_ptb
-    p16 = tl.zeros([ROWS, BLOCK_N], dtype=Q.dtype.element_ty)
+    p16 = tl.zeros([ROWS, BLOCK_N], dtype=DT)
     for n0 in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
                                               stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              False, KV_FP8, UPCAST, ISOLATE_QK, SPLIT)
+                                              False, KV_FP8, UPCAST, ISOLATE_QK, SPLIT,
+                                              FP8_CVT, FP8_SHIFT)
     # Without splits column 0 is visible to every row, so after the first tile every row
     # max is finite; a later split may see rows with nothing visible yet (SAFE_MAX).
     for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
                                               stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              True, KV_FP8, UPCAST, ISOLATE_QK, SPLIT)
+                                              True, KV_FP8, UPCAST, ISOLATE_QK, SPLIT,
+                                              FP8_CVT, FP8_SHIFT)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -269,12 +272,32 @@ class MLAExtendWorkspace(NamedTuple):
     partial_lse: torch.Tensor
 
 
-def _extend_config(num_heads: int):
-    """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps, num_stages, isolate_qk): 64 MMA rows per
-    program, 8 warps (the 64 x 512 fp32 accumulator), un-chained score dots."""
-    block_h = min(64, next_pow2(max(1, num_heads)))
-    block_q = max(1, 64 // block_h)
-    return block_h, block_q, 32, 8, 2, True
+class ExtendConfig(NamedTuple):
+    """Launch configuration of the extend kernel (see :func:`extend_config`)."""
+
+    block_h: int  # heads per program
+    block_q: int  # queries per program (rows = block_h * block_q)
+    block_n: int
+    num_warps: int
+    num_stages: int
+    isolate_qk: bool = True  # un-chained score dots (see the decode kernel)
+    # fp8 cache only (ignored for 16-bit caches); as in DecodeConfig:
+    dot_f16: bool = False
+    fp8_cvt: int = 0
+    fp8_shift: bool = False
+
+
+def extend_config(num_heads: int, rows: int = 64, **overrides) -> ExtendConfig:
+    """Launch configuration for ``num_heads``: ``rows`` (64 on a GPU) query-head rows per
+    program, as many heads as fit and queries for the rest, 8 warps (the 64 x 512 fp32
+    accumulator), un-chained score dots; ``overrides`` replace single fields."""
+    block_h = min(rows, next_pow2(max(1, num_heads)))
+    block_q = max(1, rows // block_h)
+    return ExtendConfig(block_h, block_q, 32, 8, 2, True)._replace(**overrides)
+
+
+def _extend_config(num_heads: int) -> ExtendConfig:
+    return extend_config(num_heads)
 
 
 def default_extend_splits(batch_size: int, num_tokens: int, num_heads: int, max_seq_len: int,
@@ -366,7 +389,7 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
         On wrong shapes, dtypes, devices, int64 index tensors or a too small workspace,
         before any launch.
     """
-    ps = check_absorbed_inputs(q, kv_cache)
+    check_absorbed_inputs(q, kv_cache)
     dev = q.device
     T, H, _ = q.shape
     check_index("qo_indptr", qo_indptr, ndim=1, device=dev)
@@ -399,8 +422,25 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     if B == 0 or H == 0 or max_extend_len == 0:
         return out
 
-    block_h, block_q, block_n, warps, stages, isolate = _extend_config(H)
+    return _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out,
+                            sm_scale=sm_scale, kv_scale=kv_scale,
+                            max_extend_len=max_extend_len, num_splits=num_splits,
+                            workspace=workspace, min_chunk=min_chunk, cfg=_extend_config(H))
+
+
+def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *,
+                     sm_scale, kv_scale, max_extend_len: int, num_splits: int, workspace,
+                     min_chunk, cfg: ExtendConfig):
+    """Launch the extend (and merge) kernels on validated inputs with config ``cfg``."""
+    T, H, _ = q.shape
+    B = qo_indptr.shape[0] - 1
+    dev = q.device
+    ps = kv_cache.shape[1]
+    split = num_splits > 1
+    block_h, block_q, block_n = cfg.block_h, cfg.block_q, cfg.block_n
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
+    if is_fp8 and cfg.fp8_shift and not cfg.dot_f16:
+        raise ValueError("ExtendConfig: fp8_shift builds fp16 operands; it needs dot_f16=True")
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     if split:
         po, pl = workspace if workspace is not None else \
@@ -425,8 +465,10 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
         H, num_splits, chunk_floor,
         PAGE_SIZE=ps, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n,
         D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=isolate, SPLIT=split,
-        num_warps=warps, num_stages=stages,
+        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk, SPLIT=split,
+        DOT_F16=is_fp8 and cfg.dot_f16, FP8_CVT=cfg.fp8_cvt if is_fp8 else 0,
+        FP8_SHIFT=is_fp8 and cfg.fp8_shift,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         block_d = 128
