@@ -19,10 +19,14 @@ from attnreg.backends._triton_kernels import (
     mla_extend,
     mla_extend_workspace,
 )
+from attnreg.backends._triton_kernels import extend as extend_mod
+from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl
+from attnreg.backends._triton_kernels.extend import ExtendConfig
 
 from .test_triton_kernels import (
     FP8,
     assert_close,
+    make_paged_kv,
     ref_mla,
     run_decode_case,
     run_extend_case,
@@ -43,6 +47,44 @@ def test_decode_large(H, page_size):
 @pytest.mark.parametrize("H", [16, 128])
 def test_decode_fp8_large(H):
     run_decode_case([777, 4096], H, 16, FP8, kv_scale=0.25, max_splits=8)
+
+
+# The candidate fp8 variants of the H200 sweep at their real tile sizes (the CPU tests run
+# them with 16-token tiles): a variant that compiles differently at full size is caught here.
+@pytest.mark.parametrize("cfg", [
+    DecodeConfig(16, 64, 4, 2, dot_f16=True, fp8_cvt=2),
+    DecodeConfig(16, 64, 4, 2, dot_f16=True, fp8_cvt=2, fp8_shift=True),
+    DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=2),
+    DecodeConfig(16, 128, 8, 2, dot_f16=True, fp8_cvt=2),
+    DecodeConfig(64, 64, 8, 3, isolate_qk=True, dot_f16=True),
+    DecodeConfig(64, 64, 8, 3, isolate_qk=True, dot_f16=True, fp8_shift=True),
+    DecodeConfig(32, 64, 8, 2, dot_f16=True, fp8_cvt=2),
+], ids=lambda c: "_".join(str(int(v)) for v in c))
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_decode_fp8_variants_large(cfg, page_size):
+    lens, H = [777, 4096, 1], (16 if cfg.block_h == 16 else 128)
+    cache, table, dense = make_paged_kv(lens, page_size, FP8, seed=3)
+    q = torch.randn(3, H, 576).bfloat16().cuda()
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.07, 0.25)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 8, "cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for splits in (1, 8):
+        out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _mla_decode_impl(q, cache, table, sl, out, sm_scale=0.07, kv_scale=0.25,
+                         num_splits=splits, min_chunk=cfg.block_n, workspace=ws, cfg=cfg)
+        assert_close(out, ref)
+
+
+@pytest.mark.parametrize("cfg", [
+    ExtendConfig(64, 1, 32, 8, 3), ExtendConfig(64, 1, 64, 8, 3),
+    ExtendConfig(32, 1, 64, 8, 3, isolate_qk=False), ExtendConfig(32, 2, 64, 8, 2),
+    ExtendConfig(64, 1, 32, 8, 3, dot_f16=True, fp8_shift=True),
+], ids=lambda c: "_".join(str(int(v)) for v in c))
+def test_extend_config_variants_large(monkeypatch, cfg):
+    monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)
+    run_extend_case([0, 100, 1000], [300, 64, 129], 128, 16, torch.bfloat16)
+    run_extend_case([513, 0], [1, 200], 128, 1, FP8, kv_scale=0.5, num_splits=3)
 
 
 @pytest.mark.parametrize("page_size", [1, 32])
