@@ -27,7 +27,7 @@ from attnreg.backends._triton_kernels import (
     mla_extend_workspace,
 )
 from attnreg.backends._triton_kernels import extend as extend_mod
-from attnreg.backends._triton_kernels._common import next_pow2, to_dot
+from attnreg.backends._triton_kernels._common import fp8_to_f16, next_pow2
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
 from attnreg.backends._triton_kernels.extend import ExtendConfig
 
@@ -218,18 +218,21 @@ def test_decode_kernel_variants(cfg, kv):
 
 
 # fp8 conversion variants (see kv_tile in _common.py): dots in fp16 or q's dtype, the tile
-# converted once / per use / loaded twice, integer-op (shift) conversion; with the
-# mma.sync path (16 heads), the un-chained wgmma path (64-head block) and the split-V path.
+# converted where the compiler puts it (0), loaded twice (2) or converted once into a
+# 16-bit tile (3; the interpreter runs its .to() fallback, the GPU tests the inline asm);
+# with the mma.sync path (16 heads), the un-chained wgmma path (64-head block) and the
+# split-V path; page size 16 (one page per 16-token tile) and 1 (per-token page gathers).
 @pytest.mark.parametrize("cfg", [
     DecodeConfig(16, 16, 4, 2, dot_f16=True),
-    DecodeConfig(16, 16, 4, 2, fp8_cvt=1),
+    DecodeConfig(16, 16, 4, 2, fp8_cvt=2),
     DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=2),
-    DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=2, fp8_shift=True),
-    DecodeConfig(64, 16, 8, 2, isolate_qk=True, dot_f16=True, fp8_shift=True),
-    DecodeConfig(64, 32, 4, 2, dv_split=2, dot_f16=True, fp8_cvt=1, fp8_shift=True),
-], ids=["f16", "cvt1", "f16_cvt2", "f16_cvt2_shift", "isolate_f16_shift", "dv2_cvt1_shift"])
-def test_decode_fp8_conversion_variants(cfg):
-    lens, H, ps = [3, 50, 33], 3, 16
+    DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(64, 32, 4, 2, dv_split=2, dot_f16=True, fp8_cvt=3),
+], ids=["f16", "cvt2", "f16_cvt2", "f16_cvt3", "isolate_f16_cvt3", "dv2_f16_cvt3"])
+@pytest.mark.parametrize("ps", [16, 1])
+def test_decode_fp8_conversion_variants(cfg, ps):
+    lens, H = [3, 50, 33], 3
     cache, table, dense = make_paged_kv(lens, ps, FP8, seed=6)
     q = torch.randn(3, H, 576).bfloat16().to(DEV)
     ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1, 0.6)[0]
@@ -243,27 +246,26 @@ def test_decode_fp8_conversion_variants(cfg):
         assert_close(out, ref)
 
 
-def test_decode_fp8_shift_needs_fp16_dots():
+def test_decode_fp8_asm_conversion_needs_fp16_dots():
     cache, table, _ = make_paged_kv([5], 16, FP8)
     q = torch.randn(1, 2, 576).bfloat16().to(DEV)
     out = torch.empty(1, 2, 512, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="dot_f16"):
         _mla_decode_impl(q, cache, table, torch.tensor([5], dtype=torch.int32, device=DEV),
                          out, sm_scale=0.1, kv_scale=1.0, num_splits=1, min_chunk=16,
-                         workspace=None, cfg=DecodeConfig(16, 16, 4, 2, fp8_shift=True))
+                         workspace=None, cfg=DecodeConfig(16, 16, 4, 2, fp8_cvt=3))
 
 
 @triton.jit
-def _to_dot_probe(X, Y, N: tl.constexpr, SHIFT: tl.constexpr):
+def _fp8_to_f16_probe(X, Y, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(Y + offs, to_dot(tl.load(X + offs), tl.float16, SHIFT))
+    tl.store(Y + offs, fp8_to_f16(tl.load(X + offs)))
 
 
 @pytest.mark.skipif(FP8 is None, reason="torch has no float8_e4m3fn")
-@pytest.mark.parametrize("shift", [False, True])
-def test_fp8_to_fp16_conversion_is_exact_for_every_code(shift):
-    """Every finite e4m3 code (subnormals, +-0, +-448 included): the native conversion
-    gives the value, the shift conversion exactly value * 2^-8."""
+def test_fp8_to_fp16_conversion_is_exact_for_every_code():
+    """Every finite e4m3 code (subnormals, +-0, +-448 included) gives its value (on a GPU
+    through the packed inline-asm conversion, 4 codes per asm: the order is checked)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     x = codes.view(FP8)
     finite = ~torch.isnan(x.float())
@@ -273,9 +275,26 @@ def test_fp8_to_fp16_conversion_is_exact_for_every_code(shift):
     xp[:x.numel()] = x
     y = torch.empty(n, dtype=torch.float16)
     xp, y = xp.to(DEV), y.to(DEV)
-    _to_dot_probe[(1,)](xp, y, N=n, SHIFT=shift)
-    want = x.float() * (2.0 ** -8 if shift else 1.0)
-    assert torch.equal(y[:x.numel()].float().cpu(), want)
+    _fp8_to_f16_probe[(1,)](xp, y, N=n)
+    assert torch.equal(y[:x.numel()].float().cpu(), x.float())
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_decode_min_chunk_not_a_tile_multiple(page_size):
+    """A split floor that is not a multiple of the KV tile is rounded up to one: tiles
+    must start at tile multiples, or a 16-token tile would straddle two 16-token pages
+    (here a 40-token floor would start the second split of the 70-token sequence at 40)."""
+    lens, H = [70, 5, 40], 3
+    cache, table, dense = make_paged_kv(lens, page_size, torch.bfloat16, seed=8)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 4, DEV)
+    out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    _mla_decode_impl(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV), out,
+                     sm_scale=0.1, kv_scale=1.0, num_splits=4, min_chunk=40, workspace=ws,
+                     cfg=decode_config(H)._replace(block_n=16))
+    assert_close(out, ref)
 
 
 def test_decode_parts_launch_each_kernel():
@@ -297,7 +316,7 @@ def test_decode_parts_launch_each_kernel():
 
 
 @pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2),
-                                       (1, 64, 32, 2)])
+                                       (1, 64, 32, 2), (1, 64, 128)])
 def test_decode_merge_variants(merge_cfg):
     """Every merge-kernel shape the host may pick (heads per program, columns, splits
     per step), with 3 heads so that a 4-head program has a masked head."""
@@ -363,7 +382,7 @@ def test_extend_fp8_page64():
     run_extend_case([40, 0], [9, 12], 2, 64, FP8, kv_scale=0.8)
 
 
-# Split-KV extend.  min_chunk=1 lets these short sequences use several 32-token chunks:
+# Split-KV extend.  min_chunk=1 lets these short sequences use several 64-token chunks:
 # later chunks hold rows that see nothing of them (causal), and num_splits beyond the
 # chunks a block needs leaves empty splits, which the merge must ignore.
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -382,17 +401,23 @@ def test_extend_split_kv_with_a_workspace_and_more_splits_than_chunks():
 def test_extend_split_kv_partials_are_finite():
     """A row with nothing visible in a split (causal) leaves a zero partial and an LSE of
     -inf there, never NaN: every program writes every valid row of its split."""
-    # prefix 20 + 32 new tokens: one query block (positions 20..51) whose KV [0, 52) splits
-    # at 32, so the rows at positions 20..31 see nothing of the second split
+    # prefix 40 + 32 new tokens: one query block (positions 40..71) whose KV [0, 72) splits
+    # at 64 (the KV tile), so the rows at positions 40..63 see nothing of the second split
     T, H, splits = 32 + 40, 2, 5
     ws = mla_extend_workspace(T + 2, H, splits, DEV)
     ws.partial_out.fill_(float("nan"))
     ws.partial_lse.fill_(float("nan"))
-    run_extend_case([20, 0], [32, 40], H, 16, torch.bfloat16, num_splits=splits, min_chunk=1,
+    run_extend_case([40, 0], [32, 40], H, 16, torch.bfloat16, num_splits=splits, min_chunk=1,
                     workspace=ws)
     assert torch.isfinite(ws.partial_out[:T, :splits]).all()
     assert not torch.isnan(ws.partial_lse[:T, :splits]).any()
     assert torch.isinf(ws.partial_lse[:T, :splits]).any()  # some split saw nothing
+
+
+def test_extend_split_floor_not_a_tile_multiple_page64():
+    """min_chunk 100 is rounded up to 128 (two 64-token tiles): an unrounded second split
+    would start at token 100 and its tile would run past the end of a 64-token page."""
+    run_extend_case([150], [20], 2, 64, torch.bfloat16, num_splits=3, min_chunk=100)
 
 
 def test_extend_split_kv_fp8():
@@ -404,9 +429,9 @@ def test_extend_split_kv_fp8():
 @pytest.mark.parametrize("cfg,kv", [
     (ExtendConfig(32, 1, 16, 8, 2, isolate_qk=False), "bf16"),
     (ExtendConfig(2, 2, 16, 4, 3), "bf16"),
-    (ExtendConfig(4, 1, 16, 8, 2, dot_f16=True, fp8_cvt=2, fp8_shift=True), "fp8"),
-    (ExtendConfig(4, 1, 16, 8, 2, isolate_qk=False, dot_f16=True, fp8_cvt=1), "fp8"),
-], ids=["h32_chained", "q2", "fp8_f16_cvt2_shift", "fp8_f16_cvt1_chained"])
+    (ExtendConfig(4, 1, 16, 8, 2, dot_f16=True, fp8_cvt=3), "fp8"),
+    (ExtendConfig(4, 1, 16, 8, 2, isolate_qk=False, dot_f16=True, fp8_cvt=2), "fp8"),
+], ids=["h32_chained", "q2", "fp8_f16_cvt3", "fp8_f16_cvt2_chained"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_extend_config_variants(monkeypatch, cfg, kv, splits):
     monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)

@@ -45,19 +45,23 @@ def test_decode_large(H, page_size):
 
 
 @pytest.mark.parametrize("H", [16, 128])
-def test_decode_fp8_large(H):
-    run_decode_case([777, 4096], H, 16, FP8, kv_scale=0.25, max_splits=8)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_fp8_large(H, page_size):
+    run_decode_case([777, 4096], H, page_size, FP8, kv_scale=0.25, max_splits=8)
 
 
-# The candidate fp8 variants of the H200 sweep at their real tile sizes (the CPU tests run
-# them with 16-token tiles): a variant that compiles differently at full size is caught here.
+# The fp8 configs of the H200 sweeps at their real tile sizes (the CPU tests run them with
+# 16-token tiles, and the packed-asm conversion only runs here): a variant that compiles
+# differently at full size is caught here.
 @pytest.mark.parametrize("cfg", [
-    DecodeConfig(16, 64, 4, 2, dot_f16=True, fp8_cvt=2),
-    DecodeConfig(16, 64, 4, 2, dot_f16=True, fp8_cvt=2, fp8_shift=True),
-    DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=2),
+    DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=2),  # the 16-head default
     DecodeConfig(16, 128, 8, 2, dot_f16=True, fp8_cvt=2),
-    DecodeConfig(64, 64, 8, 3, isolate_qk=True, dot_f16=True),
-    DecodeConfig(64, 64, 8, 3, isolate_qk=True, dot_f16=True, fp8_shift=True),
+    DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(16, 32, 4, 4, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(16, 64, 8, 3, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(16, 16, 4, 4, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(16, 128, 8, 2, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(64, 64, 8, 3, isolate_qk=True),  # the 64-head default
     DecodeConfig(32, 64, 8, 2, dot_f16=True, fp8_cvt=2),
 ], ids=lambda c: "_".join(str(int(v)) for v in c))
 @pytest.mark.parametrize("page_size", [1, 64])
@@ -77,9 +81,9 @@ def test_decode_fp8_variants_large(cfg, page_size):
 
 
 @pytest.mark.parametrize("cfg", [
-    ExtendConfig(64, 1, 32, 8, 3), ExtendConfig(64, 1, 64, 8, 3),
+    ExtendConfig(64, 1, 32, 8, 2), ExtendConfig(64, 1, 64, 8, 3),
     ExtendConfig(32, 1, 64, 8, 3, isolate_qk=False), ExtendConfig(32, 2, 64, 8, 2),
-    ExtendConfig(64, 1, 32, 8, 3, dot_f16=True, fp8_shift=True),
+    ExtendConfig(64, 1, 64, 8, 2, dot_f16=True, fp8_cvt=3),
 ], ids=lambda c: "_".join(str(int(v)) for v in c))
 def test_extend_config_variants_large(monkeypatch, cfg):
     monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)

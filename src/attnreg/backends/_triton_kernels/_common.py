@@ -132,44 +132,84 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def to_dot(x, DT: tl.constexpr, SHIFT: tl.constexpr):
-    """``x`` as a dot operand of dtype ``DT``.
+def tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """``(base, row)``: token ``n0 + i`` of the tile starts at ``base + row[i]`` in the cache.
 
-    SHIFT (fp8 e4m3 ``x``, fp16 ``DT``): rebuild each value with integer ops instead of a
-    conversion instruction.  Sign to bit 15, exponent and mantissa (7 bits) to bits 13..7:
-    the fp16 with those bits is exactly value * 2^-8 for every finite e4m3 value,
-    subnormals included (both formats' subnormals line up), so the caller multiplies its
-    scale by 256.  Integer ops run at full ALU rate where the native
-    e4m3 -> fp16 conversion may not.
+    Tiles start at multiples of BLOCK_N (see ``_split_chunk``), so when a page holds at
+    least one tile (both are powers of two) the whole tile lies in one page: one scalar
+    page-table read, a scalar base pointer and loop-invariant int32 row offsets.  Per-token
+    gathers (36 page loads and their 64-bit address arithmetic per thread per tile at
+    BLOCK_N = 64, 4 warps) pushed the 16-head decode at page size 64 to 255 registers and
+    50 spilled.  Smaller pages still gather one page index per token.
     """
-    if SHIFT:
-        u = x.to(tl.uint8, bitcast=True).to(tl.uint32)
-        h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
-        return h.to(tl.uint16).to(tl.float16, bitcast=True)
+    offs = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE >= BLOCK_N:
+        page = tl.load(pt_row + n0 // PAGE_SIZE)
+        base = KV + page.to(tl.int64) * stride_kvp + (n0 % PAGE_SIZE) * stride_kvr
+        return base, offs * stride_kvr
     else:
-        return x.to(DT)
+        offs_n = n0 + offs
+        if MASKED:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        else:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE)
+        return KV, page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
+
+
+#: Inline PTX does not run in the Triton CPU interpreter; :func:`fp8_to_f16` falls back to
+#: ``.to()`` there (the same values: both conversions are exact for every e4m3 code).
+_PTX = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def fp8_to_f16(x):
+    """e4m3 ``x`` as fp16 through opaque packed ``cvt.rn.f16x2.e4m3x2`` (4 values per asm).
+
+    Why inline asm for a conversion Triton has: Triton moves a layout conversion above a
+    pure elementwise op when its input is narrower, so ``x.to(fp16)`` feeding a dot is
+    rewritten as "read the fp8 tile from shared memory in the dot-operand layout, then
+    convert", and for a transposed fp8 operand that read is one byte per instruction (256
+    ``LDS.U8`` per thread per 64-token tile at 16 heads, offline sm90 compile, triton 3.6).
+    A non-pure asm op is not moved: the tile is converted once, in the layout it was
+    loaded in (16 bytes per ``LDS.128``), stored as fp16 and read by both dots with
+    ``ldmatrix``, as a 16-bit cache is.
+    """
+    if _PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return x.to(tl.float16)
 
 
 @triton.jit
 def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.constexpr,
-            KV_FP8: tl.constexpr, FP8_CVT: tl.constexpr, FP8_SHIFT: tl.constexpr):
+            KV_FP8: tl.constexpr, FP8_CVT: tl.constexpr):
     """Load one tile of the latent cache and return its dot operands in dtype ``DT``:
     ``(k_lat [lat, N], k_pe [64, N], v [N, lat])`` (the K parts transposed for the scores,
     the latent part also the V of ``P @ V``).
 
-    ``row`` [N] is each token's element offset in ``KV``; ``mask_n`` [N] its validity (used
-    when MASKED).  A 16-bit tile is loaded once and read by both dots from shared memory.
-    For an fp8 tile FP8_CVT picks where it is converted (dot operands must be 16-bit):
+    ``row`` [N] is each token's element offset from ``KV``; ``mask_n`` [N] its validity
+    (used when MASKED).  A 16-bit tile is loaded once and read by both dots from shared
+    memory.  For an fp8 tile FP8_CVT picks how it becomes 16-bit (dot operands must be):
 
-    * 0: once, in the layout it was loaded in, before the transposes; the 16-bit tile then
-      goes back to shared memory for the dots (a register round trip of the whole tile,
-      which at 4 warps does not fit in registers and spills);
-    * 1: per use, after the transpose (the compiler may then convert in each dot's operand
-      layout);
-    * 2: load the tile a second time, transposed, for the scores (an L2 hit): each dot
-      then reads its own fp8 copy from shared memory, and the loads stay asynchronous.
+    * 0: ``.to(DT)`` once, and the compiler places the conversion (the wgmma kernels at
+      64 heads convert into a 16-bit shared tile; at 16 heads, mma.sync, it reads the fp8
+      tile byte by byte in each dot's operand layout and spills);
+    * 2: load the tile a second time, transposed, for the scores (an L2 hit), each copy
+      converted in its dot's operand layout: asynchronous loads, no spill (sweep 1's best
+      at 16 heads);
+    * 3: :func:`fp8_to_f16` once, into a 16-bit shared tile that both dots read as a
+      16-bit cache tile (needs ``DT`` fp16).
 
-    FP8_SHIFT converts with integer ops (see :func:`to_dot`).
+    (1, converting after the transpose, compiled to the same code as 0 at 16 heads and
+    needed 250 KB of shared memory at 64; it was removed.)
     """
     kv_row = KV + row[:, None]
     if MASKED:
@@ -179,7 +219,10 @@ def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.con
         kv = tl.load(kv_row + offs_lat[None, :])
         kpe = tl.load(kv_row + offs_pe[None, :])
     if KV_FP8:
-        if FP8_CVT == 2:
+        if FP8_CVT == 3:
+            kv = fp8_to_f16(kv)
+            return tl.trans(kv), tl.trans(fp8_to_f16(kpe)), kv
+        elif FP8_CVT == 2:
             kv_col = KV + row[None, :]
             if MASKED:
                 k_t = tl.load(kv_col + offs_lat[:, None], mask=mask_n[None, :], other=0.0)
@@ -187,13 +230,9 @@ def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.con
             else:
                 k_t = tl.load(kv_col + offs_lat[:, None])
                 kpe_t = tl.load(kv_col + offs_pe[:, None])
-            return (to_dot(k_t, DT, FP8_SHIFT), to_dot(kpe_t, DT, FP8_SHIFT),
-                    to_dot(kv, DT, FP8_SHIFT))
-        elif FP8_CVT == 1:
-            return (to_dot(tl.trans(kv), DT, FP8_SHIFT), to_dot(tl.trans(kpe), DT, FP8_SHIFT),
-                    to_dot(kv, DT, FP8_SHIFT))
+            return k_t.to(DT), kpe_t.to(DT), kv.to(DT)
         else:
-            kv = to_dot(kv, DT, FP8_SHIFT)
-            return tl.trans(kv), tl.trans(to_dot(kpe, DT, FP8_SHIFT)), kv
+            kv = kv.to(DT)
+            return tl.trans(kv), tl.trans(kpe.to(DT)), kv
     else:
         return tl.trans(kv), tl.trans(kpe), kv

@@ -25,8 +25,8 @@ Design (why it is shaped like this)
   outputs with their log-sum-exp.  Nothing is read back to the host and, given a
   workspace, nothing is allocated: replays with other ``seq_lens`` stay correct.
 * fp32 accumulation, exp2-based online softmax (``sm_scale * log2(e)`` folded into one
-  multiply), fp8 e4m3 cache converted to the query dtype in registers and
-  ``kv_scale`` folded into the score scale and the output.
+  multiply), fp8 e4m3 cache converted to 16-bit dot operands on chip (see ``kv_tile``)
+  and ``kv_scale`` folded into the score scale and the output.
 
 Measured (one H200, bf16, page_size 1, CUDA-graph replay, cold L2; see
 benchmarks/triton_decode_tuning.py): 537 us at B=128, L=4096, H=128 (~270 TFLOP/s of
@@ -56,7 +56,7 @@ from ._common import (
     kv_dtypes_for,
     kv_tile,
     next_pow2,
-    to_dot,
+    tile_rows,
 )
 
 D_LATENT = 512
@@ -100,28 +100,42 @@ class DecodeConfig(NamedTuple):
     min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
     # fp8 cache only (ignored for 16-bit caches); see kv_tile in _common.py:
     dot_f16: bool = False  # dots in fp16 (q cast once per program) rather than q's dtype
-    fp8_cvt: int = 0  # where the tile is converted: 0 once, 1 per use, 2 second load
-    fp8_shift: bool = False  # integer-op conversion (needs dot_f16)
+    fp8_cvt: int = 0  # 0 compiler-placed, 2 second transposed load, 3 packed asm (fp16)
 
 
 def decode_config(num_heads: int, kv_dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
-    """Launch configuration for ``num_heads`` query heads (tuned on an H200; the
-    measurements behind each choice are in the docstring of
-    benchmarks/triton_decode_tuning.py).
+    """Launch configuration for ``num_heads`` query heads and a ``kv_dtype`` cache (tuned on
+    an H200; earlier measurements are in the docstring of benchmarks/triton_decode_tuning.py,
+    the issue 20 sweep figures below are kernel-only, cold L2, page size 1, us).
 
     * H <= 16 / 32: one head block holds every head; mma.sync tiles (M < 64), warps split
-      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: several
+      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: two
       programs fit on one SM, which the split heuristic uses for these memory-bound shapes.
+      16-bit cache, 16 heads: three pipeline stages (sweep 1: 172.0 vs 182.8 at B=128,
+      L=4096 and 104.0 vs 106.0 at B=32, L=8192; 39.8 vs 38.6 at B=1, L=32768): with two,
+      the page-table reads of the next tile are synchronous loads in the loop (36 LDG per
+      thread per tile at page size 1, offline sm90 compile), with three they are cp.async.
+      fp8 cache, 16 heads: fp16 dots on 32-token tiles, each dot reading its own copy
+      of the tile (``fp8_cvt=2``, see kv_tile): sweep 1, 224.0 vs 411.5 (B=128, L=4096),
+      126.4 vs 220.3 (B=32, L=8192), 41.2 vs 61.8 (B=1, L=32768) for the previous bf16
+      dots with the conversion left to the compiler (255 registers, 136 spilled).
     * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
       accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
       both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
       the query per score (the QK wgmma reads its A operand, the query, from shared
       memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
       may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
-    * ``kv_dtype`` is accepted for future per-dtype tuning; fp8 uses the same config.
+      No sweep-1 variant beat it, for either cache dtype (BLOCK_N 32, 32-head mma.sync
+      blocks, fp16 dots all lost at every P1 shape).
+    * Every config of one head class has the same ``ctas_per_sm`` and ``min_chunk``, so
+      :func:`default_max_splits`, which does not know the cache dtype, sizes the launch
+      right for both.
     """
+    fp8 = KV_FP8_DTYPE is not None and kv_dtype == KV_FP8_DTYPE
     if num_heads <= 16:
-        return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2)
+        if fp8:
+            return DecodeConfig(16, 32, 4, 3, ctas_per_sm=2, dot_f16=True, fp8_cvt=2)
+        return DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
     if num_heads <= 32:
         return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
     return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128)
@@ -184,6 +198,11 @@ def _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N: tl.constexpr):
     # Identical in the decode and merge kernels: both must agree on the split count.
     # num_splits / min_chunk are runtime ints so that every split count shares one
     # compiled kernel (the backend picks a different count per captured batch size).
+    # min_chunk is a multiple of BLOCK_N (the launchers round it up), so every tile
+    # starts at a multiple of BLOCK_N: tile_rows relies on it for pages that hold a whole
+    # tile.  (Rounding here instead, after the floor, lets the compiler prove the
+    # alignment, and that made it build a worse loop at page size 1: 1199 instructions
+    # per tile instead of 1022, 144 bytes spilled with three stages; offline sm90 compile.)
     chunk = tl.cdiv(seq_len, num_splits)
     chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
     return tl.maximum(chunk, min_chunk)
@@ -207,7 +226,7 @@ def _mla_decode_kernel(
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr,
-    DOT_F16: tl.constexpr = False, FP8_CVT: tl.constexpr = 0, FP8_SHIFT: tl.constexpr = False,
+    DOT_F16: tl.constexpr = False, FP8_CVT: tl.constexpr = 0,
 ):
     pid0 = tl.program_id(0)
     sid = tl.program_id(1)
@@ -228,8 +247,6 @@ def _mla_decode_kernel(
         kvs = tl.load(KVS).to(tl.float32)
     else:
         kvs = kv_scale
-    if FP8_SHIFT:
-        kvs = kvs * 256.0  # the shifted operands hold value * 2^-8 (see to_dot)
     scale = qk_scale * kvs  # sm_scale * log2(e) * kv_scale: scores go straight to exp2
 
     DV_BLK: tl.constexpr = D_V // DV_SPLIT
@@ -261,11 +278,11 @@ def _mla_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
+        kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE,
+                                 BLOCK_N, True)
         # One load of the latent tile: K for the scores, V for the output.
-        k_lat, k_pe, v = kv_tile(KV, row, offs_own, offs_pe, mask_n, DT, True, KV_FP8,
-                                 FP8_CVT, FP8_SHIFT)
+        k_lat, k_pe, v = kv_tile(kv_base, row, offs_own, offs_pe, mask_n, DT, True, KV_FP8,
+                                 FP8_CVT)
         if ISOLATE_QK:
             # Triton lays out a dot whose result feeds another dot ("chained": S feeds
             # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
@@ -304,9 +321,9 @@ def _mla_decode_kernel(
             qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
             qk = _dot(q_own, k_lat, qk, UPCAST)
             if DV_SPLIT == 2:
-                kvo = tl.load(KV + row[:, None] + offs_oth[None, :], mask=mask_n[:, None],
+                kvo = tl.load(kv_base + row[:, None] + offs_oth[None, :], mask=mask_n[:, None],
                               other=0.0)
-                qk = _dot(q_oth, to_dot(tl.trans(kvo), DT, FP8_SHIFT), qk, UPCAST)
+                qk = _dot(q_oth, tl.trans(kvo).to(DT), qk, UPCAST)
             qk = qk * scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
@@ -385,13 +402,19 @@ def _mla_merge_kernel(
 
 
 def _merge_config(batch: int, heads: int) -> tuple[int, int, int]:
-    """(BLOCK_HM, BLOCK_D, CHUNK_S) of the merge kernel for B * H (head, sequence) rows."""
+    """(BLOCK_HM, BLOCK_D, CHUNK_S) of the merge kernel for B * H (head, sequence) rows.
+
+    B * H < 256 (batch 1 with long contexts, where the splits are many): one head and 64
+    columns per program, up to 128 splits per step (the launch caps CHUNK_S at the split
+    count).  Sweep 1, B=1, L=32768: 32.1 us vs 38.8 for (1, 128, 16) at H=16 / 128 splits
+    (merge alone 8.2 vs 19.8 us), 58.4 vs 61.6 at H=128 / 66 splits.
+    """
     bh = batch * heads
     if bh >= 512:
         return 4, D_LATENT, 8
     if bh >= 256:
         return 1, D_LATENT, 8
-    return 1, 128, 16
+    return 1, 64, 128
 
 
 # ----------------------------------------------------------------------------------------
@@ -467,9 +490,10 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
     if B == 0 or H == 0:
         return out
     ps = kv_cache.shape[1]
+    min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # see _split_chunk
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
-    if is_fp8 and cfg.fp8_shift and not cfg.dot_f16:
-        raise ValueError("DecodeConfig: fp8_shift builds fp16 operands; it needs dot_f16=True")
+    if is_fp8 and cfg.fp8_cvt == 3 and not cfg.dot_f16:
+        raise ValueError("DecodeConfig: fp8_cvt=3 builds fp16 operands; it needs dot_f16=True")
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     kvs_arg = kv_scale if scale_ptr else q  # dummy pointer, never read when not scale_ptr
     kvs_val = 1.0 if scale_ptr else float(kv_scale)
@@ -502,18 +526,19 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
             SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
             UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
             DOT_F16=is_fp8 and cfg.dot_f16, FP8_CVT=cfg.fp8_cvt if is_fp8 else 0,
-            FP8_SHIFT=is_fp8 and cfg.fp8_shift,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if split and "merge" in parts:
         block_hm, block_d, chunk_s, *warps = merge_cfg or _merge_config(B, H)
+        splits_pow2 = max(2, next_pow2(num_splits))
+        chunk_s = min(chunk_s, splits_pow2)  # a step wider than the splits only masks
         _LAST_LAUNCH["merge"] = _mla_merge_kernel[(triton.cdiv(H, block_hm), B,
                                                    D_LATENT // block_d)](
             po, pl, seq_lens, out,
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),
             H, num_splits, min_chunk,
-            BLOCK_N=cfg.block_n, SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=chunk_s,
+            BLOCK_N=cfg.block_n, SPLITS_POW2=splits_pow2, CHUNK_S=chunk_s,
             BLOCK_HM=block_hm, BLOCK_D=block_d,
             num_warps=warps[0] if warps else 4, num_stages=2,
         )
