@@ -289,7 +289,8 @@ def extend_config(num_heads: int, rows: int = 64, **overrides) -> ExtendConfig:
 
     64-token KV tiles, three pipeline stages (230 KB of shared memory with a 16-bit cache,
     185 KB with fp8): issue 20 sweep 1 (H200, H=128, bf16, kernel time) measured
-    1.5-2.0x over the earlier 32-token tiles with two stages at every P9 shape, e.g.
+    1.3x (prefix 0 + extend 512) to 2.0x over the earlier 32-token tiles with two
+    stages, 1.7-2.0x at the five larger P9 shapes, e.g.
     prefix 4096 + extend 4096 21.4 ms vs 37.6 (327 vs 187 TFLOP/s), prefix 32768 +
     extend 4096 134.8 ms vs 269.7; 32-token tiles with three or four stages, 32-head
     mma.sync blocks and 2 queries x 32 heads all lost to it everywhere.  Wider score
