@@ -125,8 +125,9 @@ def decode_config(num_heads: int, kv_dtype: torch.dtype = torch.bfloat16) -> Dec
       the query per score (the QK wgmma reads its A operand, the query, from shared
       memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
       may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
-      No sweep-1 variant beat it, for either cache dtype (BLOCK_N 32, 32-head mma.sync
-      blocks, fp16 dots all lost at every P1 shape).
+      Sweep 1 found nothing better for either cache dtype (BLOCK_N 32, 32-head mma.sync
+      blocks, fp16 dots lost at every P1 shape but one: 32-head blocks with 128-token
+      tiles, 29.3 vs 31.1 at B=8, L=1024, +11..38% at the others).
     * Every config of one head class has the same ``ctas_per_sm`` and ``min_chunk``, so
       :func:`default_max_splits`, which does not know the cache dtype, sizes the launch
       right for both.
