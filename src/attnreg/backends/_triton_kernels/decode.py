@@ -99,7 +99,10 @@ class DecodeConfig(NamedTuple):
     ctas_per_sm: int = 1  # programs resident per SM: how many the split heuristic aims at
     min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
     # fp8 cache only (ignored for 16-bit caches); see kv_tile in _common.py:
-    dot_f16: bool = False  # dots in fp16 (q cast once per program) rather than q's dtype
+    # dots in fp16 rather than q's dtype: e4m3 -> fp16 is one packed instruction per two
+    # values (bf16 has none on sm90); a bf16 q is cast once per program, exactly for
+    # 2^-14 <= |q| <= 65504 (a larger |q| would overflow)
+    dot_f16: bool = False
     fp8_cvt: int = 0  # 0 compiler-placed, 2 second transposed load, 3 packed asm (fp16)
 
 
