@@ -59,6 +59,7 @@ def test_decode_fp8_large(H, page_size):
     DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=3),
     DecodeConfig(16, 64, 8, 3, dot_f16=True, fp8_cvt=3),
     DecodeConfig(16, 16, 4, 4, dot_f16=True, fp8_cvt=3),
+    DecodeConfig(16, 32, 4, 3, ctas_per_sm=3, dot_f16=True, fp8_cvt=3, max_regs=168),
     DecodeConfig(64, 64, 8, 3, isolate_qk=True),  # the 64-head default
     DecodeConfig(32, 64, 8, 2, dot_f16=True, fp8_cvt=2),
 ], ids=lambda c: "_".join(str(int(v)) for v in c))

@@ -104,6 +104,9 @@ class DecodeConfig(NamedTuple):
     # 2^-14 <= |q| <= 65504 (a larger |q| would overflow)
     dot_f16: bool = False
     fp8_cvt: int = 0  # 0 compiler-placed, 2 second transposed load, 3 packed asm (fp16)
+    # registers per thread cap (ptxas .maxnreg; 0: the compiler's choice), e.g. 168 for
+    # three 4-warp programs per SM where the compiler would take up to 255 for two
+    max_regs: int = 0
 
 
 def decode_config(num_heads: int, kv_dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
@@ -530,7 +533,7 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
             SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
             UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
             DOT_F16=is_fp8 and cfg.dot_f16, FP8_CVT=cfg.fp8_cvt if is_fp8 else 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs or None,
         )
     if split and "merge" in parts:
         block_hm, block_d, chunk_s, *warps = merge_cfg or _merge_config(B, H)
