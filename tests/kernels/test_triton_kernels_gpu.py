@@ -22,6 +22,8 @@ from attnreg.backends._triton_kernels import (
 from attnreg.backends._triton_kernels import extend as extend_mod
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl
 from attnreg.backends._triton_kernels.extend import ExtendConfig
+from attnreg.registry import GraphMode
+from attnreg.runtime import GraphRunner
 
 from .test_triton_kernels import (
     FP8,
@@ -108,18 +110,8 @@ def test_mha_prefill_large():
 
 
 def _graph(fn):
-    fn()  # compile outside capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
+    """``fn`` captured by the project's one graph runner (two side-stream warm-ups)."""
+    return GraphRunner("cuda", warmup=2).capture(fn, GraphMode.FULL)
 
 
 @pytest.mark.parametrize("H", [16, 128])

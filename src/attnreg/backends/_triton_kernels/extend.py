@@ -28,6 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+# the sizing the declaration estimates with (re-exported: kernel callers import it here)
+from ..declarations.triton_sizing import (  # noqa: F401
+    EXTEND_MIN_CHUNK_TOKENS,
+    default_extend_splits,
+    extend_tile,
+)
 from ._common import (
     KV_FP8_DTYPE,
     LOG2E,
@@ -252,11 +258,6 @@ def _mla_extend_merge_kernel(
              (acc * inv).to(OUT.dtype.element_ty))
 
 
-#: Shortest KV chunk a split gets from the heuristic: each split adds a 64-row x 512
-#: fp32 partial output to write and merge, which a few hundred tokens of attention repay.
-EXTEND_MIN_CHUNK_TOKENS = 256
-
-
 class MLAExtendWorkspace(NamedTuple):
     """Scratch buffers of split-KV extend (allocate once, reuse across graph replays).
 
@@ -303,25 +304,6 @@ def extend_config(num_heads: int, rows: int = 64, **overrides) -> ExtendConfig:
 
 def _extend_config(num_heads: int) -> ExtendConfig:
     return extend_config(num_heads)
-
-
-def default_extend_splits(batch_size: int, num_tokens: int, num_heads: int, max_seq_len: int,
-                          num_sms: int) -> int:
-    """KV splits of an extend launch over ``num_tokens`` query rows in ``batch_size`` sequences.
-
-    Without splits the launch has about ``(cdiv(num_tokens, BLOCK_Q) + batch_size - 1) *
-    head blocks`` working programs (one per 64 query-head rows).  A short extend over a
-    long prefix (a few new tokens at B=1) leaves most of the GPU idle; splits are added
-    until one wave of ``num_sms`` programs is full, but no chunk gets shorter than
-    :data:`EXTEND_MIN_CHUNK_TOKENS` of ``max_seq_len``.  Capped at 256.  Long extends
-    get 1: they fill the GPU by themselves.
-    """
-    block_h, block_q = _extend_config(num_heads)[:2]
-    blocks = triton.cdiv(max(1, num_tokens), block_q) + max(1, batch_size) - 1
-    base = blocks * triton.cdiv(max(1, num_heads), block_h)
-    splits = max(1, num_sms // base)
-    splits = min(splits, max(1, triton.cdiv(max(1, max_seq_len), EXTEND_MIN_CHUNK_TOKENS)), 256)
-    return int(splits)
 
 
 def mla_extend_workspace(num_tokens: int, num_heads: int, num_splits: int,
