@@ -15,7 +15,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
 
 from attnreg.backends._triton_kernels import (
     default_extend_splits,
@@ -27,7 +26,6 @@ from attnreg.backends._triton_kernels import (
     mla_extend_workspace,
 )
 from attnreg.backends._triton_kernels import extend as extend_mod
-from attnreg.backends._triton_kernels._common import fp8_to_f16, next_pow2
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
 from attnreg.backends._triton_kernels.extend import ExtendConfig
 
@@ -193,15 +191,23 @@ def test_decode_device_split_count_and_varying_lengths():
         assert_close(out, ref)
 
 
+# Every decode code path on a few heads (the rest of a head block masked): the mma.sync
+# path (16 / 32-head blocks, warps split the tokens) and the un-chained wgmma path of 64+
+# heads (isolate_qk); a 16-bit cache and fp8, converted where the compiler puts it or
+# loaded twice with fp16 dots (fp8_two_loads); page size 16 with one-page tiles (a page
+# holds a 16-token tile), the per-token gather at that page size (page_tiles off) and
+# page size 1; with and without splits.
 @pytest.mark.parametrize("cfg", [
-    DecodeConfig(64, 16, 8, 2, isolate_qk=True),   # the H >= 64 GPU path (un-chained QK)
-    DecodeConfig(64, 32, 4, 2, dv_split=2),         # V columns split over two programs
+    DecodeConfig(16, 16, 4, 2),
+    DecodeConfig(16, 16, 4, 2, fp8_two_loads=True),
     DecodeConfig(32, 16, 8, 2),
-], ids=["isolate_qk", "dv_split2", "block_h32"])
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True),
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True, page_tiles=False),
+], ids=["h16", "h16_two_loads", "h32", "h64_isolate", "h64_isolate_gather"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_decode_kernel_variants(cfg, kv):
-    """The GPU configs for many heads, run on a few heads (the rest of the block masked)."""
-    lens, H, ps = [3, 50, 33], 3, 16
+@pytest.mark.parametrize("ps", [16, 1])
+def test_decode_kernel_variants(cfg, kv, ps):
+    lens, H = [3, 50, 33], 3
     kv_dtype = torch.bfloat16 if kv == "bf16" else FP8
     scale = 1.0 if kv == "bf16" else 0.6
     cache, table, dense = make_paged_kv(lens, ps, kv_dtype, seed=5)
@@ -217,66 +223,18 @@ def test_decode_kernel_variants(cfg, kv):
         assert_close(out, ref)
 
 
-# fp8 conversion variants (see kv_tile in _common.py): dots in fp16 or q's dtype, the tile
-# converted where the compiler puts it (0), loaded twice (2) or converted once into a
-# 16-bit tile (3; the interpreter runs its .to() fallback, the GPU tests the inline asm);
-# with the mma.sync path (16 heads), the un-chained wgmma path (64-head block) and the
-# split-V path; page size 16 (one page per 16-token tile) and 1 (per-token page gathers).
-@pytest.mark.parametrize("cfg", [
-    DecodeConfig(16, 16, 4, 2, dot_f16=True),
-    DecodeConfig(16, 16, 4, 2, fp8_cvt=2),
-    DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=2),
-    DecodeConfig(16, 16, 4, 2, dot_f16=True, fp8_cvt=3),
-    DecodeConfig(64, 16, 8, 2, isolate_qk=True, dot_f16=True, fp8_cvt=3),
-    DecodeConfig(64, 32, 4, 2, dv_split=2, dot_f16=True, fp8_cvt=3),
-], ids=["f16", "cvt2", "f16_cvt2", "f16_cvt3", "isolate_f16_cvt3", "dv2_f16_cvt3"])
-@pytest.mark.parametrize("ps", [16, 1])
-def test_decode_fp8_conversion_variants(cfg, ps):
-    lens, H = [3, 50, 33], 3
-    cache, table, dense = make_paged_kv(lens, ps, FP8, seed=6)
-    q = torch.randn(3, H, 576).bfloat16().to(DEV)
-    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1, 0.6)[0]
-                       for b in range(3)])
-    ws = mla_decode_workspace(3, H, 3, DEV)
-    for splits in (1, 3):
-        out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
-        _mla_decode_impl(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
-                         out, sm_scale=0.1, kv_scale=0.6, num_splits=splits,
-                         min_chunk=cfg.block_n, workspace=ws, cfg=cfg)
-        assert_close(out, ref)
-
-
-def test_decode_fp8_asm_conversion_needs_fp16_dots():
-    cache, table, _ = make_paged_kv([5], 16, FP8)
-    q = torch.randn(1, 2, 576).bfloat16().to(DEV)
-    out = torch.empty(1, 2, 512, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(ValueError, match="dot_f16"):
-        _mla_decode_impl(q, cache, table, torch.tensor([5], dtype=torch.int32, device=DEV),
-                         out, sm_scale=0.1, kv_scale=1.0, num_splits=1, min_chunk=16,
-                         workspace=None, cfg=DecodeConfig(16, 16, 4, 2, fp8_cvt=3))
-
-
-@triton.jit
-def _fp8_to_f16_probe(X, Y, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(Y + offs, fp8_to_f16(tl.load(X + offs)))
-
-
-@pytest.mark.skipif(FP8 is None, reason="torch has no float8_e4m3fn")
-def test_fp8_to_fp16_conversion_is_exact_for_every_code():
-    """Every finite e4m3 code (subnormals, +-0, +-448 included) gives its value (on a GPU
-    through the packed inline-asm conversion, 4 codes per asm: the order is checked)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    x = codes.view(FP8)
-    finite = ~torch.isnan(x.float())
-    x = x[finite].contiguous()
-    n = next_pow2(x.numel())
-    xp = torch.zeros(n, dtype=torch.uint8).view(FP8)
-    xp[:x.numel()] = x
-    y = torch.empty(n, dtype=torch.float16)
-    xp, y = xp.to(DEV), y.to(DEV)
-    _fp8_to_f16_probe[(1,)](xp, y, N=n)
-    assert torch.equal(y[:x.numel()].float().cpu(), x.float())
+def test_decode_configs_by_head_count_and_cache_dtype():
+    """The shipped defaults (issue 20 sweeps): what each head class and cache dtype gets."""
+    assert decode_config(16, torch.bfloat16) == DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
+    assert decode_config(16, FP8) == DecodeConfig(16, 32, 4, 3, ctas_per_sm=2,
+                                                  fp8_two_loads=True)
+    assert decode_config(128, torch.bfloat16).page_tiles
+    assert not decode_config(128, FP8).page_tiles
+    assert decode_config(128, "fp8_e4m3") == decode_config(128, FP8)
+    for heads in (8, 16, 32, 64, 128):  # one split sizing per head class, whatever the dtype
+        bf, f8 = decode_config(heads, torch.bfloat16), decode_config(heads, FP8)
+        assert (bf.block_h, bf.ctas_per_sm, bf.min_chunk) == \
+            (f8.block_h, f8.ctas_per_sm, f8.min_chunk)
 
 
 @pytest.mark.parametrize("page_size", [16, 1])
@@ -316,7 +274,7 @@ def test_decode_parts_launch_each_kernel():
 
 
 @pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2),
-                                       (1, 64, 32, 2), (1, 64, 128)])
+                                       (1, 64, 128)])
 def test_decode_merge_variants(merge_cfg):
     """Every merge-kernel shape the host may pick (heads per program, columns, splits
     per step), with 3 heads so that a 4-head program has a masked head."""
@@ -424,20 +382,19 @@ def test_extend_split_kv_fp8():
     run_extend_case([60, 3], [5, 30], 2, 16, FP8, kv_scale=0.7, num_splits=3, min_chunk=1)
 
 
-# Extend tile variants (ExtendConfig): mma.sync rows (32 heads, chained dots), two
-# queries per program, fp8 conversion variants; with and without KV splits.
-@pytest.mark.parametrize("cfg,kv", [
-    (ExtendConfig(32, 1, 16, 8, 2, isolate_qk=False), "bf16"),
-    (ExtendConfig(2, 2, 16, 4, 3), "bf16"),
-    (ExtendConfig(4, 1, 16, 8, 2, dot_f16=True, fp8_cvt=3), "fp8"),
-    (ExtendConfig(4, 1, 16, 8, 2, isolate_qk=False, dot_f16=True, fp8_cvt=2), "fp8"),
-], ids=["h32_chained", "q2", "fp8_f16_cvt3", "fp8_f16_cvt2_chained"])
+# Extend tile shapes (ExtendConfig): one query x 4 heads, two queries x 2 heads; a 16-bit
+# and an fp8 cache; page 16 (one page per 16-token tile) and 1 (per-token gathers); with
+# and without KV splits.
+@pytest.mark.parametrize("cfg", [ExtendConfig(4, 1, 16, 8, 2), ExtendConfig(2, 2, 16, 4, 3)],
+                         ids=["h4", "q2h2"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [16, 1])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_extend_config_variants(monkeypatch, cfg, kv, splits):
+def test_extend_config_variants(monkeypatch, cfg, kv, page_size, splits):
     monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)
     kv_dtype, scale = (torch.bfloat16, 1.0) if kv == "bf16" else (FP8, 0.7)
-    run_extend_case([20, 0], [9, 17], 3, 16, kv_dtype, kv_scale=scale, num_splits=splits,
-                    min_chunk=1)
+    run_extend_case([20, 0], [9, 17], 3, page_size, kv_dtype, kv_scale=scale,
+                    num_splits=splits, min_chunk=1)
 
 
 def test_extend_split_kv_refuses_a_small_workspace():

@@ -52,19 +52,14 @@ def test_decode_fp8_large(H, page_size):
     run_decode_case([777, 4096], H, page_size, FP8, kv_scale=0.25, max_splits=8)
 
 
-# The fp8 configs of the H200 sweeps at their real tile sizes (the CPU tests run them with
-# 16-token tiles, and the packed-asm conversion only runs here): a variant that compiles
-# differently at full size is caught here.
+# The fp8 decode configs at their real tile sizes (the CPU tests run them with 16-token
+# tiles): the shipped 16- and 64-head configs (page 64: one-page tiles at 16 heads, the
+# per-token gather at 64), and the 64-head one with one-page tiles.
 @pytest.mark.parametrize("cfg", [
-    DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=2),  # the 16-head default
-    DecodeConfig(16, 128, 8, 2, dot_f16=True, fp8_cvt=2),
-    DecodeConfig(16, 32, 4, 3, dot_f16=True, fp8_cvt=3),
-    DecodeConfig(16, 64, 8, 3, dot_f16=True, fp8_cvt=3),
-    DecodeConfig(16, 16, 4, 4, dot_f16=True, fp8_cvt=3),
-    DecodeConfig(16, 32, 4, 3, ctas_per_sm=3, dot_f16=True, fp8_cvt=3, max_regs=168),
-    DecodeConfig(64, 64, 8, 3, isolate_qk=True),  # the 64-head default
-    DecodeConfig(32, 64, 8, 2, dot_f16=True, fp8_cvt=2),
-], ids=lambda c: "_".join(str(int(v)) for v in c))
+    DecodeConfig(16, 32, 4, 3, ctas_per_sm=2, fp8_two_loads=True),  # the 16-head default
+    DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128, page_tiles=False),  # 64+
+    DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128),
+], ids=["h16_default", "h64_default", "h64_page_tiles"])
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_decode_fp8_variants_large(cfg, page_size):
     lens, H = [777, 4096, 1], (16 if cfg.block_h == 16 else 128)
@@ -82,9 +77,8 @@ def test_decode_fp8_variants_large(cfg, page_size):
 
 
 @pytest.mark.parametrize("cfg", [
-    ExtendConfig(64, 1, 32, 8, 2), ExtendConfig(64, 1, 64, 8, 3),
-    ExtendConfig(32, 1, 64, 8, 3, isolate_qk=False), ExtendConfig(32, 2, 64, 8, 2),
-    ExtendConfig(64, 1, 64, 8, 2, dot_f16=True, fp8_cvt=3),
+    ExtendConfig(64, 1, 64, 8, 3),  # the default at 64+ heads
+    ExtendConfig(64, 1, 32, 8, 2), ExtendConfig(32, 2, 64, 8, 2),
 ], ids=lambda c: "_".join(str(int(v)) for v in c))
 def test_extend_config_variants_large(monkeypatch, cfg):
     monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)

@@ -133,18 +133,19 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ONE_PAGE: tl.constexpr):
     """``(base, row)``: token ``n0 + i`` of the tile starts at ``base + row[i]`` in the cache.
 
-    Tiles start at multiples of BLOCK_N (see ``_split_chunk``), so when a page holds at
-    least one tile (both are powers of two) the whole tile lies in one page: one scalar
-    page-table read, a scalar base pointer and loop-invariant int32 row offsets.  Per-token
-    gathers (36 page loads and their 64-bit address arithmetic per thread per tile at
-    BLOCK_N = 64, 4 warps) pushed the 16-head decode at page size 64 to 255 registers and
-    50 spilled.  Smaller pages still gather one page index per token.
+    ONE_PAGE (only when a page holds at least one tile; the host decides): tiles start at
+    multiples of BLOCK_N (see ``_split_chunk``) and both are powers of two, so the whole
+    tile lies in one page: one scalar page-table read, a scalar base pointer and
+    loop-invariant int32 row offsets.  Per-token gathers (36 page loads and their 64-bit
+    address arithmetic per thread per tile at BLOCK_N = 64, 4 warps) pushed the 16-head
+    decode at page size 64 to 255 registers and 50 bytes spilled.  Otherwise one page
+    index is gathered per token.
     """
     offs = tl.arange(0, BLOCK_N)
-    if PAGE_SIZE >= BLOCK_N:
+    if ONE_PAGE:
         page = tl.load(pt_row + n0 // PAGE_SIZE)
         base = KV + page.to(tl.int64) * stride_kvp + (n0 % PAGE_SIZE) * stride_kvr
         return base, offs * stride_kvr
@@ -157,59 +158,32 @@ def tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE: tl.cons
         return KV, page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
 
 
-#: Inline PTX does not run in the Triton CPU interpreter; :func:`fp8_to_f16` falls back to
-#: ``.to()`` there (the same values: both conversions are exact for every e4m3 code).
-_PTX = tl.constexpr(not interpreting())
-
-
-@triton.jit
-def fp8_to_f16(x):
-    """e4m3 ``x`` as fp16 through opaque packed ``cvt.rn.f16x2.e4m3x2`` (4 values per asm).
-
-    Why inline asm for a conversion Triton has: Triton moves a layout conversion above a
-    pure elementwise op when its input is narrower, so ``x.to(fp16)`` feeding a dot is
-    rewritten as "read the fp8 tile from shared memory in the dot-operand layout, then
-    convert", and for a transposed fp8 operand that read is one byte per instruction (256
-    ``LDS.U8`` per thread per 64-token tile at 16 heads, offline sm90 compile, triton 3.6).
-    A non-pure asm op is not moved: the tile is converted once, in the layout it was
-    loaded in (16 bytes per ``LDS.128``), stored as fp16 and read by both dots with
-    ``ldmatrix``, as a 16-bit cache is.
-    """
-    if _PTX:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        return x.to(tl.float16)
-
-
 @triton.jit
 def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.constexpr,
-            KV_FP8: tl.constexpr, FP8_CVT: tl.constexpr):
+            KV_FP8: tl.constexpr, TWO_LOADS: tl.constexpr):
     """Load one tile of the latent cache and return its dot operands in dtype ``DT``:
     ``(k_lat [lat, N], k_pe [64, N], v [N, lat])`` (the K parts transposed for the scores,
     the latent part also the V of ``P @ V``).
 
     ``row`` [N] is each token's element offset from ``KV``; ``mask_n`` [N] its validity
     (used when MASKED).  A 16-bit tile is loaded once and read by both dots from shared
-    memory.  For an fp8 tile FP8_CVT picks how it becomes 16-bit (dot operands must be):
+    memory.  An fp8 tile must become 16-bit for the dots:
 
-    * 0: ``.to(DT)`` once, and the compiler places the conversion (the wgmma kernels at
-      64 heads convert into a 16-bit shared tile; at 16 heads, mma.sync, it reads the fp8
-      tile byte by byte in each dot's operand layout and spills);
-    * 2: load the tile a second time, transposed, for the scores (an L2 hit), each copy
-      converted in its dot's operand layout: asynchronous loads, no spill (sweep 1's best
-      at 16 heads);
-    * 3: :func:`fp8_to_f16` once, into a 16-bit shared tile that both dots read as a
-      16-bit cache tile (needs ``DT`` fp16).
+    * by default ``.to(DT)`` once, and the compiler places the conversion: the wgmma
+      kernels (64-row tiles) convert into a 16-bit shared tile; at 16 heads (mma.sync)
+      Triton moves the conversion after the shared-memory read, reading the transposed
+      fp8 operand one byte per instruction, and spills (255 registers, 136 bytes);
+    * TWO_LOADS: load the tile a second time, transposed, for the scores (an L2 hit), each
+      copy converted in its own dot's operand layout: asynchronous loads, no spill, 1.7x
+      faster at 16 heads (with fp16 ``DT``: e4m3 -> fp16 is one packed instruction per two
+      values, e4m3 -> bf16 has none on sm90).
 
-    (1, converting after the transpose, compiled to the same code as 0 at 16 heads and
-    needed 250 KB of shared memory at 64; it was removed.)
+    Tried and removed (issue 20 sweeps, H200): converting after the transpose (the same
+    code at 16 heads, 250 KB of shared memory at 64), integer-shift conversion (slower
+    everywhere), and a packed inline-asm conversion into one 16-bit shared tile read by
+    both dots (asm is not moved by the compiler): 225.9 vs 223.1 us at B=128, L=4096,
+    H=16 and no gain at B=32; it won only at B=1 with 64-token tiles and 8 warps (30.5
+    vs 34.7 us), a config that loses at the larger batches (254.8 vs 223.1).
     """
     kv_row = KV + row[:, None]
     if MASKED:
@@ -219,10 +193,7 @@ def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.con
         kv = tl.load(kv_row + offs_lat[None, :])
         kpe = tl.load(kv_row + offs_pe[None, :])
     if KV_FP8:
-        if FP8_CVT == 3:
-            kv = fp8_to_f16(kv)
-            return tl.trans(kv), tl.trans(fp8_to_f16(kpe)), kv
-        elif FP8_CVT == 2:
+        if TWO_LOADS:
             kv_col = KV + row[None, :]
             if MASKED:
                 k_t = tl.load(kv_col + offs_lat[:, None], mask=mask_n[None, :], other=0.0)

@@ -136,18 +136,15 @@ def _mla_decode_kernel(
     stride_pob, stride_pos, stride_poh,
     stride_lb, stride_ls,
     H, num_splits, min_chunk,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
-    UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr,
-    DOT_F16: tl.constexpr = False, FP8_CVT: tl.constexpr = 0,
+    UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, FP8_TWO_LOADS: tl.constexpr,
 ):
-    pid0 = tl.program_id(0)
+    hb = tl.program_id(0)
     sid = tl.program_id(1)
     b = tl.program_id(2)
-    hb = pid0 // DV_SPLIT
-    dv = pid0 % DV_SPLIT
 
     seq_len = tl.load(SEQ + b)
     chunk = _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N)
@@ -164,29 +161,23 @@ def _mla_decode_kernel(
         kvs = kv_scale
     scale = qk_scale * kvs  # sm_scale * log2(e) * kv_scale: scores go straight to exp2
 
-    DV_BLK: tl.constexpr = D_V // DV_SPLIT
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    # This program's V columns ("own") and, when the V width is split over two programs,
-    # the remaining latent columns ("other") that the scores still need.
-    offs_own = dv * DV_BLK + tl.arange(0, DV_BLK)
-    offs_oth = (1 - dv) * DV_BLK + tl.arange(0, DV_BLK)
+    offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
 
     q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    # Dot operand dtype: q's, or fp16 for an fp8 cache (see kv_tile).
-    if DOT_F16:
+    # Dot operand dtype: q's, or fp16 for an fp8 cache read twice (see kv_tile).
+    if FP8_TWO_LOADS:
         DT: tl.constexpr = tl.float16
     else:
         DT: tl.constexpr = Q.dtype.element_ty
-    q_own = tl.load(q_row + offs_own[None, :], mask=mask_h[:, None], other=0.0).to(DT)
+    q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(DT)
     q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
-    if DV_SPLIT == 2:
-        q_oth = tl.load(q_row + offs_oth[None, :], mask=mask_h[:, None], other=0.0).to(DT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, DV_BLK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
 
     pt_row = PT + b.to(tl.int64) * stride_ptb
     p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=DT)
@@ -194,10 +185,10 @@ def _mla_decode_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE,
-                                 BLOCK_N, True)
+                                 BLOCK_N, True, ONE_PAGE)
         # One load of the latent tile: K for the scores, V for the output.
-        k_lat, k_pe, v = kv_tile(kv_base, row, offs_own, offs_pe, mask_n, DT, True, KV_FP8,
-                                 FP8_CVT)
+        k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True, KV_FP8,
+                                 FP8_TWO_LOADS)
         if ISOLATE_QK:
             # Triton lays out a dot whose result feeds another dot ("chained": S feeds
             # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
@@ -221,7 +212,7 @@ def _mla_decode_kernel(
             m_new = m_i
             l_new = l_i
             if n0 < end:
-                qk = _dot(q_own, k_lat, qk_pe, UPCAST) * scale
+                qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * scale
                 qk = tl.where(mask_n[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -234,12 +225,7 @@ def _mla_decode_kernel(
             l_i = l_new
         else:
             qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
-            qk = _dot(q_own, k_lat, qk, UPCAST)
-            if DV_SPLIT == 2:
-                kvo = tl.load(kv_base + row[:, None] + offs_oth[None, :], mask=mask_n[:, None],
-                              other=0.0)
-                qk = _dot(q_oth, tl.trans(kvo).to(DT), qk, UPCAST)
-            qk = qk * scale
+            qk = _dot(q_lat, k_lat, qk, UPCAST) * scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -256,11 +242,11 @@ def _mla_decode_kernel(
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         po = (PO + b.to(tl.int64) * stride_pob + sid * stride_pos
-              + offs_h[:, None] * stride_poh + offs_own[None, :])
+              + offs_h[:, None] * stride_poh + offs_d[None, :])
         tl.store(po, o, mask=mask_h[:, None])
         tl.store(PLSE + b.to(tl.int64) * stride_lb + sid * stride_ls + offs_h, lse, mask=mask_h)
     else:
-        out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_own[None, :]
+        out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
@@ -397,7 +383,7 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
                      parts=("decode", "merge")):
     """Launch the decode kernel and, when splitting, the merge kernel.
 
-    ``merge_cfg``: (BLOCK_HM, BLOCK_D, CHUNK_S[, num_warps]) of the merge (default
+    ``merge_cfg``: (BLOCK_HM, BLOCK_D, CHUNK_S) of the merge (default
     :func:`_merge_config`).  ``parts`` launches only some of the two kernels (timing
     probes; with splits, ``("merge",)`` merges whatever the workspace holds).
     """
@@ -407,8 +393,6 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
     ps = kv_cache.shape[1]
     min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # see _split_chunk
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
-    if is_fp8 and cfg.fp8_cvt == 3 and not cfg.dot_f16:
-        raise ValueError("DecodeConfig: fp8_cvt=3 builds fp16 operands; it needs dot_f16=True")
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     kvs_arg = kv_scale if scale_ptr else q  # dummy pointer, never read when not scale_ptr
     kvs_val = 1.0 if scale_ptr else float(kv_scale)
@@ -423,8 +407,7 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
         po = pl = out  # unused
         po_strides = (0, 0, 0)
         pl_strides = (0, 0)
-    n_hb = triton.cdiv(H, cfg.block_h)
-    grid = (n_hb * cfg.dv_split, num_splits, B)
+    grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
     if "decode" in parts:
         _LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
             q, kv_cache, page_table, seq_lens, out, po, pl, kvs_arg,
@@ -435,16 +418,16 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
             out.stride(0), out.stride(1),
             *po_strides, *pl_strides,
             H, num_splits, min_chunk,
-            PAGE_SIZE=ps,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
+            PAGE_SIZE=ps, ONE_PAGE=cfg.page_tiles and ps >= cfg.block_n,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
             D_V=D_LATENT, D_PE=D_ROPE,
             SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
             UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
-            DOT_F16=is_fp8 and cfg.dot_f16, FP8_CVT=cfg.fp8_cvt if is_fp8 else 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs or None,
+            FP8_TWO_LOADS=is_fp8 and cfg.fp8_two_loads,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if split and "merge" in parts:
-        block_hm, block_d, chunk_s, *warps = merge_cfg or _merge_config(B, H)
+        block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
         splits_pow2 = max(2, next_pow2(num_splits))
         chunk_s = min(chunk_s, splits_pow2)  # a step wider than the splits only masks
         _LAST_LAUNCH["merge"] = _mla_merge_kernel[(triton.cdiv(H, block_hm), B,
@@ -455,7 +438,7 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
             H, num_splits, min_chunk,
             BLOCK_N=cfg.block_n, SPLITS_POW2=splits_pow2, CHUNK_S=chunk_s,
             BLOCK_HM=block_hm, BLOCK_D=block_d,
-            num_warps=warps[0] if warps else 4, num_stages=2,
+            num_warps=4, num_stages=2,
         )
     return out
 

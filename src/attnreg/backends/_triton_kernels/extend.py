@@ -17,7 +17,7 @@ Design
 * Two KV phases: tiles wholly below the causal diagonal of the block's first query run
   without any mask; only the last tiles evaluate the per-row causal mask.
 * Same score split as decode (512 latent + 64 rope dots), latent tile reused as V,
-  fp32 online softmax in the exp2 domain, fp8 cache converted in registers.
+  fp32 online softmax in the exp2 domain, fp8 cache converted on chip (see kv_tile).
 """
 
 from __future__ import annotations
@@ -63,59 +63,44 @@ def _finite_max(m, SAFE_MAX: tl.constexpr):
 @triton.jit
 def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv_end, scale,
                      stride_kvp, stride_kvr,
-                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr,
-                     D_PE: tl.constexpr, MASK: tl.constexpr, KV_FP8: tl.constexpr,
-                     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, SAFE_MAX: tl.constexpr,
-                     FP8_CVT: tl.constexpr):
+                     PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     D_V: tl.constexpr, D_PE: tl.constexpr, MASK: tl.constexpr,
+                     KV_FP8: tl.constexpr, UPCAST: tl.constexpr, SAFE_MAX: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
     mask_n = offs_n < kv_end
     kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE, BLOCK_N,
-                             MASK)
+                             MASK, ONE_PAGE)
     k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, q_nope.dtype, MASK, KV_FP8,
-                             FP8_CVT)
-    if ISOLATE_QK:
-        # Same device as the decode kernel (see decode.py): the score dots sit in the
-        # regions of always-true runtime ifs so that Triton does not lay them out as
-        # "chained" dots, which at 64 rows and 8 warps would make both warpgroups compute
-        # the whole score tile.  p16 is loop-carried for the same reason as there.
-        qk_pe = tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32)
-        if kv_end > n0:
-            qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
-        alpha = tl.full([q_nope.shape[0]], 1.0, dtype=tl.float32)
-        m_new = m_i
-        l_new = l_i
-        if n0 < kv_end:
-            qk = _dot(q_nope, k_lat, qk_pe, UPCAST) * scale
-            if MASK:
-                ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
-                qk = tl.where(ok, qk, float("-inf"))
-            # A row whose every column here is masked keeps its (finite, see caller) max.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = _finite_max(m_new, SAFE_MAX)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(qk - m_sub[:, None])
-            l_new = l_i * alpha + tl.sum(p, 1)
-            p16 = p.to(v.dtype)
-        acc = acc * alpha[:, None]
-        acc = _dot(p16, v, acc, UPCAST)
-        return acc, m_new, l_new, p16
-    else:
-        qk = _dot(q_pe, k_pe, tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32), UPCAST)
-        qk = _dot(q_nope, k_lat, qk, UPCAST)
-        qk = qk * scale
+                             False)
+    # Same device as the decode kernel's ISOLATE_QK (see decode.py): the score dots sit in
+    # the regions of always-true runtime ifs so that Triton does not lay them out as
+    # "chained" dots, which at 64 rows and 8 warps would make both warpgroups compute the
+    # whole score tile.  p16 is loop-carried for the same reason as there.  (Chained
+    # dots with 32-head mma.sync blocks lost in issue 20's sweep 1: 0.351 vs 0.214 ms at
+    # prefix 0 + extend 512.)
+    qk_pe = tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32)
+    if kv_end > n0:
+        qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
+    alpha = tl.full([q_nope.shape[0]], 1.0, dtype=tl.float32)
+    m_new = m_i
+    l_new = l_i
+    if n0 < kv_end:
+        qk = _dot(q_nope, k_lat, qk_pe, UPCAST) * scale
         if MASK:
             ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
             qk = tl.where(ok, qk, float("-inf"))
+        # A row whose every column here is masked keeps its (finite, see caller) max.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = _finite_max(m_new, SAFE_MAX)
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(qk - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = _dot(p.to(v.dtype), v, acc, UPCAST)
-        return acc, m_new, l_i, p16
+        l_new = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(v.dtype)
+    acc = acc * alpha[:, None]
+    acc = _dot(p16, v, acc, UPCAST)
+    return acc, m_new, l_new, p16
 
 
 # num_splits / min_chunk are not specialised: one binary serves every split count.
@@ -130,11 +115,10 @@ def _mla_extend_kernel(
     stride_pot, stride_pos, stride_poh,
     stride_lt, stride_ls,
     H, num_splits, min_chunk,
-    PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, UPCAST: tl.constexpr,
-    ISOLATE_QK: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F16: tl.constexpr = False, FP8_CVT: tl.constexpr = 0,
+    SPLIT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -152,11 +136,6 @@ def _mla_extend_kernel(
     else:
         kvs = kv_scale
     scale = qk_scale * kvs
-    # Dot operand dtype: q's, or fp16 for an fp8 cache (see kv_tile).
-    if DOT_F16:
-        DT: tl.constexpr = tl.float16
-    else:
-        DT: tl.constexpr = Q.dtype.element_ty
 
     ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
     r = tl.arange(0, ROWS)
@@ -167,8 +146,8 @@ def _mla_extend_kernel(
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
     q_row = Q + (q_start + qi).to(tl.int64) * stride_qt + h * stride_qh
-    q_nope = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_r[:, None], other=0.0).to(DT)
-    q_pe = tl.load(q_row[:, None] + offs_pe[None, :], mask=mask_r[:, None], other=0.0).to(DT)
+    q_nope = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_r[:, None], other=0.0)
+    q_pe = tl.load(q_row[:, None] + offs_pe[None, :], mask=mask_r[:, None], other=0.0)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -187,21 +166,19 @@ def _mla_extend_kernel(
     full_end = tl.minimum((q_first + 1) // BLOCK_N, kv_end // BLOCK_N) * BLOCK_N
     full_end = tl.maximum(full_end, 0)
     pt_row = PT + b.to(tl.int64) * stride_ptb
-    p16 = tl.zeros([ROWS, BLOCK_N], dtype=DT)
+    p16 = tl.zeros([ROWS, BLOCK_N], dtype=Q.dtype.element_ty)
     for n0 in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
-                                              stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              False, KV_FP8, UPCAST, ISOLATE_QK, SPLIT,
-                                              FP8_CVT)
+                                              stride_kvr, PAGE_SIZE, ONE_PAGE, BLOCK_N, D_V,
+                                              D_PE, False, KV_FP8, UPCAST, SPLIT)
     # Without splits column 0 is visible to every row, so after the first tile every row
     # max is finite; a later split may see rows with nothing visible yet (SAFE_MAX).
     for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
-                                              stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              True, KV_FP8, UPCAST, ISOLATE_QK, SPLIT,
-                                              FP8_CVT)
+                                              stride_kvr, PAGE_SIZE, ONE_PAGE, BLOCK_N, D_V,
+                                              D_PE, True, KV_FP8, UPCAST, SPLIT)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -277,32 +254,31 @@ class ExtendConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
-    isolate_qk: bool = True  # un-chained score dots (see the decode kernel)
-    # fp8 cache only (ignored for 16-bit caches); as in DecodeConfig:
-    dot_f16: bool = False
-    fp8_cvt: int = 0
 
 
-def extend_config(num_heads: int, rows: int = 64, **overrides) -> ExtendConfig:
-    """Launch configuration for ``num_heads``: ``rows`` (64 on a GPU) query-head rows per
-    program, as many heads as fit and queries for the rest, 8 warps (the 64 x 512 fp32
-    accumulator), un-chained score dots; ``overrides`` replace single fields.
+def extend_config(num_heads: int) -> ExtendConfig:
+    """Launch configuration for ``num_heads``: 64 query-head rows per program (as many
+    heads as fit, queries for the rest: :func:`extend_tile`, which the split heuristic
+    uses too), 8 warps (the 64 x 512 fp32 accumulator), 64-token KV tiles, three stages
+    (230 KB of shared memory with a 16-bit cache, 185 KB with fp8).
 
-    64-token KV tiles, three pipeline stages (230 KB of shared memory with a 16-bit cache,
-    185 KB with fp8): issue 20 sweep 1 (H200, H=128, bf16, kernel time) measured
-    1.3x (prefix 0 + extend 512) to 2.0x over the earlier 32-token tiles with two
-    stages, 1.7-2.0x at the five larger P9 shapes, e.g.
-    prefix 4096 + extend 4096 21.4 ms vs 37.6 (327 vs 187 TFLOP/s), prefix 32768 +
-    extend 4096 134.8 ms vs 269.7; 32-token tiles with three or four stages, 32-head
-    mma.sync blocks and 2 queries x 32 heads all lost to it everywhere.  Wider score
-    tiles halve the shared-memory reads of the query per score, as in the decode kernel.
+    Issue 20 (H200, H=128, bf16, kernel time, L2 flushed, ms; prefix + extend): sweep 1
+    measured 64-token tiles with three stages 1.3x (0 + 512: 0.214 vs 0.281) to 2.0x
+    (32768 + 4096: 134.8 vs 269.7) faster than the earlier 32-token tiles with two
+    stages, 1.7-2.0x at the five larger P9 shapes (4096 + 4096: 21.4 vs 37.6, 327 vs
+    187 TFLOP/s); sweep 2 reproduced it (0.214, 7.39, 1.97, 21.6, 16.3, 134.9 vs 0.281,
+    12.75, 3.52, 38.4, 32.4, 269.3).  32-token tiles with three or four stages (0.241,
+    32.7 ms at 4096 + 4096), 32-head mma.sync blocks (0.351, 42.8) and 2 queries x 32
+    heads (0.245, 29.2) all lost to it at every P9 shape.  Wider score tiles halve the
+    shared-memory reads of the query per score (the QK wgmma reads its A operand from
+    shared memory every k-step), as in the decode kernel.
     """
-    block_h = min(rows, next_pow2(max(1, num_heads)))
-    block_q = max(1, rows // block_h)
-    return ExtendConfig(block_h, block_q, 64, 8, 3, True)._replace(**overrides)
+    block_h, block_q = extend_tile(num_heads)
+    return ExtendConfig(block_h, block_q, 64, 8, 3)
 
 
 def _extend_config(num_heads: int) -> ExtendConfig:
+    # (tests swap this for other tile shapes)
     return extend_config(num_heads)
 
 
@@ -426,8 +402,6 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
     split = num_splits > 1
     block_h, block_q, block_n = cfg.block_h, cfg.block_q, cfg.block_n
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
-    if is_fp8 and cfg.fp8_cvt == 3 and not cfg.dot_f16:
-        raise ValueError("ExtendConfig: fp8_cvt=3 builds fp16 operands; it needs dot_f16=True")
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     if split:
         po, pl = workspace if workspace is not None else \
@@ -452,10 +426,9 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
         out.stride(0), out.stride(1),
         *po_strides, *pl_strides,
         H, num_splits, chunk_floor,
-        PAGE_SIZE=ps, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n,
-        D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk, SPLIT=split,
-        DOT_F16=is_fp8 and cfg.dot_f16, FP8_CVT=cfg.fp8_cvt if is_fp8 else 0,
+        PAGE_SIZE=ps, ONE_PAGE=ps >= block_n, BLOCK_Q=block_q, BLOCK_H=block_h,
+        BLOCK_N=block_n, D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
+        UPCAST=dot_upcast(q.dtype), SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
