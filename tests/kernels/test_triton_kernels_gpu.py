@@ -13,12 +13,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from attnreg.backends._triton_kernels import (
+    _launch,
     default_max_splits,
     mla_decode,
     mla_decode_workspace,
     mla_extend,
     mla_extend_workspace,
 )
+from attnreg.backends._triton_kernels import decode as decode_mod
 from attnreg.backends._triton_kernels import extend as extend_mod
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl
 from attnreg.backends._triton_kernels.extend import ExtendConfig
@@ -74,6 +76,62 @@ def test_decode_fp8_variants_large(cfg, page_size):
         _mla_decode_impl(q, cache, table, sl, out, sm_scale=0.07, kv_scale=0.25,
                          num_splits=splits, min_chunk=cfg.block_n, workspace=ws, cfg=cfg)
         assert_close(out, ref)
+
+
+class _CountJit:
+    """Wraps a @triton.jit kernel and counts its JIT launches."""
+
+    def __init__(self, fn):
+        self.fn, self.launches = fn, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.fn[grid]
+
+
+@pytest.mark.parametrize("H,kv,page_size", [(16, "bf16", 1), (128, "bf16", 64),
+                                            (16, "fp8", 64), (128, "fp8", 16)])
+@pytest.mark.parametrize("misaligned", [False, True])
+@pytest.mark.parametrize("splits", [1, 8])
+def test_direct_launch_matches_the_jit_launch(monkeypatch, H, kv, page_size, misaligned,
+                                              splits):
+    """The cached host path (the compiled kernel launched directly after the first JIT
+    launch) writes bit for bit what the JIT launch writes, split or not, aligned q or not."""
+    if not _launch.direct_launch_enabled():
+        pytest.skip(f"direct launches are off here (triton {_launch.triton.__version__})")
+    lens = [1, 700, 3000]
+    kv_dtype = torch.bfloat16 if kv == "bf16" else FP8
+    cache, table, _ = make_paged_kv(lens, page_size, kv_dtype, seed=11)
+    B, n = len(lens), len(lens) * H * 576
+    buf = torch.randn(n + 1, device="cuda").to(torch.bfloat16)
+    q = (buf[1:] if misaligned else buf[:n]).view(B, H, 576)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = torch.tensor([0.3], device="cuda") if kv == "fp8" else 1.0
+    ws = mla_decode_workspace(B, H, splits, "cuda") if splits > 1 else None
+
+    def run():
+        out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mla_decode(q, cache, table, sl, out, sm_scale=0.07, kv_scale=scale,
+                   max_splits=splits, workspace=ws)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(_launch, "_RT", None)  # every launch through the JIT
+        jit = run()
+    m = monkeypatch
+    m.setattr(decode_mod, "_PLANS", {})
+    m.setattr(_launch, "_COMPILED", {})
+    counters = {name: _CountJit(getattr(decode_mod, name))
+                for name in ("_mla_decode_kernel", "_mla_merge_kernel")}
+    for name, counter in counters.items():
+        m.setattr(decode_mod, name, counter)
+    outs = [run() for _ in range(3)]  # a JIT launch, then two direct ones
+    torch.cuda.synchronize()
+    assert counters["_mla_decode_kernel"].launches == 1
+    assert counters["_mla_merge_kernel"].launches == (1 if splits > 1 else 0)
+    assert not torch.isnan(jit.float()).any()
+    for out in outs:
+        assert torch.equal(out, jit)
 
 
 @pytest.mark.parametrize("cfg", [

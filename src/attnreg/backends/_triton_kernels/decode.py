@@ -38,6 +38,7 @@ profiler was used), 185 us at B=128, L=4096, H=16 (~3.3 TB/s).
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -66,13 +67,17 @@ from ._common import (
     next_pow2,
     tile_rows,
 )
+from ._launch import BoundLaunch, direct_context
 
 D_LATENT = 512
 D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
 
-#: The compiled kernel of the latest decode launch (diagnostics: registers, spills).
+#: The compiled kernel of the latest JIT launch of each kernel (diagnostics: registers,
+#: spills).
 _LAST_LAUNCH: dict = {}
+#: this module: BoundLaunch looks the kernels up here at each JIT launch
+_KERNELS = sys.modules[__name__]
 
 
 class MLADecodeWorkspace(NamedTuple):
@@ -378,74 +383,144 @@ def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, for
                 f"{tuple(po.shape)} {po.dtype} {po.device} and {tuple(pl.shape)} {pl.dtype}")
 
 
+class _DecodePlan:
+    """A validated decode request: its launch configuration and bound kernels.
+
+    Everything but the tensors' addresses and the two scales is fixed by the request's
+    shapes, strides and dtypes, so it is worked out once per request (see
+    :func:`mla_decode`) and each call only launches.
+    """
+
+    __slots__ = ("decode", "empty", "merge", "scale_ptr", "split", "ws_shape")
+
+    def __init__(self, q, kv_cache, page_table, out, workspace, kv_scale, *, num_splits: int,
+                 min_chunk: int, cfg: DecodeConfig, merge_cfg=None) -> None:
+        B, H, _ = q.shape
+        self.empty = B == 0 or H == 0
+        self.split = num_splits > 1
+        self.scale_ptr = isinstance(kv_scale, torch.Tensor)
+        self.ws_shape = (B, H, num_splits)
+        self.decode = self.merge = None
+        if self.empty:
+            return
+        ps = kv_cache.shape[1]
+        min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # _split_chunk
+        is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
+        if self.split and workspace is not None:
+            po_strides = tuple(workspace.partial_out.stride()[:3])
+            pl_strides = tuple(workspace.partial_lse.stride()[:2])
+        elif self.split:  # what a call allocates: contiguous [B, S, H, 512] and [B, S, H]
+            po_strides = (num_splits * H * D_LATENT, H * D_LATENT, D_LATENT)
+            pl_strides = (num_splits * H, H)
+        else:
+            po_strides, pl_strides = (0, 0, 0), (0, 0)
+        kv_dt = kv_scale.dtype if self.scale_ptr else q.dtype  # q stands in when a float
+        self.decode = BoundLaunch(
+            _KERNELS, "_mla_decode_kernel", (triton.cdiv(H, cfg.block_h), num_splits, B),
+            ints=(q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+                  page_table.stride(0), out.stride(0), out.stride(1), *po_strides,
+                  *pl_strides, H, num_splits, min_chunk),
+            constexprs=(ps, cfg.page_tiles and ps >= cfg.block_n, cfg.block_h, cfg.block_n,
+                        D_LATENT, D_ROPE, self.split, is_fp8, self.scale_ptr,
+                        dot_upcast(q.dtype), cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads),
+            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            dtypes=(q.dtype, kv_cache.dtype, page_table.dtype, torch.int32, out.dtype,
+                    torch.float32 if self.split else out.dtype,
+                    torch.float32 if self.split else out.dtype, kv_dt))
+        if self.split:
+            block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
+            splits_pow2 = max(2, next_pow2(num_splits))
+            self.merge = BoundLaunch(
+                _KERNELS, "_mla_merge_kernel", (triton.cdiv(H, block_hm), B, D_LATENT // block_d),
+                ints=(*po_strides, *pl_strides, out.stride(0), out.stride(1), H, num_splits,
+                      min_chunk),
+                # a step wider than the splits only masks
+                constexprs=(cfg.block_n, splits_pow2, min(chunk_s, splits_pow2), block_hm,
+                            block_d),
+                options=dict(num_warps=4, num_stages=2),
+                dtypes=(torch.float32, torch.float32, torch.int32, out.dtype))
+
+    def run(self, q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
+            parts=("decode", "merge")):
+        """Launch the decode kernel and, when splitting, the merge kernel."""
+        if self.empty:
+            return out
+        if not self.split:
+            po = pl = out  # not read without splits
+        elif workspace is not None:
+            po, pl = workspace
+        else:
+            po, pl = mla_decode_workspace(*self.ws_shape, q.device)
+        if self.scale_ptr:
+            kvs, kvs_val = kv_scale, 1.0
+        else:
+            kvs, kvs_val = q, float(kv_scale)  # q: a pointer the kernel never reads
+        ctx = direct_context()
+        tensors = (q, kv_cache, page_table, seq_lens, out, po, pl, kvs)
+        ptrs = None if ctx is None else [t.data_ptr() for t in tensors]
+        if "decode" in parts:
+            compiled = self.decode(tensors, (float(sm_scale) * LOG2E, kvs_val), ctx, ptrs)
+            if compiled is not None:  # a JIT launch (diagnostics: registers, spills)
+                _LAST_LAUNCH["decode"] = compiled
+        if self.merge is not None and "merge" in parts:
+            compiled = self.merge((po, pl, seq_lens, out), (), ctx,
+                                  None if ptrs is None else (ptrs[5], ptrs[6], ptrs[3], ptrs[4]))
+            if compiled is not None:
+                _LAST_LAUNCH["merge"] = compiled
+        return out
+
+
 def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
                      num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None,
                      parts=("decode", "merge")):
-    """Launch the decode kernel and, when splitting, the merge kernel.
+    """Launch with an explicit config on validated inputs (tests, tuning).
 
     ``merge_cfg``: (BLOCK_HM, BLOCK_D, CHUNK_S) of the merge (default
     :func:`_merge_config`).  ``parts`` launches only some of the two kernels (timing
     probes; with splits, ``("merge",)`` merges whatever the workspace holds).
     """
-    B, H, _ = q.shape
-    if B == 0 or H == 0:
-        return out
-    ps = kv_cache.shape[1]
-    min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # see _split_chunk
-    is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
-    scale_ptr = isinstance(kv_scale, torch.Tensor)
-    kvs_arg = kv_scale if scale_ptr else q  # dummy pointer, never read when not scale_ptr
-    kvs_val = 1.0 if scale_ptr else float(kv_scale)
-    split = num_splits > 1
-    if split and workspace is None:
-        workspace = mla_decode_workspace(B, H, num_splits, q.device)
-    if split:
-        po, pl = workspace
-        po_strides = (po.stride(0), po.stride(1), po.stride(2))
-        pl_strides = (pl.stride(0), pl.stride(1))
-    else:
-        po = pl = out  # unused
-        po_strides = (0, 0, 0)
-        pl_strides = (0, 0)
-    grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
-    if "decode" in parts:
-        _LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
-            q, kv_cache, page_table, seq_lens, out, po, pl, kvs_arg,
-            float(sm_scale) * LOG2E, kvs_val,
-            q.stride(0), q.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1),
-            page_table.stride(0),
-            out.stride(0), out.stride(1),
-            *po_strides, *pl_strides,
-            H, num_splits, min_chunk,
-            PAGE_SIZE=ps, ONE_PAGE=cfg.page_tiles and ps >= cfg.block_n,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            D_V=D_LATENT, D_PE=D_ROPE,
-            SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-            UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
-            FP8_TWO_LOADS=is_fp8 and cfg.fp8_two_loads,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    if split and "merge" in parts:
-        block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
-        splits_pow2 = max(2, next_pow2(num_splits))
-        chunk_s = min(chunk_s, splits_pow2)  # a step wider than the splits only masks
-        _LAST_LAUNCH["merge"] = _mla_merge_kernel[(triton.cdiv(H, block_hm), B,
-                                                   D_LATENT // block_d)](
-            po, pl, seq_lens, out,
-            *po_strides, *pl_strides,
-            out.stride(0), out.stride(1),
-            H, num_splits, min_chunk,
-            BLOCK_N=cfg.block_n, SPLITS_POW2=splits_pow2, CHUNK_S=chunk_s,
-            BLOCK_HM=block_hm, BLOCK_D=block_d,
-            num_warps=4, num_stages=2,
-        )
-    return out
+    plan = _DecodePlan(q, kv_cache, page_table, out, workspace, kv_scale,
+                       num_splits=num_splits, min_chunk=min_chunk, cfg=cfg,
+                       merge_cfg=merge_cfg)
+    return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
+                    parts)
+
+
+#: request key (see _request_key) -> its plan; cleared when full (an engine whose page
+#: table widens every step makes a new key per step)
+_PLANS: dict[tuple, _DecodePlan] = {}
+_MAX_PLANS = 512
+
+
+def _meta(t) -> tuple:
+    return t.dtype, t.shape, t.stride(), t.device
+
+
+def _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, workspace,
+                 force_num_splits) -> tuple | None:
+    """Everything validation and the launch plan read: types, dtypes, shapes, strides,
+    devices, and the split arguments (values and types).  None when an argument is not
+    a tensor (validation then names it)."""
+    try:
+        scale = _meta(kv_scale) if isinstance(kv_scale, torch.Tensor) else type(kv_scale)
+        ws = None if workspace is None else \
+            (type(workspace), _meta(workspace[0]), _meta(workspace[1]))
+        return (_meta(q), _meta(kv_cache), _meta(page_table), _meta(seq_lens), _meta(out),
+                scale, ws, max_splits, type(max_splits), force_num_splits,
+                type(force_num_splits))
+    except (AttributeError, TypeError, IndexError):
+        return None
 
 
 def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0,
                max_splits, workspace=None, force_num_splits=None):
     """Absorbed MLA decode over a paged latent cache; CUDA-graph capturable.
+
+    Host path: the inputs are checked once per distinct request (dtypes, shapes,
+    strides, devices and split arguments), and the launch configuration worked out then
+    is kept; later calls with such inputs only launch, and after the first launch of a
+    binary they call the compiled kernel directly (see ``_launch.py``; the JIT launch
+    where that is unavailable).
 
     Parameters
     ----------
@@ -488,13 +563,21 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
         On a wrong shape, dtype, device, int64 index tensor or too small workspace;
         raised before anything is launched.
     """
-    _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
-              kv_scale)
-    cfg = decode_config(q.shape[1], kv_cache.dtype)
-    if force_num_splits is not None:
-        num_splits, min_chunk = force_num_splits, cfg.block_n
-    else:
-        num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
-    return _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, sm_scale=sm_scale,
-                            kv_scale=kv_scale, num_splits=num_splits, min_chunk=min_chunk,
-                            workspace=workspace, cfg=cfg)
+    key = _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, workspace,
+                       force_num_splits)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace,
+                  force_num_splits, kv_scale)
+        cfg = decode_config(q.shape[1], kv_cache.dtype)
+        if force_num_splits is not None:
+            num_splits, min_chunk = force_num_splits, cfg.block_n
+        else:
+            num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
+        plan = _DecodePlan(q, kv_cache, page_table, out, workspace, kv_scale,
+                           num_splits=num_splits, min_chunk=min_chunk, cfg=cfg)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale)
