@@ -126,7 +126,7 @@ class BoundLaunch:
     ----------
     module, name
         Where the ``@triton.jit`` function lives, looked up at each JIT launch (so a
-        test or benchmark may swap it).
+        test or benchmark may swap it; compiled kernels already kept stay in use).
     grid
         Three grid dimensions.
     ints
@@ -139,8 +139,8 @@ class BoundLaunch:
         Dtypes of the pointer arguments, in order (part of the binary's key).
     """
 
-    __slots__ = ("_by_launch", "_g0", "_g1", "_g2", "_module", "_name", "_spec", "_tail",
-                 "options")
+    __slots__ = ("_by_launch", "_g0", "_g1", "_g2", "_module", "_name", "_options", "_spec",
+                 "_tail")
 
     def __init__(self, module: Any, name: str, grid: tuple[int, int, int],
                  ints: Sequence[int], constexprs: Sequence[Any], options: dict[str, Any],
@@ -149,14 +149,10 @@ class BoundLaunch:
         self._name = name
         self._g0, self._g1, self._g2 = (int(g) for g in grid)
         self._tail = (*ints, *constexprs)
-        self.options = dict(options)
-        self._spec = _spec_key(name, ints, tuple(constexprs), self.options, tuple(dtypes))
+        self._options = dict(options)
+        self._spec = _spec_key(name, ints, tuple(constexprs), self._options, tuple(dtypes))
         #: (device, alignment) -> (launcher, function, packed_metadata)
         self._by_launch: dict[Any, tuple[Any, Any, Any]] = {}
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self._g0, self._g1, self._g2
 
     def __call__(self, tensors: Sequence[Any], floats: Sequence[float] = (),
                  ctx: tuple[int, int] | None = None,
@@ -195,7 +191,7 @@ class BoundLaunch:
     def _jit(self, tensors: Sequence[Any], floats: Sequence[float]) -> Any:
         fn = getattr(self._module, self._name)
         return fn[(self._g0, self._g1, self._g2)](*tensors, *floats, *self._tail,
-                                                  **self.options)
+                                                  **self._options)
 
 
 def _entry(compiled: Any) -> tuple[Any, Any, Any] | None:
