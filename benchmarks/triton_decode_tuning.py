@@ -124,7 +124,7 @@ def candidate_configs(H):
                 C(16, 64, 4, 2, ctas_per_sm=4), C(16, 128, 8, 2, ctas_per_sm=1),
                 C(16, 64, 4, 2, ctas_per_sm=2, min_chunk=512)]
     return [C(64, 64, 8, 3, isolate_qk=True), C(64, 64, 8, 3, isolate_qk=True, min_chunk=128),
-            C(64, 32, 8, 5, isolate_qk=True), C(64, 32, 4, 2, 2)]
+            C(64, 32, 8, 5, isolate_qk=True)]
 
 
 def _kernel_key(cfg):

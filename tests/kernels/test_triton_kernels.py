@@ -14,7 +14,7 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from attnreg.backends._triton_kernels import (
     default_extend_splits,
@@ -25,7 +25,9 @@ from attnreg.backends._triton_kernels import (
     mla_extend,
     mla_extend_workspace,
 )
+from attnreg.backends._triton_kernels import extend as extend_mod
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
+from attnreg.backends._triton_kernels.extend import ExtendConfig
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,15 +191,23 @@ def test_decode_device_split_count_and_varying_lengths():
         assert_close(out, ref)
 
 
+# Every decode code path on a few heads (the rest of a head block masked): the mma.sync
+# path (16 / 32-head blocks, warps split the tokens) and the un-chained wgmma path of 64+
+# heads (isolate_qk); a 16-bit cache and fp8, converted where the compiler puts it or
+# loaded twice with fp16 dots (fp8_two_loads); page size 16 with one-page tiles (a page
+# holds a 16-token tile), the per-token gather at that page size (page_tiles off) and
+# page size 1; with and without splits.
 @pytest.mark.parametrize("cfg", [
-    DecodeConfig(64, 16, 8, 2, isolate_qk=True),   # the H >= 64 GPU path (un-chained QK)
-    DecodeConfig(64, 32, 4, 2, dv_split=2),         # V columns split over two programs
+    DecodeConfig(16, 16, 4, 2),
+    DecodeConfig(16, 16, 4, 2, fp8_two_loads=True),
     DecodeConfig(32, 16, 8, 2),
-], ids=["isolate_qk", "dv_split2", "block_h32"])
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True),
+    DecodeConfig(64, 16, 8, 2, isolate_qk=True, page_tiles=False),
+], ids=["h16", "h16_two_loads", "h32", "h64_isolate", "h64_isolate_gather"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_decode_kernel_variants(cfg, kv):
-    """The GPU configs for many heads, run on a few heads (the rest of the block masked)."""
-    lens, H, ps = [3, 50, 33], 3, 16
+@pytest.mark.parametrize("ps", [16, 1])
+def test_decode_kernel_variants(cfg, kv, ps):
+    lens, H = [3, 50, 33], 3
     kv_dtype = torch.bfloat16 if kv == "bf16" else FP8
     scale = 1.0 if kv == "bf16" else 0.6
     cache, table, dense = make_paged_kv(lens, ps, kv_dtype, seed=5)
@@ -213,7 +223,58 @@ def test_decode_kernel_variants(cfg, kv):
         assert_close(out, ref)
 
 
-@pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2)])
+def test_decode_configs_by_head_count_and_cache_dtype():
+    """The shipped defaults (issue 20 sweeps): what each head class and cache dtype gets."""
+    assert decode_config(16, torch.bfloat16) == DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
+    assert decode_config(16, FP8) == DecodeConfig(16, 32, 4, 3, ctas_per_sm=2,
+                                                  fp8_two_loads=True)
+    assert decode_config(128, torch.bfloat16).page_tiles
+    assert not decode_config(128, FP8).page_tiles
+    assert decode_config(128, "fp8_e4m3") == decode_config(128, FP8)
+    for heads in (8, 16, 32, 64, 128):  # one split sizing per head class, whatever the dtype
+        bf, f8 = decode_config(heads, torch.bfloat16), decode_config(heads, FP8)
+        assert (bf.block_h, bf.ctas_per_sm, bf.min_chunk) == \
+            (f8.block_h, f8.ctas_per_sm, f8.min_chunk)
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_decode_min_chunk_not_a_tile_multiple(page_size):
+    """A split floor that is not a multiple of the KV tile is rounded up to one: tiles
+    must start at tile multiples, or a 16-token tile would straddle two 16-token pages
+    (here a 40-token floor would start the second split of the 70-token sequence at 40)."""
+    lens, H = [70, 5, 40], 3
+    cache, table, dense = make_paged_kv(lens, page_size, torch.bfloat16, seed=8)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 4, DEV)
+    out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    _mla_decode_impl(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV), out,
+                     sm_scale=0.1, kv_scale=1.0, num_splits=4, min_chunk=40, workspace=ws,
+                     cfg=decode_config(H)._replace(block_n=16))
+    assert_close(out, ref)
+
+
+def test_decode_parts_launch_each_kernel():
+    """parts=("decode",) then ("merge",) gives what one call gives (timing probes)."""
+    lens, H = [70, 5, 40], 3
+    cache, table, dense = make_paged_kv(lens, 16, torch.bfloat16, seed=4)
+    q = torch.randn(3, H, 576).bfloat16().to(DEV)
+    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1)[0]
+                       for b in range(3)])
+    ws = mla_decode_workspace(3, H, 4, DEV)
+    out = torch.full((3, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kw = dict(sm_scale=0.1, kv_scale=1.0, num_splits=4, min_chunk=16, workspace=ws,
+              cfg=decode_config(H)._replace(block_n=16))
+    _mla_decode_impl(q, cache, table, sl, out, parts=("decode",), **kw)
+    assert torch.isnan(out.float()).all(), "decode alone must leave out to the merge"
+    _mla_decode_impl(q, cache, table, sl, out, parts=("merge",), **kw)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("merge_cfg", [(4, 512, 8), (1, 512, 8), (1, 128, 16), (4, 128, 2),
+                                       (1, 64, 128)])
 def test_decode_merge_variants(merge_cfg):
     """Every merge-kernel shape the host may pick (heads per program, columns, splits
     per step), with 3 heads so that a 4-head program has a masked head."""
@@ -279,7 +340,7 @@ def test_extend_fp8_page64():
     run_extend_case([40, 0], [9, 12], 2, 64, FP8, kv_scale=0.8)
 
 
-# Split-KV extend.  min_chunk=1 lets these short sequences use several 32-token chunks:
+# Split-KV extend.  min_chunk=1 lets these short sequences use several 64-token chunks:
 # later chunks hold rows that see nothing of them (causal), and num_splits beyond the
 # chunks a block needs leaves empty splits, which the merge must ignore.
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -298,21 +359,42 @@ def test_extend_split_kv_with_a_workspace_and_more_splits_than_chunks():
 def test_extend_split_kv_partials_are_finite():
     """A row with nothing visible in a split (causal) leaves a zero partial and an LSE of
     -inf there, never NaN: every program writes every valid row of its split."""
-    # prefix 20 + 32 new tokens: one query block (positions 20..51) whose KV [0, 52) splits
-    # at 32, so the rows at positions 20..31 see nothing of the second split
+    # prefix 40 + 32 new tokens: one query block (positions 40..71) whose KV [0, 72) splits
+    # at 64 (the KV tile), so the rows at positions 40..63 see nothing of the second split
     T, H, splits = 32 + 40, 2, 5
     ws = mla_extend_workspace(T + 2, H, splits, DEV)
     ws.partial_out.fill_(float("nan"))
     ws.partial_lse.fill_(float("nan"))
-    run_extend_case([20, 0], [32, 40], H, 16, torch.bfloat16, num_splits=splits, min_chunk=1,
+    run_extend_case([40, 0], [32, 40], H, 16, torch.bfloat16, num_splits=splits, min_chunk=1,
                     workspace=ws)
     assert torch.isfinite(ws.partial_out[:T, :splits]).all()
     assert not torch.isnan(ws.partial_lse[:T, :splits]).any()
     assert torch.isinf(ws.partial_lse[:T, :splits]).any()  # some split saw nothing
 
 
+def test_extend_split_floor_not_a_tile_multiple_page64():
+    """min_chunk 100 is rounded up to 128 (two 64-token tiles): an unrounded second split
+    would start at token 100 and its tile would run past the end of a 64-token page."""
+    run_extend_case([150], [20], 2, 64, torch.bfloat16, num_splits=3, min_chunk=100)
+
+
 def test_extend_split_kv_fp8():
     run_extend_case([60, 3], [5, 30], 2, 16, FP8, kv_scale=0.7, num_splits=3, min_chunk=1)
+
+
+# Extend tile shapes (ExtendConfig): one query x 4 heads, two queries x 2 heads; a 16-bit
+# and an fp8 cache; page 16 (one page per 16-token tile) and 1 (per-token gathers); with
+# and without KV splits.
+@pytest.mark.parametrize("cfg", [ExtendConfig(4, 1, 16, 8, 2), ExtendConfig(2, 2, 16, 4, 3)],
+                         ids=["h4", "q2h2"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_extend_config_variants(monkeypatch, cfg, kv, page_size, splits):
+    monkeypatch.setattr(extend_mod, "_extend_config", lambda num_heads: cfg)
+    kv_dtype, scale = (torch.bfloat16, 1.0) if kv == "bf16" else (FP8, 0.7)
+    run_extend_case([20, 0], [9, 17], 3, page_size, kv_dtype, kv_scale=scale,
+                    num_splits=splits, min_chunk=1)
 
 
 def test_extend_split_kv_refuses_a_small_workspace():

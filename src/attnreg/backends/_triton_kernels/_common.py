@@ -129,3 +129,81 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """``(base, row)``: token ``n0 + i`` of the tile starts at ``base + row[i]`` in the cache.
+
+    ONE_PAGE (only when a page holds at least one tile; the host decides): tiles start at
+    multiples of BLOCK_N (see ``_split_chunk``) and both are powers of two, so the whole
+    tile lies in one page: one scalar page-table read, a scalar base pointer and
+    loop-invariant int32 row offsets.  Per-token gathers (36 page loads and their 64-bit
+    address arithmetic per thread per tile at BLOCK_N = 64, 4 warps) pushed the 16-head
+    decode at page size 64 to 255 registers and 50 bytes spilled.  Otherwise one page
+    index is gathered per token.
+    """
+    offs = tl.arange(0, BLOCK_N)
+    if ONE_PAGE:
+        page = tl.load(pt_row + n0 // PAGE_SIZE)
+        base = KV + page.to(tl.int64) * stride_kvp + (n0 % PAGE_SIZE) * stride_kvr
+        return base, offs * stride_kvr
+    else:
+        offs_n = n0 + offs
+        if MASKED:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        else:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE)
+        return KV, page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
+
+
+@triton.jit
+def kv_tile(KV, row, offs_lat, offs_pe, mask_n, DT: tl.constexpr, MASKED: tl.constexpr,
+            KV_FP8: tl.constexpr, TWO_LOADS: tl.constexpr):
+    """Load one tile of the latent cache and return its dot operands in dtype ``DT``:
+    ``(k_lat [lat, N], k_pe [64, N], v [N, lat])`` (the K parts transposed for the scores,
+    the latent part also the V of ``P @ V``).
+
+    ``row`` [N] is each token's element offset from ``KV``; ``mask_n`` [N] its validity
+    (used when MASKED).  A 16-bit tile is loaded once and read by both dots from shared
+    memory.  An fp8 tile must become 16-bit for the dots:
+
+    * by default ``.to(DT)`` once, and the compiler places the conversion: the wgmma
+      kernels (64-row tiles) convert into a 16-bit shared tile; at 16 heads (mma.sync)
+      Triton moves the conversion after the shared-memory read, reading the transposed
+      fp8 operand one byte per instruction, and spills (255 registers, 136 bytes);
+    * TWO_LOADS: load the tile a second time, transposed, for the scores (an L2 hit), each
+      copy converted in its own dot's operand layout: asynchronous loads, no spill, 1.7x
+      faster at 16 heads (with fp16 ``DT``: e4m3 -> fp16 is one packed instruction per two
+      values, e4m3 -> bf16 has none on sm90).
+
+    Tried and removed (issue 20 sweeps, H200): converting after the transpose (the same
+    code at 16 heads, 250 KB of shared memory at 64), integer-shift conversion (slower
+    everywhere), and a packed inline-asm conversion into one 16-bit shared tile read by
+    both dots (asm is not moved by the compiler): 225.9 vs 223.1 us at B=128, L=4096,
+    H=16 and no gain at B=32; it won only at B=1 with 64-token tiles and 8 warps (30.5
+    vs 34.7 us), a config that loses at the larger batches (254.8 vs 223.1).
+    """
+    kv_row = KV + row[:, None]
+    if MASKED:
+        kv = tl.load(kv_row + offs_lat[None, :], mask=mask_n[:, None], other=0.0)
+        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        kv = tl.load(kv_row + offs_lat[None, :])
+        kpe = tl.load(kv_row + offs_pe[None, :])
+    if KV_FP8:
+        if TWO_LOADS:
+            kv_col = KV + row[None, :]
+            if MASKED:
+                k_t = tl.load(kv_col + offs_lat[:, None], mask=mask_n[None, :], other=0.0)
+                kpe_t = tl.load(kv_col + offs_pe[:, None], mask=mask_n[None, :], other=0.0)
+            else:
+                k_t = tl.load(kv_col + offs_lat[:, None])
+                kpe_t = tl.load(kv_col + offs_pe[:, None])
+            return k_t.to(DT), kpe_t.to(DT), kv.to(DT)
+        else:
+            kv = kv.to(DT)
+            return tl.trans(kv), tl.trans(kpe.to(DT)), kv
+    else:
+        return tl.trans(kv), tl.trans(kpe), kv

@@ -25,8 +25,8 @@ Design (why it is shaped like this)
   outputs with their log-sum-exp.  Nothing is read back to the host and, given a
   workspace, nothing is allocated: replays with other ``seq_lens`` stay correct.
 * fp32 accumulation, exp2-based online softmax (``sm_scale * log2(e)`` folded into one
-  multiply), fp8 e4m3 cache converted to the query dtype in registers and
-  ``kv_scale`` folded into the score scale and the output.
+  multiply), fp8 e4m3 cache converted to 16-bit dot operands on chip (see ``kv_tile``)
+  and ``kv_scale`` folded into the score scale and the output.
 
 Measured (one H200, bf16, page_size 1, CUDA-graph replay, cold L2; see
 benchmarks/triton_decode_tuning.py): 537 us at B=128, L=4096, H=128 (~270 TFLOP/s of
@@ -38,6 +38,7 @@ profiler was used), 185 us at B=128, L=4096, H=16 (~3.3 TB/s).
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -62,15 +63,21 @@ from ._common import (
     check_tensor,
     dot_upcast,
     kv_dtypes_for,
+    kv_tile,
     next_pow2,
+    tile_rows,
 )
+from ._launch import BoundLaunch, direct_context
 
 D_LATENT = 512
 D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
 
-#: The compiled kernel of the latest decode launch (diagnostics: registers, spills).
+#: The compiled kernel of the latest JIT launch of each kernel (diagnostics: registers,
+#: spills).
 _LAST_LAUNCH: dict = {}
+#: this module: BoundLaunch looks the kernels up here at each JIT launch
+_KERNELS = sys.modules[__name__]
 
 
 class MLADecodeWorkspace(NamedTuple):
@@ -111,6 +118,11 @@ def _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N: tl.constexpr):
     # Identical in the decode and merge kernels: both must agree on the split count.
     # num_splits / min_chunk are runtime ints so that every split count shares one
     # compiled kernel (the backend picks a different count per captured batch size).
+    # min_chunk is a multiple of BLOCK_N (the launchers round it up), so every tile
+    # starts at a multiple of BLOCK_N: tile_rows relies on it for pages that hold a whole
+    # tile.  (Rounding here instead, after the floor, lets the compiler prove the
+    # alignment, and that made it build a worse loop at page size 1: 1199 instructions
+    # per tile instead of 1022, 144 bytes spilled with three stages; offline sm90 compile.)
     chunk = tl.cdiv(seq_len, num_splits)
     chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
     return tl.maximum(chunk, min_chunk)
@@ -129,17 +141,15 @@ def _mla_decode_kernel(
     stride_pob, stride_pos, stride_poh,
     stride_lb, stride_ls,
     H, num_splits, min_chunk,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
-    UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr,
+    UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, FP8_TWO_LOADS: tl.constexpr,
 ):
-    pid0 = tl.program_id(0)
+    hb = tl.program_id(0)
     sid = tl.program_id(1)
     b = tl.program_id(2)
-    hb = pid0 // DV_SPLIT
-    dv = pid0 % DV_SPLIT
 
     seq_len = tl.load(SEQ + b)
     chunk = _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N)
@@ -156,39 +166,34 @@ def _mla_decode_kernel(
         kvs = kv_scale
     scale = qk_scale * kvs  # sm_scale * log2(e) * kv_scale: scores go straight to exp2
 
-    DV_BLK: tl.constexpr = D_V // DV_SPLIT
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    # This program's V columns ("own") and, when the V width is split over two programs,
-    # the remaining latent columns ("other") that the scores still need.
-    offs_own = dv * DV_BLK + tl.arange(0, DV_BLK)
-    offs_oth = (1 - dv) * DV_BLK + tl.arange(0, DV_BLK)
+    offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
 
     q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    q_own = tl.load(q_row + offs_own[None, :], mask=mask_h[:, None], other=0.0)
-    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0)
-    if DV_SPLIT == 2:
-        q_oth = tl.load(q_row + offs_oth[None, :], mask=mask_h[:, None], other=0.0)
+    # Dot operand dtype: q's, or fp16 for an fp8 cache read twice (see kv_tile).
+    if FP8_TWO_LOADS:
+        DT: tl.constexpr = tl.float16
+    else:
+        DT: tl.constexpr = Q.dtype.element_ty
+    q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(DT)
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, DV_BLK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
 
     pt_row = PT + b.to(tl.int64) * stride_ptb
-    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=Q.dtype.element_ty)
+    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=DT)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
-        kv_row = KV + row[:, None]
+        kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE,
+                                 BLOCK_N, True, ONE_PAGE)
         # One load of the latent tile: K for the scores, V for the output.
-        kv = tl.load(kv_row + offs_own[None, :], mask=mask_n[:, None], other=0.0)
-        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            kv = kv.to(Q.dtype.element_ty)
-            kpe = kpe.to(Q.dtype.element_ty)
+        k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True, KV_FP8,
+                                 FP8_TWO_LOADS)
         if ISOLATE_QK:
             # Triton lays out a dot whose result feeds another dot ("chained": S feeds
             # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
@@ -205,34 +210,27 @@ def _mla_decode_kernel(
             # layout conversions into the region and needs 270 KB of shared memory.
             qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             if end > n0:
-                qk_pe = _dot(q_pe, tl.trans(kpe), qk_pe, UPCAST)
+                qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
             # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
             # operand layout (a constant else-value would take its own shared memory).
             alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
             m_new = m_i
             l_new = l_i
             if n0 < end:
-                qk = _dot(q_own, tl.trans(kv), qk_pe, UPCAST) * scale
+                qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * scale
                 qk = tl.where(mask_n[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(qk - m_new[:, None])
                 l_new = l_i * alpha + tl.sum(p, 1)
-                p16 = p.to(kv.dtype)
+                p16 = p.to(DT)
             acc = acc * alpha[:, None]
-            acc = _dot(p16, kv, acc, UPCAST)
+            acc = _dot(p16, v, acc, UPCAST)
             m_i = m_new
             l_i = l_new
         else:
-            qk = _dot(q_pe, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
-                      UPCAST)
-            qk = _dot(q_own, tl.trans(kv), qk, UPCAST)
-            if DV_SPLIT == 2:
-                kvo = tl.load(kv_row + offs_oth[None, :], mask=mask_n[:, None], other=0.0)
-                if KV_FP8:
-                    kvo = kvo.to(Q.dtype.element_ty)
-                qk = _dot(q_oth, tl.trans(kvo), qk, UPCAST)
-            qk = qk * scale
+            qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
+            qk = _dot(q_lat, k_lat, qk, UPCAST) * scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -240,7 +238,7 @@ def _mla_decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            acc = _dot(p.to(kv.dtype), kv, acc, UPCAST)
+            acc = _dot(p.to(DT), v, acc, UPCAST)
             m_i = m_new
 
     has = l_i > 0.0
@@ -249,11 +247,11 @@ def _mla_decode_kernel(
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         po = (PO + b.to(tl.int64) * stride_pob + sid * stride_pos
-              + offs_h[:, None] * stride_poh + offs_own[None, :])
+              + offs_h[:, None] * stride_poh + offs_d[None, :])
         tl.store(po, o, mask=mask_h[:, None])
         tl.store(PLSE + b.to(tl.int64) * stride_lb + sid * stride_ls + offs_h, lse, mask=mask_h)
     else:
-        out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_own[None, :]
+        out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
@@ -310,13 +308,19 @@ def _mla_merge_kernel(
 
 
 def _merge_config(batch: int, heads: int) -> tuple[int, int, int]:
-    """(BLOCK_HM, BLOCK_D, CHUNK_S) of the merge kernel for B * H (head, sequence) rows."""
+    """(BLOCK_HM, BLOCK_D, CHUNK_S) of the merge kernel for B * H (head, sequence) rows.
+
+    B * H < 256 (batch 1 with long contexts, where the splits are many): one head and 64
+    columns per program, up to 128 splits per step (the launch caps CHUNK_S at the split
+    count).  Sweep 1, B=1, L=32768: 32.1 us vs 38.8 for (1, 128, 16) at H=16 / 128 splits
+    (merge alone 8.2 vs 19.8 us), 58.4 vs 61.6 at H=128 / 66 splits.
+    """
     bh = batch * heads
     if bh >= 512:
         return 4, D_LATENT, 8
     if bh >= 256:
         return 1, D_LATENT, 8
-    return 1, 128, 16
+    return 1, 64, 128
 
 
 # ----------------------------------------------------------------------------------------
@@ -379,62 +383,144 @@ def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, for
                 f"{tuple(po.shape)} {po.dtype} {po.device} and {tuple(pl.shape)} {pl.dtype}")
 
 
-def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
-                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None):
-    B, H, _ = q.shape
-    if B == 0 or H == 0:
+class _DecodePlan:
+    """A validated decode request: its launch configuration and bound kernels.
+
+    Everything but the tensors' addresses and the two scales is fixed by the request's
+    shapes, strides and dtypes, so it is worked out once per request (see
+    :func:`mla_decode`) and each call only launches.
+    """
+
+    __slots__ = ("decode", "empty", "merge", "scale_ptr", "split", "ws_shape")
+
+    def __init__(self, q, kv_cache, page_table, out, workspace, kv_scale, *, num_splits: int,
+                 min_chunk: int, cfg: DecodeConfig, merge_cfg=None) -> None:
+        B, H, _ = q.shape
+        self.empty = B == 0 or H == 0
+        self.split = num_splits > 1
+        self.scale_ptr = isinstance(kv_scale, torch.Tensor)
+        self.ws_shape = (B, H, num_splits)
+        self.decode = self.merge = None
+        if self.empty:
+            return
+        ps = kv_cache.shape[1]
+        min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # _split_chunk
+        is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
+        if self.split and workspace is not None:
+            po_strides = tuple(workspace.partial_out.stride()[:3])
+            pl_strides = tuple(workspace.partial_lse.stride()[:2])
+        elif self.split:  # what a call allocates: contiguous [B, S, H, 512] and [B, S, H]
+            po_strides = (num_splits * H * D_LATENT, H * D_LATENT, D_LATENT)
+            pl_strides = (num_splits * H, H)
+        else:
+            po_strides, pl_strides = (0, 0, 0), (0, 0)
+        kv_dt = kv_scale.dtype if self.scale_ptr else q.dtype  # q stands in when a float
+        self.decode = BoundLaunch(
+            _KERNELS, "_mla_decode_kernel", (triton.cdiv(H, cfg.block_h), num_splits, B),
+            ints=(q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+                  page_table.stride(0), out.stride(0), out.stride(1), *po_strides,
+                  *pl_strides, H, num_splits, min_chunk),
+            constexprs=(ps, cfg.page_tiles and ps >= cfg.block_n, cfg.block_h, cfg.block_n,
+                        D_LATENT, D_ROPE, self.split, is_fp8, self.scale_ptr,
+                        dot_upcast(q.dtype), cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads),
+            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            dtypes=(q.dtype, kv_cache.dtype, page_table.dtype, torch.int32, out.dtype,
+                    torch.float32 if self.split else out.dtype,
+                    torch.float32 if self.split else out.dtype, kv_dt))
+        if self.split:
+            block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
+            splits_pow2 = max(2, next_pow2(num_splits))
+            self.merge = BoundLaunch(
+                _KERNELS, "_mla_merge_kernel", (triton.cdiv(H, block_hm), B, D_LATENT // block_d),
+                ints=(*po_strides, *pl_strides, out.stride(0), out.stride(1), H, num_splits,
+                      min_chunk),
+                # a step wider than the splits only masks
+                constexprs=(cfg.block_n, splits_pow2, min(chunk_s, splits_pow2), block_hm,
+                            block_d),
+                options=dict(num_warps=4, num_stages=2),
+                dtypes=(torch.float32, torch.float32, torch.int32, out.dtype))
+
+    def run(self, q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
+            parts=("decode", "merge")):
+        """Launch the decode kernel and, when splitting, the merge kernel."""
+        if self.empty:
+            return out
+        if not self.split:
+            po = pl = out  # not read without splits
+        elif workspace is not None:
+            po, pl = workspace
+        else:
+            po, pl = mla_decode_workspace(*self.ws_shape, q.device)
+        if self.scale_ptr:
+            kvs, kvs_val = kv_scale, 1.0
+        else:
+            kvs, kvs_val = q, float(kv_scale)  # q: a pointer the kernel never reads
+        ctx = direct_context()
+        tensors = (q, kv_cache, page_table, seq_lens, out, po, pl, kvs)
+        ptrs = None if ctx is None else [t.data_ptr() for t in tensors]
+        if "decode" in parts:
+            compiled = self.decode(tensors, (float(sm_scale) * LOG2E, kvs_val), ctx, ptrs)
+            if compiled is not None:  # a JIT launch (diagnostics: registers, spills)
+                _LAST_LAUNCH["decode"] = compiled
+        if self.merge is not None and "merge" in parts:
+            compiled = self.merge((po, pl, seq_lens, out), (), ctx,
+                                  None if ptrs is None else (ptrs[5], ptrs[6], ptrs[3], ptrs[4]))
+            if compiled is not None:
+                _LAST_LAUNCH["merge"] = compiled
         return out
-    ps = kv_cache.shape[1]
-    is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
-    scale_ptr = isinstance(kv_scale, torch.Tensor)
-    kvs_arg = kv_scale if scale_ptr else q  # dummy pointer, never read when not scale_ptr
-    kvs_val = 1.0 if scale_ptr else float(kv_scale)
-    split = num_splits > 1
-    if split and workspace is None:
-        workspace = mla_decode_workspace(B, H, num_splits, q.device)
-    if split:
-        po, pl = workspace
-        po_strides = (po.stride(0), po.stride(1), po.stride(2))
-        pl_strides = (pl.stride(0), pl.stride(1))
-    else:
-        po = pl = out  # unused
-        po_strides = (0, 0, 0)
-        pl_strides = (0, 0)
-    n_hb = triton.cdiv(H, cfg.block_h)
-    grid = (n_hb * cfg.dv_split, num_splits, B)
-    _LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
-        q, kv_cache, page_table, seq_lens, out, po, pl, kvs_arg,
-        float(sm_scale) * LOG2E, kvs_val,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        out.stride(0), out.stride(1),
-        *po_strides, *pl_strides,
-        H, num_splits, min_chunk,
-        PAGE_SIZE=ps,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
-        D_V=D_LATENT, D_PE=D_ROPE,
-        SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split:
-        block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
-        _mla_merge_kernel[(triton.cdiv(H, block_hm), B, D_LATENT // block_d)](
-            po, pl, seq_lens, out,
-            *po_strides, *pl_strides,
-            out.stride(0), out.stride(1),
-            H, num_splits, min_chunk,
-            BLOCK_N=cfg.block_n, SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=chunk_s,
-            BLOCK_HM=block_hm, BLOCK_D=block_d,
-            num_warps=4, num_stages=2,
-        )
-    return out
+
+
+def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
+                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None,
+                     parts=("decode", "merge")):
+    """Launch with an explicit config on validated inputs (tests, tuning).
+
+    ``merge_cfg``: (BLOCK_HM, BLOCK_D, CHUNK_S) of the merge (default
+    :func:`_merge_config`).  ``parts`` launches only some of the two kernels (timing
+    probes; with splits, ``("merge",)`` merges whatever the workspace holds).
+    """
+    plan = _DecodePlan(q, kv_cache, page_table, out, workspace, kv_scale,
+                       num_splits=num_splits, min_chunk=min_chunk, cfg=cfg,
+                       merge_cfg=merge_cfg)
+    return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
+                    parts)
+
+
+#: request key (see _request_key) -> its plan; cleared when full (an engine whose page
+#: table widens every step makes a new key per step)
+_PLANS: dict[tuple, _DecodePlan] = {}
+_MAX_PLANS = 512
+
+
+def _meta(t) -> tuple:
+    return t.dtype, t.shape, t.stride(), t.device
+
+
+def _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, workspace,
+                 force_num_splits) -> tuple | None:
+    """Everything validation and the launch plan read: types, dtypes, shapes, strides,
+    devices, and the split arguments (values and types).  None when an argument is not
+    a tensor (validation then names it)."""
+    try:
+        scale = _meta(kv_scale) if isinstance(kv_scale, torch.Tensor) else type(kv_scale)
+        ws = None if workspace is None else \
+            (type(workspace), _meta(workspace[0]), _meta(workspace[1]))
+        return (_meta(q), _meta(kv_cache), _meta(page_table), _meta(seq_lens), _meta(out),
+                scale, ws, max_splits, type(max_splits), force_num_splits,
+                type(force_num_splits))
+    except (AttributeError, TypeError, IndexError):
+        return None
 
 
 def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0,
                max_splits, workspace=None, force_num_splits=None):
     """Absorbed MLA decode over a paged latent cache; CUDA-graph capturable.
+
+    Host path: the inputs are checked once per distinct request (dtypes, shapes,
+    strides, devices and split arguments), and the launch configuration worked out then
+    is kept; later calls with such inputs only launch, and after the first launch of a
+    binary they call the compiled kernel directly (see ``_launch.py``; the JIT launch
+    where that is unavailable).
 
     Parameters
     ----------
@@ -477,13 +563,21 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
         On a wrong shape, dtype, device, int64 index tensor or too small workspace;
         raised before anything is launched.
     """
-    _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
-              kv_scale)
-    cfg = decode_config(q.shape[1], kv_cache.dtype)
-    if force_num_splits is not None:
-        num_splits, min_chunk = force_num_splits, cfg.block_n
-    else:
-        num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
-    return _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, sm_scale=sm_scale,
-                            kv_scale=kv_scale, num_splits=num_splits, min_chunk=min_chunk,
-                            workspace=workspace, cfg=cfg)
+    key = _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, workspace,
+                       force_num_splits)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace,
+                  force_num_splits, kv_scale)
+        cfg = decode_config(q.shape[1], kv_cache.dtype)
+        if force_num_splits is not None:
+            num_splits, min_chunk = force_num_splits, cfg.block_n
+        else:
+            num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
+        plan = _DecodePlan(q, kv_cache, page_table, out, workspace, kv_scale,
+                           num_splits=num_splits, min_chunk=min_chunk, cfg=cfg)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale)

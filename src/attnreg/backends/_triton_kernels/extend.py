@@ -17,7 +17,7 @@ Design
 * Two KV phases: tiles wholly below the causal diagonal of the block's first query run
   without any mask; only the last tiles evaluate the per-row causal mask.
 * Same score split as decode (512 latent + 64 rope dots), latent tile reused as V,
-  fp32 online softmax in the exp2 domain, fp8 cache converted in registers.
+  fp32 online softmax in the exp2 domain, fp8 cache converted on chip (see kv_tile).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ from ._common import (
     check_kv_scale,
     check_tensor,
     dot_upcast,
+    kv_tile,
     next_pow2,
+    tile_rows,
 )
 from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs
 
@@ -61,70 +63,44 @@ def _finite_max(m, SAFE_MAX: tl.constexpr):
 @triton.jit
 def _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row, n0, q_pos, kv_end, scale,
                      stride_kvp, stride_kvr,
-                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr,
-                     D_PE: tl.constexpr, MASK: tl.constexpr, KV_FP8: tl.constexpr,
-                     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, SAFE_MAX: tl.constexpr):
+                     PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     D_V: tl.constexpr, D_PE: tl.constexpr, MASK: tl.constexpr,
+                     KV_FP8: tl.constexpr, UPCAST: tl.constexpr, SAFE_MAX: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
-    if MASK:
-        mask_n = offs_n < kv_end
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-    else:
-        page = tl.load(pt_row + offs_n // PAGE_SIZE)
-    row = page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr
-    kv_row = KV + row[:, None]
-    if MASK:
-        kv = tl.load(kv_row + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
-    else:
-        kv = tl.load(kv_row + offs_d[None, :])
-        kpe = tl.load(kv_row + offs_pe[None, :])
-    if KV_FP8:
-        kv = kv.to(q_nope.dtype)
-        kpe = kpe.to(q_nope.dtype)
-    if ISOLATE_QK:
-        # Same device as the decode kernel (see decode.py): the score dots sit in the
-        # regions of always-true runtime ifs so that Triton does not lay them out as
-        # "chained" dots, which at 64 rows and 8 warps would make both warpgroups compute
-        # the whole score tile.  p16 is loop-carried for the same reason as there.
-        qk_pe = tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32)
-        if kv_end > n0:
-            qk_pe = _dot(q_pe, tl.trans(kpe), qk_pe, UPCAST)
-        alpha = tl.full([q_nope.shape[0]], 1.0, dtype=tl.float32)
-        m_new = m_i
-        l_new = l_i
-        if n0 < kv_end:
-            qk = _dot(q_nope, tl.trans(kv), qk_pe, UPCAST) * scale
-            if MASK:
-                ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
-                qk = tl.where(ok, qk, float("-inf"))
-            # A row whose every column here is masked keeps its (finite, see caller) max.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = _finite_max(m_new, SAFE_MAX)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(qk - m_sub[:, None])
-            l_new = l_i * alpha + tl.sum(p, 1)
-            p16 = p.to(kv.dtype)
-        acc = acc * alpha[:, None]
-        acc = _dot(p16, kv, acc, UPCAST)
-        return acc, m_new, l_new, p16
-    else:
-        qk = _dot(q_pe, tl.trans(kpe), tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32),
-                  UPCAST)
-        qk = _dot(q_nope, tl.trans(kv), qk, UPCAST)
-        qk = qk * scale
+    mask_n = offs_n < kv_end
+    kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE, BLOCK_N,
+                             MASK, ONE_PAGE)
+    k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, q_nope.dtype, MASK, KV_FP8,
+                             False)
+    # Same device as the decode kernel's ISOLATE_QK (see decode.py): the score dots sit in
+    # the regions of always-true runtime ifs so that Triton does not lay them out as
+    # "chained" dots, which at 64 rows and 8 warps would make both warpgroups compute the
+    # whole score tile.  p16 is loop-carried for the same reason as there.  (Chained
+    # dots with 32-head mma.sync blocks lost in issue 20's sweep 1: 0.351 vs 0.214 ms at
+    # prefix 0 + extend 512.)
+    qk_pe = tl.zeros([q_nope.shape[0], BLOCK_N], dtype=tl.float32)
+    if kv_end > n0:
+        qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
+    alpha = tl.full([q_nope.shape[0]], 1.0, dtype=tl.float32)
+    m_new = m_i
+    l_new = l_i
+    if n0 < kv_end:
+        qk = _dot(q_nope, k_lat, qk_pe, UPCAST) * scale
         if MASK:
             ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
             qk = tl.where(ok, qk, float("-inf"))
+        # A row whose every column here is masked keeps its (finite, see caller) max.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = _finite_max(m_new, SAFE_MAX)
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(qk - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = _dot(p.to(kv.dtype), kv, acc, UPCAST)
-        return acc, m_new, l_i, p16
+        l_new = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(v.dtype)
+    acc = acc * alpha[:, None]
+    acc = _dot(p16, v, acc, UPCAST)
+    return acc, m_new, l_new, p16
 
 
 # num_splits / min_chunk are not specialised: one binary serves every split count.
@@ -139,10 +115,10 @@ def _mla_extend_kernel(
     stride_pot, stride_pos, stride_poh,
     stride_lt, stride_ls,
     H, num_splits, min_chunk,
-    PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, UPCAST: tl.constexpr,
-    ISOLATE_QK: tl.constexpr, SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -194,15 +170,15 @@ def _mla_extend_kernel(
     for n0 in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
-                                              stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              False, KV_FP8, UPCAST, ISOLATE_QK, SPLIT)
+                                              stride_kvr, PAGE_SIZE, ONE_PAGE, BLOCK_N, D_V,
+                                              D_PE, False, KV_FP8, UPCAST, SPLIT)
     # Without splits column 0 is visible to every row, so after the first tile every row
     # max is finite; a later split may see rows with nothing visible yet (SAFE_MAX).
     for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         acc, m_i, l_i, p16 = _mla_extend_tile(acc, m_i, l_i, p16, q_nope, q_pe, KV, pt_row,
                                               n0, q_pos, kv_end, scale, stride_kvp,
-                                              stride_kvr, PAGE_SIZE, BLOCK_N, D_V, D_PE,
-                                              True, KV_FP8, UPCAST, ISOLATE_QK, SPLIT)
+                                              stride_kvr, PAGE_SIZE, ONE_PAGE, BLOCK_N, D_V,
+                                              D_PE, True, KV_FP8, UPCAST, SPLIT)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
@@ -270,11 +246,40 @@ class MLAExtendWorkspace(NamedTuple):
     partial_lse: torch.Tensor
 
 
-def _extend_config(num_heads: int):
-    """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps, num_stages, isolate_qk): 64 MMA rows per
-    program, 8 warps (the 64 x 512 fp32 accumulator), un-chained score dots."""
+class ExtendConfig(NamedTuple):
+    """Launch configuration of the extend kernel (see :func:`extend_config`)."""
+
+    block_h: int  # heads per program
+    block_q: int  # queries per program (rows = block_h * block_q)
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def extend_config(num_heads: int) -> ExtendConfig:
+    """Launch configuration for ``num_heads``: 64 query-head rows per program (as many
+    heads as fit, queries for the rest: :func:`extend_tile`, which the split heuristic
+    uses too), 8 warps (the 64 x 512 fp32 accumulator), 64-token KV tiles, three stages
+    (230 KB of shared memory with a 16-bit cache, 185 KB with fp8).
+
+    Issue 20 (H200, H=128, bf16, kernel time, L2 flushed, ms; prefix + extend): sweep 1
+    measured 64-token tiles with three stages 1.3x (0 + 512: 0.214 vs 0.281) to 2.0x
+    (32768 + 4096: 134.8 vs 269.7) faster than the earlier 32-token tiles with two
+    stages, 1.7-2.0x at the five larger P9 shapes (4096 + 4096: 21.4 vs 37.6, 327 vs
+    187 TFLOP/s); sweep 2 reproduced it (0.214, 7.39, 1.97, 21.6, 16.3, 134.9 vs 0.281,
+    12.75, 3.52, 38.4, 32.4, 269.3).  32-token tiles with three or four stages (0.241,
+    32.7 ms at 4096 + 4096), 32-head mma.sync blocks (0.351, 42.8) and 2 queries x 32
+    heads (0.245, 29.2) all lost to it at every P9 shape.  Wider score tiles halve the
+    shared-memory reads of the query per score (the QK wgmma reads its A operand from
+    shared memory every k-step), as in the decode kernel.
+    """
     block_h, block_q = extend_tile(num_heads)
-    return block_h, block_q, 32, 8, 2, True
+    return ExtendConfig(block_h, block_q, 64, 8, 3)
+
+
+def _extend_config(num_heads: int) -> ExtendConfig:
+    # (tests swap this for other tile shapes)
+    return extend_config(num_heads)
 
 
 def mla_extend_workspace(num_tokens: int, num_heads: int, num_splits: int,
@@ -347,7 +352,7 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
         On wrong shapes, dtypes, devices, int64 index tensors or a too small workspace,
         before any launch.
     """
-    ps = check_absorbed_inputs(q, kv_cache)
+    check_absorbed_inputs(q, kv_cache)
     dev = q.device
     T, H, _ = q.shape
     check_index("qo_indptr", qo_indptr, ndim=1, device=dev)
@@ -380,7 +385,22 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     if B == 0 or H == 0 or max_extend_len == 0:
         return out
 
-    block_h, block_q, block_n, warps, stages, isolate = _extend_config(H)
+    return _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out,
+                            sm_scale=sm_scale, kv_scale=kv_scale,
+                            max_extend_len=max_extend_len, num_splits=num_splits,
+                            workspace=workspace, min_chunk=min_chunk, cfg=_extend_config(H))
+
+
+def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *,
+                     sm_scale, kv_scale, max_extend_len: int, num_splits: int, workspace,
+                     min_chunk, cfg: ExtendConfig):
+    """Launch the extend (and merge) kernels on validated inputs with config ``cfg``."""
+    T, H, _ = q.shape
+    B = qo_indptr.shape[0] - 1
+    dev = q.device
+    ps = kv_cache.shape[1]
+    split = num_splits > 1
+    block_h, block_q, block_n = cfg.block_h, cfg.block_q, cfg.block_n
     is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     if split:
@@ -392,7 +412,9 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
         po = pl = out  # never read or written without splits
         po_strides, pl_strides = (0, 0, 0), (0, 0)
     # (without splits any floor gives one chunk covering the block's whole KV)
-    chunk_floor = max(block_n, EXTEND_MIN_CHUNK_TOKENS if min_chunk is None else min_chunk)
+    # a multiple of block_n: chunks, so tiles, start at multiples of it (see _split_chunk)
+    chunk_floor = triton.cdiv(EXTEND_MIN_CHUNK_TOKENS if min_chunk is None else min_chunk,
+                              block_n) * block_n
     grid = (triton.cdiv(max_extend_len, block_q), triton.cdiv(H, block_h), B * num_splits)
     _mla_extend_kernel[grid](
         q, kv_cache, page_table, prefix_lens, seq_lens, qo_indptr, out, po, pl,
@@ -404,10 +426,10 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
         out.stride(0), out.stride(1),
         *po_strides, *pl_strides,
         H, num_splits, chunk_floor,
-        PAGE_SIZE=ps, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n,
-        D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
-        UPCAST=dot_upcast(q.dtype), ISOLATE_QK=isolate, SPLIT=split,
-        num_warps=warps, num_stages=stages,
+        PAGE_SIZE=ps, ONE_PAGE=ps >= block_n, BLOCK_Q=block_q, BLOCK_H=block_h,
+        BLOCK_N=block_n, D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
+        UPCAST=dot_upcast(q.dtype), SPLIT=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         block_d = 128

@@ -69,39 +69,72 @@ class DecodeConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
-    dv_split: int = 1  # 2: two programs per head block, each owns 256 of the 512 V columns
     isolate_qk: bool = False  # see the kernel: un-chain the QK dot (8 warps, 64 heads)
     ctas_per_sm: int = 1  # programs resident per SM: how many the split heuristic aims at
     min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
+    # fp8 cache only: fp16 dots, the score dot reading a second, transposed load of the
+    # tile (an L2 hit), so each dot converts its own copy in its operand layout (see
+    # kv_tile in _triton_kernels/_common.py); a bf16 q is cast to fp16 once per program,
+    # exactly for 2^-14 <= |q| <= 65504
+    fp8_two_loads: bool = False
+    # a page of >= block_n tokens holds whole tiles: address a tile from one page-table
+    # read instead of one per token (tile_rows in _triton_kernels/_common.py)
+    page_tiles: bool = True
+
+
+def _is_fp8(kv_dtype: object) -> bool:
+    # a torch dtype or an attnreg DType / name (this module imports neither torch nor triton)
+    name = str(getattr(kv_dtype, "value", kv_dtype))
+    return name.endswith(("float8_e4m3fn", "fp8_e4m3"))
 
 
 def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
-    """Launch configuration for ``num_heads`` query heads (tuned on an H200; the
-    measurements behind each choice are in the docstring of
-    benchmarks/triton_decode_tuning.py).
+    """Launch configuration for ``num_heads`` query heads and a ``kv_dtype`` cache.
+
+    Tuned on one H200 (issue 20, sweeps 1 and 2 of 2026-12-01, kernel time with the L2
+    flushed, us; page size 1 unless said; docs/benchmarks-triton-tuning.md has the tables).
 
     * H <= 16 / 32: one head block holds every head; mma.sync tiles (M < 64), warps split
-      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: several
+      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: two
       programs fit on one SM, which the split heuristic uses for these memory-bound shapes.
+      16-bit cache, 16 heads: three pipeline stages, where the page-table reads of the next
+      tile become cp.async (with two they are synchronous loads in the loop): sweep 2
+      170.9 vs 183.8 (B=128, L=4096), 102.6 vs 105.9 (B=32, L=8192); at B=1, L=32768
+      33.3 vs 31.9 (a loss), where 128-token tiles with 8 warps would take 30.1 but lose
+      at page 64 (34.7 vs 30.9) and at the larger batches (193.7, 109.0).
+      fp8 cache, 16 heads: fp16 dots on 32-token tiles, each dot on its own load of the
+      tile (``fp8_two_loads``): sweep 2 223.1 / 126.0 / 34.7 at the three shapes above,
+      sweep 1 411.5 / 220.3 / 61.8 for bf16 dots with the conversion left to the compiler
+      (255 registers, 136 bytes spilled).  Still 1.2-1.3x slower than the bf16 cache.
     * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
       accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
       both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
       the query per score (the QK wgmma reads its A operand, the query, from shared
       memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
       may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
-    * ``kv_dtype`` is accepted for future per-dtype tuning; fp8 uses the same config.
+      No variant of sweep 1 beat it at more than one P1 shape, for either cache dtype.
+      One-page tiles (page size 64): bf16 505.0 vs 572.0 per-token (B=128, L=4096),
+      55.7 vs 65.3 (B=1, L=32768), 31.4 vs 32.7 (B=8, L=1024), 93.7 vs 99.3 (B=64,
+      L=2048); with an fp8 cache they lose (715.2 vs 674.1, 33.5 vs 32.8, 114.3 vs
+      110.6; 67.2 vs 68.2 the one gain), so an fp8 cache keeps the per-token path.
+    * Every config of one head class has the same ``block_h``, ``ctas_per_sm`` and
+      ``min_chunk``, so :func:`default_max_splits`, which does not know the cache dtype,
+      sizes the launch right for both.
     """
+    fp8 = _is_fp8(kv_dtype)
     if num_heads <= 16:
-        return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2)
+        if fp8:
+            return DecodeConfig(16, 32, 4, 3, ctas_per_sm=2, fp8_two_loads=True)
+        return DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
     if num_heads <= 32:
         return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
-    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128)
+    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128, page_tiles=not fp8)
 
 
 def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_seq_len: int,
                       num_sms: int) -> int:
     """The split heuristic of :func:`default_max_splits` for a given config."""
-    base = max(1, batch_size) * _cdiv(max(1, num_heads), cfg.block_h) * cfg.dv_split
+    base = max(1, batch_size) * _cdiv(max(1, num_heads), cfg.block_h)
     splits = max(1, (num_sms * cfg.ctas_per_sm) // base)
     splits = min(splits, max(1, _cdiv(max(1, max_seq_len), cfg.min_chunk)), MAX_SPLITS)
     return int(splits)
