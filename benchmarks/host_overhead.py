@@ -79,23 +79,44 @@ COMMAND = ".venv/bin/python benchmarks/host_overhead.py"
 # ----------------------------------------------------------------------------------------
 # stubs
 # ----------------------------------------------------------------------------------------
+class _StubCompiled:
+    """What a JIT launch returns, as the direct-launch cache reads it: a no-op launcher."""
+
+    function = 0
+    packed_metadata = (4, 1, 0)
+
+    def run(self, *args: Any) -> None:
+        return None
+
+
 class _StubLaunch:
     """Stands in for a ``@triton.jit`` function: ``kernel[grid](*args)`` does nothing."""
 
     def __init__(self) -> None:
         self.launches = 0
 
-    def __getitem__(self, grid: Any) -> Callable[..., None]:
-        def launch(*args: Any, **kwargs: Any) -> None:
+    def __getitem__(self, grid: Any) -> Callable[..., _StubCompiled]:
+        def launch(*args: Any, **kwargs: Any) -> _StubCompiled:
             self.launches += 1
+            return _StubCompiled()
         return launch
 
 
 def stub_triton_launches() -> None:
-    """Replace the decode and merge kernels of ``mla_decode`` with no-op launches."""
+    """Replace the decode and merge kernels of ``mla_decode`` with no-op launches.
+
+    The direct-launch path (``_triton_kernels._launch``) is kept on with a stub
+    device/stream query and no launch hooks, so the CPU timings hold the cached
+    host path a GPU run takes, not Triton's JIT argument binding.
+    """
+    from attnreg.backends._triton_kernels import _launch
     from attnreg.backends._triton_kernels import decode as dec
     dec._mla_decode_kernel = _StubLaunch()  # type: ignore[assignment]
     dec._mla_merge_kernel = _StubLaunch()  # type: ignore[assignment]
+    no_hook = types.SimpleNamespace(calls=())
+    knobs = types.SimpleNamespace(launch_enter_hook=no_hook, launch_exit_hook=no_hook)
+    if _launch.direct_launch_enabled():
+        _launch._RT = (lambda: 0, lambda device: 0, knobs)
 
 
 class _StubMLAWrapper:
