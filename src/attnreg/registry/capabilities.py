@@ -367,7 +367,11 @@ class KernelConstraints:
 
 @dataclass(frozen=True)
 class Requirement:
-    """An optional dependency: import name, distribution, and the extra that brings it."""
+    """An optional dependency: import name, distribution, and the extra that brings it.
+
+    A plugin's own dependency has no attnreg extra: leave ``extra`` empty and
+    the install hint names the distribution.
+    """
 
     import_name: str
     distribution: str
@@ -375,6 +379,9 @@ class Requirement:
     min_version: str | None = None
 
     def install_hint(self) -> str:
+        # An empty extra marks a plugin's own dependency, which no attnreg extra brings.
+        if not self.extra:
+            return f"install {self.distribution}"
         return f"install attnreg[{self.extra}]"
 
 
