@@ -66,6 +66,7 @@ __all__ = [
     "decode_call_bytes",
     "num_sm_parts",
     "scheduler_bytes",
+    "scheduler_shapes",
 ]
 
 BACKEND_NAME = "flashmla"
@@ -117,17 +118,24 @@ def _granules(nbytes: int) -> int:
     return -(-nbytes // _ALLOC_GRANULE) * _ALLOC_GRANULE
 
 
+def scheduler_shapes(max_batch_size: int, num_heads: int, tokens_per_seq: int = 1,
+                     num_sms: int = MAX_SM90_SMS) -> tuple[tuple[int, int], tuple[int]]:
+    """Shapes of the scheduler buffers the runtime allocates once for graphs.
+
+    ``tile_scheduler_metadata`` int32 ``[num_sm_parts, 8]`` (the same for every
+    batch size) and ``num_splits`` int32 ``[max_batch_size + 1]`` (a captured
+    batch of ``bs`` reads the first ``bs + 1``).
+    """
+    return ((num_sm_parts(num_heads, tokens_per_seq, num_sms), SCHEDULER_INTS),
+            (max_batch_size + 1,))
+
+
 def scheduler_bytes(max_batch_size: int, num_heads: int, tokens_per_seq: int = 1,
                     num_sms: int = MAX_SM90_SMS) -> dict[str, int]:
-    """The scheduler buffers the runtime allocates once, by name (bytes, allocator-rounded).
-
-    ``tile_scheduler_metadata`` int32 ``[num_sm_parts, 8]`` and ``num_splits``
-    int32 ``[max_batch_size + 1]`` (a captured batch of ``bs`` reads the first
-    ``bs + 1``).
-    """
-    parts = num_sm_parts(num_heads, tokens_per_seq, num_sms)
-    return {"tile_scheduler_metadata": _granules(parts * SCHEDULER_INTS * 4),
-            "num_splits": _granules((max_batch_size + 1) * 4)}
+    """Bytes of :func:`scheduler_shapes`' buffers, by name (allocator-rounded)."""
+    meta, splits = scheduler_shapes(max_batch_size, num_heads, tokens_per_seq, num_sms)
+    return {"tile_scheduler_metadata": _granules(meta[0] * meta[1] * 4),
+            "num_splits": _granules(splits[0] * 4)}
 
 
 def decode_call_bytes(batch_size: int, num_heads: int, tokens_per_seq: int = 1,
