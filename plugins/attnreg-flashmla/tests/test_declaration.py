@@ -21,11 +21,13 @@ from attnreg.testing.claims import Check, ClaimKind, expand_claims
 
 from attnreg_flashmla.declaration import (
     BACKEND_NAME,
+    FP8_HEAD_COUNTS,
     HEAD_COUNTS,
     PAGE_SIZE,
     capabilities,
     capture_bytes,
     decode_call_bytes,
+    fp8_query_bytes,
     num_sm_parts,
     scheduler_bytes,
 )
@@ -65,18 +67,24 @@ def test_nothing_is_declared_off_sm90_and_the_reason_says_why(platform, needle):
     assert needle in caps.platform_reason
 
 
-def test_sm90_declares_the_measured_decode_kernel_only():
+def test_sm90_declares_the_measured_decode_kernels_only():
     caps = _caps("cuda:sm90")
     assert caps.platform_reason == ""
-    (kernel,) = caps.kernels
-    assert kernel.method is ForwardMethod.MLA
-    assert kernel.phases == frozenset({Phase.DECODE})
-    assert kernel.head_dims == ((576, 512),)
-    assert kernel.page_sizes == (PAGE_SIZE,) == (64,)
-    assert kernel.head_counts == HEAD_COUNTS == (1, 2, 4, 8, 16, 32, 64, 128)
-    # fp16 ran once without an accuracy check: not declared
-    assert kernel.q_dtypes == frozenset({DType.BF16})
-    assert DType.FP16 not in kernel.kv_dtypes
+    bf16, fp8 = caps.kernels
+    for kernel in (bf16, fp8):
+        assert kernel.method is ForwardMethod.MLA
+        assert kernel.phases == frozenset({Phase.DECODE})
+        assert kernel.head_dims == ((576, 512),)
+        assert kernel.page_sizes == (PAGE_SIZE,) == (64,)
+        # the engine's q is bf16 for both; fp16 ran once without an accuracy check
+        assert kernel.q_dtypes == frozenset({DType.BF16})
+        assert kernel.split_kv is SplitKV.HOST_PLANNED
+    assert bf16.kv_dtypes == frozenset({DType.BF16}) and bf16.q_compute_dtype is None
+    assert bf16.head_counts == HEAD_COUNTS == (1, 2, 4, 8, 16, 32, 64, 128)
+    # fp8: attnreg's own single-scale pool, q rounded to fp8 on the device
+    assert fp8.kv_dtypes == frozenset({DType.FP8_E4M3})
+    assert fp8.q_compute_dtype is DType.FP8_E4M3
+    assert fp8.head_counts == FP8_HEAD_COUNTS == (16, 32, 64, 128)
     assert caps.methods(Phase.PREFILL) == ()
     assert [r.distribution for r in caps.requires] == ["torch", "sgl-flash-mla"]
 
@@ -101,6 +109,8 @@ def test_decode_capture_replans_split_kv_before_every_replay_and_prefill_is_refu
     ({"num_heads": 256}, "256 heads not in"),
     ({"q_dtype": "fp16"}, "q dtype fp16 not in ['bf16']"),
     ({"kv_dtype": "fp16"}, "kv dtype fp16 not in"),
+    # 8 heads ran over a bf16 pool only (either kernel's reason may be the one shown)
+    ({"kv_dtype": "fp8_e4m3", "num_heads": 8}, "not in"),
 ])
 def test_requests_outside_the_measurements_are_refused_by_the_declaration(request_, needle):
     reasons = _caps("cuda:sm90").check_request(ForwardMethod.MLA, Phase.DECODE,
@@ -117,16 +127,21 @@ def test_prefill_requests_name_the_reason():
 
 def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
     claims = expand_claims(_caps("cuda:sm90"), "cuda")
-    eager = [c for c in claims if c.kind is ClaimKind.EAGER]
-    assert sorted(c.combo.num_heads for c in eager) == list(HEAD_COUNTS)
-    assert {(c.combo.page_size, c.combo.q_dtype, c.combo.kv_dtype, c.combo.phase)
-            for c in eager} == {(64, DType.BF16, DType.BF16, Phase.DECODE)}
+    eager = [c.combo for c in claims if c.kind is ClaimKind.EAGER]
+    assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.BF16) == list(HEAD_COUNTS)
+    assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.FP8_E4M3) \
+        == list(FP8_HEAD_COUNTS)
+    assert {(c.page_size, c.q_dtype, c.phase) for c in eager} \
+        == {(64, DType.BF16, Phase.DECODE)}
     refused = {c.check for c in claims if c.kind is ClaimKind.REFUSAL}
     assert {Check.PAGE_SIZE, Check.NUM_HEADS, Check.Q_DTYPE, Check.KV_DTYPE,
             Check.INDEX_DTYPE} <= refused
-    capture = {(c.graph_mode, c.check) for c in claims if c.kind is ClaimKind.CAPTURE}
-    assert (GraphMode.FULL, Check.SPLIT_KV) in capture
-    assert (GraphMode.FULL, Check.REPLAY) in capture
+    capture = [c for c in claims if c.kind is ClaimKind.CAPTURE]
+    assert {(c.graph_mode, c.check) for c in capture} >= {(GraphMode.FULL, Check.SPLIT_KV),
+                                                          (GraphMode.FULL, Check.REPLAY)}
+    # one replay claim per pool dtype: the fp8 path is captured too
+    assert {c.combo.kv_dtype for c in capture if c.check is Check.REPLAY} \
+        == {DType.BF16, DType.FP8_E4M3}
     assert all(c.combo.phase is Phase.DECODE for c in claims)
 
 
@@ -166,6 +181,15 @@ def test_verify_shapes_count_the_reordered_lse():
     # several query tokens per sequence: the LSE is reordered to [B, H, s_q] (a copy)
     assert "lse_reordered" not in decode_call_bytes(4, 16)
     assert decode_call_bytes(4, 16, tokens_per_seq=2)["lse_reordered"] == 512
+
+
+def test_an_fp8_pool_adds_the_rounded_queries():
+    bf16 = CaptureShape(max_batch_size=64, max_num_tokens=64, max_seq_len=4096, num_heads=128,
+                        page_size=64)
+    fp8 = CaptureShape(max_batch_size=64, max_num_tokens=64, max_seq_len=4096, num_heads=128,
+                       page_size=64, kv_dtype=DType.FP8_E4M3)
+    assert fp8_query_bytes(64, 128) == {"q_fp8": 64 * 128 * 576, "q_descale": 512}
+    assert capture_bytes(fp8) - capture_bytes(bf16) == 64 * 128 * 576 + 512
 
 
 def test_the_declaration_and_the_hook_import_neither_torch_nor_the_library():

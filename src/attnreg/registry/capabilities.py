@@ -330,6 +330,15 @@ class KernelConstraints:
     ``page_sizes`` is empty for kernels that read no paged cache (ragged MHA
     over materialised K/V).  ``head_counts`` empty means any count from 1 to
     ``max_heads``.
+
+    ``q_compute_dtype`` is set when the kernel takes q in one of ``q_dtypes``
+    but computes with it rounded to another dtype: FlashMLA's FP8 decode
+    quantises a bf16 q to fp8 e4m3 because its kernel multiplies fp8 by fp8.
+    The rounding is attnreg's convention for it: one power-of-two scale per
+    batch, the smallest with ``max|q| / scale <= 448`` over the batch's real
+    query rows, then one round-to-nearest to fp8.  The conformance oracle
+    rounds q the same way, so the tolerance measures the kernel and not the
+    quantisation it declared.
     """
 
     method: ForwardMethod
@@ -343,6 +352,7 @@ class KernelConstraints:
     causal: bool = True
     kernel: str = ""
     split_kv: SplitKV = SplitKV.NONE
+    q_compute_dtype: DType | None = None
 
     def accepts_heads(self, num_heads: int) -> bool:
         if self.head_counts:
@@ -362,6 +372,7 @@ class KernelConstraints:
             "causal": self.causal,
             "kernel": self.kernel,
             "split_kv": self.split_kv.value,
+            "q_compute_dtype": self.q_compute_dtype.value if self.q_compute_dtype else None,
         }
 
 

@@ -20,6 +20,12 @@ and the dense decode entry it calls; measured on an H200 on 2026-12-01):
   2.4e-3..3.3e-3 against a float64 oracle.  Other counts were not run.
 * bf16 q over a bf16 cache ``[num_pages, 64, 1, 576]``.  fp16 ran once but
   its accuracy was not checked: not declared.
+* FP8 cache: the dense FP8 kernel reads a plain float8_e4m3fn cache with one
+  per-tensor dequantisation scale (attnreg's own FP8 pool, viewed with one KV
+  head) but refuses a bf16 q: q must be fp8 too, with one per-tensor scale.
+  The runtime rounds q on the device (``q_compute_dtype`` fp8); with q rounded
+  the relative error was 2.9e-2..3.5e-2 for 16, 32, 64 and 128 heads, the
+  heads declared for it.  Output bf16.
 * Split-KV: the kernel's grid is ``num_sm_parts`` thread-block groups, each
   working through the (sequence, KV block) ranges a scheduler kernel
   (``get_mla_decoding_metadata``) assigns from the *device* sequence lengths.
@@ -54,6 +60,8 @@ from attnreg.registry import (
 __all__ = [
     "BACKEND_NAME",
     "FLASH_MLA",
+    "FP8_HEAD_COUNTS",
+    "FP8_KERNEL",
     "HEAD_COUNTS",
     "KERNEL",
     "MAX_SM90_SMS",
@@ -64,6 +72,7 @@ __all__ = [
     "capabilities",
     "capture_bytes",
     "decode_call_bytes",
+    "fp8_query_bytes",
     "num_sm_parts",
     "scheduler_bytes",
     "scheduler_shapes",
@@ -81,7 +90,10 @@ SM = 90
 PAGE_SIZE = 64
 #: Head counts run on the H200 (2026-12-01); nothing else is claimed.
 HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Head counts the FP8 kernel was run with.
+FP8_HEAD_COUNTS = (16, 32, 64, 128)
 KERNEL = "flash_mla_with_kvcache (legacy dense decode, sm90)"
+FP8_KERNEL = "flash_mla_with_kvcache(is_fp8_kvcache=True) (legacy dense fp8 decode, sm90)"
 
 #: SMs of the largest sm90 part (H100 SXM, H200): the scheduler's partition count
 #: grows with the SM count, so capture memory is declared for the largest.
@@ -162,6 +174,16 @@ def decode_call_bytes(batch_size: int, num_heads: int, tokens_per_seq: int = 1,
     return {name: _granules(n) for name, n in sizes.items()}
 
 
+def fp8_query_bytes(batch_size: int, num_heads: int, tokens_per_seq: int = 1) -> dict[str, int]:
+    """What the runtime allocates per FP8 call besides the library: q rounded to fp8 and its scale.
+
+    (The bf16 product q / scale it is cast from is freed before the kernel
+    allocates its accumulators, which are larger, so it adds nothing to the peak.)
+    """
+    return {"q_fp8": _granules(batch_size * tokens_per_seq * num_heads * 576),
+            "q_descale": _granules(4)}
+
+
 def capture_bytes(shape: CaptureShape) -> int:
     """Capture memory of FULL decode at ``shape``: scheduler buffers plus one call's allocations.
 
@@ -170,15 +192,21 @@ def capture_bytes(shape: CaptureShape) -> int:
     (largest batch first) reuse the largest one's memory.
     """
     tokens = max(1, shape.max_num_tokens // max(1, shape.max_batch_size))
-    return (sum(scheduler_bytes(shape.max_batch_size, shape.num_heads, tokens).values())
-            + sum(decode_call_bytes(shape.max_batch_size, shape.num_heads, tokens).values()))
+    sms = getattr(shape, "num_sms", 0) or MAX_SM90_SMS
+    total = (sum(scheduler_bytes(shape.max_batch_size, shape.num_heads, tokens, sms).values())
+             + sum(decode_call_bytes(shape.max_batch_size, shape.num_heads, tokens,
+                                     sms).values()))
+    if DType.parse(shape.kv_dtype) is DType.FP8_E4M3:
+        total += sum(fp8_query_bytes(shape.max_batch_size, shape.num_heads, tokens).values())
+    return total
 
 
 _CAPTURE_MEMORY = CaptureMemory(
     bytes_fn=capture_bytes,
     formula=("scheduler int32 [num_sm_parts, 8] + [B+1], plus per captured call bf16 out "
              "[B, H, 512], fp32 lse [B, H], fp32 split-KV accumulators [B + num_sm_parts, H, "
-             "512 + 1]; num_sm_parts = max(132 // ceil(H / 64), 1)"))
+             "512 + 1]; num_sm_parts = max(SMs // ceil(H / 64), 1), 132 SMs when unknown; "
+             "an fp8 pool adds q rounded to fp8 [B, H, 576]"))
 
 
 def _platform_reason(ctx: DeclarationContext) -> str:
@@ -211,12 +239,18 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     kernels: tuple[KernelConstraints, ...] = ()
     unavailable: tuple[tuple[str, str], ...] = ()
     if not reason:
+        bf16 = frozenset({DType.BF16})
         kernels = (
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
-                              q_dtypes=frozenset({DType.BF16}),
-                              kv_dtypes=frozenset({DType.BF16}), page_sizes=(PAGE_SIZE,),
+                              q_dtypes=bf16, kv_dtypes=bf16, page_sizes=(PAGE_SIZE,),
                               max_heads=max(HEAD_COUNTS), head_counts=HEAD_COUNTS,
                               kernel=KERNEL, split_kv=SplitKV.HOST_PLANNED),
+            # The engine hands bf16 q; the kernel computes with it rounded to fp8.
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
+                              q_dtypes=bf16, kv_dtypes=frozenset({DType.FP8_E4M3}),
+                              page_sizes=(PAGE_SIZE,), max_heads=max(FP8_HEAD_COUNTS),
+                              head_counts=FP8_HEAD_COUNTS, kernel=FP8_KERNEL,
+                              split_kv=SplitKV.HOST_PLANNED, q_compute_dtype=DType.FP8_E4M3),
         )
         unavailable = (("prefill / extend", _DECODE_ONLY),)
     unserved = CaptureSupport.unsupported(_DECODE_ONLY)
@@ -235,7 +269,9 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         # decoded the P1 shapes in 0.975x fa3's time (geometric mean).  Below
         # trtllm_mla (40), which runs only where this does not.
         priority=35,
-        notes=(f"decode only, page size {PAGE_SIZE} only, bf16, heads "
-               f"{', '.join(map(str, HEAD_COUNTS))}",
+        notes=(f"decode only, page size {PAGE_SIZE} only; bf16 pool: heads "
+               f"{', '.join(map(str, HEAD_COUNTS))}; fp8 pool: heads "
+               f"{', '.join(map(str, FP8_HEAD_COUNTS))}, q rounded to fp8 per tensor on the "
+               "device (q_compute_dtype fp8)",
                _SCHEDULER_NOTE),
     )
