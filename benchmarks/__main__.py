@@ -172,7 +172,7 @@ def _render_preview(ctx: RunContext, out: Path) -> None:
         files = [ctx.results_path] + [p for p in render.default_result_files(RESULTS_DIR)
                                       if p.resolve() != ctx.results_path.resolve()]
         md = render.render_files(files, out / "benchmarks.md", out / "img",
-                                 allow_dry_run=True, preview=True)
+                                 allow_dry_run=True)
         ctx.log(f"rendered {md}")
     except Exception as exc:  # noqa: BLE001 - the JSON is what matters; say why
         ctx.log(f"render preview failed ({type(exc).__name__}: {exc}); the JSON is complete: "

@@ -6,8 +6,8 @@ is created with (flashinfer's fa3 / fa2 kernels are two variants of
 them can run here and keeps the reason for the others, so a table always says
 why a backend is missing from it.
 
-Also: random KV pools (never zeros: METHOD.md) and a float32 reference for
-spot checks of the outputs that are timed.
+Also a float32 decode reference for spot checks of the outputs that are timed
+(random pools and relative errors are :mod:`attnreg.profiling`'s).
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ __all__ = [
     "available_variants",
     "create_backend",
     "declared_reasons",
-    "random_pool",
     "reference_decode",
-    "rel_error",
 ]
 
 
@@ -108,17 +106,6 @@ def create_backend(ctx: RunContext, variant: Variant, **config: Any) -> Any:
     return _registry().create(variant.backend, MLAConfig(**config), **variant.options)
 
 
-def random_pool(ctx: RunContext, config: Any, tokens: int, *, seed: int = 0) -> Any:
-    """An :class:`MLAKVPool` for ``tokens`` tokens (plus the padding page), random rows."""
-    torch = ctx.torch
-    pages = -(-tokens // config.page_size) + 2
-    pool = config.make_pool(pages)
-    gen = torch.Generator(device=pool.device).manual_seed(seed)
-    # normal_ with a generator on a bf16 buffer: values ~N(0, 1), never zeros.
-    pool.buffer.normal_(generator=gen)
-    return pool
-
-
 def reference_decode(ctx: RunContext, q: Any, pool: Any, page_table: Any, seq_lens: list[int],
                      sm_scale: float, rows: int = 4) -> Any:
     """float32 absorbed decode of the first ``rows`` sequences: ``[rows, H, 512]``."""
@@ -132,12 +119,3 @@ def reference_decode(ctx: RunContext, q: Any, pool: Any, page_table: Any, seq_le
         scores = (q[b].float() @ kv.T) * sm_scale
         outs.append(torch.softmax(scores, -1) @ kv[:, :512])
     return torch.stack(outs)
-
-
-def rel_error(ctx: RunContext, out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` in float32; inf when ``out`` holds a NaN or inf."""
-    torch = ctx.torch
-    o = out.float()
-    if not bool(torch.isfinite(o).all()):
-        return float("inf")
-    return float(torch.linalg.vector_norm(o - ref) / torch.linalg.vector_norm(ref))

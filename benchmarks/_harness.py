@@ -6,9 +6,10 @@ with).  Each is a function ``run(ctx, data)`` that fills the dict ``data`` as it
 measures; the runner catches anything it raises, records it, saves the JSON
 and goes on, so one failing section never loses the others.
 
-Timing (see /work/.library/device/METHOD.md): CUDA events around each call,
-the L2 flushed before each call unless asked otherwise, warm-up first, the
-median and the 20th/80th percentiles of many calls reported.  On a machine
+Timing is :class:`attnreg.profiling.Clock` (the same clock ``attnreg
+calibrate`` uses): CUDA events around each call, the L2 flushed before each
+call unless asked otherwise, warm-up first, the median and the 20th/80th
+percentiles of many calls reported.  On a machine
 without CUDA, ``--dry-run`` runs the same code on tiny shapes (Triton kernels
 in the interpreter, graphs replayed eagerly) to catch mistakes before a device
 call; its times are wall-clock and are never rendered into docs/.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .metrics import spread
+from attnreg.profiling import Clock, library_versions
 
 __all__ = [
     "SCHEMA",
@@ -47,10 +47,6 @@ __all__ = [
 
 SCHEMA = "attnreg-bench/1"
 
-#: Distributions whose versions every results file records (read without importing them).
-VERSIONED = ("torch", "triton", "flashinfer-python", "flash-attn-4", "numpy", "pluggy",
-             "attnreg", "matplotlib")
-
 
 class SkipSection(Exception):
     """Raised by a section that cannot run here; the message is the reason."""
@@ -58,15 +54,20 @@ class SkipSection(Exception):
 
 @dataclass(frozen=True)
 class Section:
-    """One benchmark section.
+    """One benchmark section: where it measures, states its checks and renders itself.
 
     Attributes
     ----------
     id : str
         ``ceilings``, ``P1`` ... ``P6`` or ``prefill``.
     title : str
-    target : str
-        What runs it: ``"module:function"`` under ``benchmarks``.
+    module : str
+        The module under ``benchmarks`` that holds the three functions below.
+    run, checks, render : str
+        Names of ``run(ctx, data)`` (measures, fills ``data``),
+        ``checks(data, runs=None)`` (the section's :class:`~benchmarks.metrics.Check`
+        list; ``runs``: the data of every run of it, for figures stated as a
+        median) and ``render(data, page)`` (markdown lines) in ``module``.
     where : str
         ``"device"``: needs CUDA (or ``--dry-run``); ``"host"``: measures this
         CPU machine (P5), so on a GPU machine it runs only when asked by name.
@@ -76,30 +77,38 @@ class Section:
 
     id: str
     title: str
-    target: str
+    module: str
+    run: str = "run"
+    checks: str = "checks"
+    render: str = "render"
     where: str = "device"
     needs: tuple[str, ...] = ()
 
+    def function(self, kind: str) -> Callable[..., Any]:
+        """``run``, ``checks`` or ``render`` of this section, imported on first use."""
+        module = importlib.import_module(f"benchmarks.{self.module}")
+        return getattr(module, getattr(self, kind))
+
     def load(self) -> Callable[[RunContext, dict], None]:
-        module_name, _, func = self.target.partition(":")
-        module = importlib.import_module(f"benchmarks.{module_name}")
-        return getattr(module, func)
+        return self.function("run")
 
 
 #: Run order: cheap and most asked-for first, so a run cut short still has them.
 SECTIONS: tuple[Section, ...] = (
-    Section("ceilings", "Device ceilings: copy bandwidth and bf16 matrix rate",
-            "ceilings:run"),
-    Section("P1", "MLA decode: every backend, 7 shapes", "decode:run_p1", needs=("ceilings",)),
-    Section("P2", "Best decode backend at (128, 4096, 16) against copy bandwidth",
-            "decode:run_p2", needs=("ceilings",)),
-    Section("P6", "Per-call overhead of a registry-resolved backend", "overhead:run"),
-    Section("P3", "Split-KV inside a CUDA graph at B=1 vs forced one split", "graphs:run_p3"),
-    Section("P4", "8-layer DeepSeek-shaped MLA decode step: eager vs CUDA graph",
-            "graphs:run_p4", needs=("ceilings",)),
+    Section("ceilings", "Device ceilings: copy bandwidth and bf16 matrix rate", "ceilings"),
+    Section("P1", "MLA decode: every backend, 7 shapes", "decode", "run_p1", "p1_checks",
+            "render_p1", needs=("ceilings",)),
+    Section("P2", "Best decode backend at (128, 4096, 16) against copy bandwidth", "decode",
+            "run_p2", "p2_checks", "render_p2", needs=("ceilings",)),
+    Section("P6", "Per-call overhead of a registry-resolved backend", "overhead",
+            checks="p6_checks", render="render_p6"),
+    Section("P3", "Split-KV inside a CUDA graph at B=1 vs forced one split", "split_kv",
+            "run_p3", "p3_checks", "render_p3"),
+    Section("P4", "8-layer DeepSeek-shaped MLA decode step: eager vs CUDA graph", "graphs",
+            "run_p4", "p4_checks", "render_p4", needs=("ceilings",)),
     Section("prefill", "Prefill: absorbed extend vs MHA ragged prefill + decompression",
-            "prefill:run", needs=("ceilings",)),
-    Section("P5", "attnreg compat cold start vs python -c pass", "startup:run", where="host"),
+            "prefill", needs=("ceilings",)),
+    Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host"),
 )
 
 _BY_ID = {s.id.lower(): s for s in SECTIONS}
@@ -136,13 +145,6 @@ def select_sections(only: str | None, skip: str | None = None) -> tuple[list[Sec
 # ----------------------------------------------------------------------------------------
 # Environment facts
 # ----------------------------------------------------------------------------------------
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
 
 def _cpu_model() -> str:
     try:
@@ -203,14 +205,14 @@ def environment(command: str, *, quick: bool, dry_run: bool) -> dict[str, Any]:
         "git_commit": _git_commit(root),
         "quick": quick,
         "dry_run": dry_run,
-        "versions": {d: _version(d) for d in VERSIONED},
         "device": {"kind": "cpu", "name": _cpu_model()},
     }
     try:
         import torch
     except ImportError:
+        meta["versions"] = library_versions()
         return meta
-    meta["versions"]["torch_cuda"] = torch.version.cuda
+    meta["versions"] = library_versions()  # with torch imported: its CUDA version too
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         meta["device"] = {
@@ -277,7 +279,7 @@ class RunContext:
     doc: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     _torch: Any = None
-    _flush_buf: Any = None
+    _clock: Clock | None = None
 
     # -- environment ---------------------------------------------------------------
     @property
@@ -333,102 +335,29 @@ class RunContext:
         return None
 
     # -- timing ----------------------------------------------------------------------
+    @property
+    def clock(self) -> Clock:
+        """The run's one :class:`attnreg.profiling.Clock` (and its one L2-flush buffer)."""
+        if self._clock is None:
+            self._clock = Clock(self.torch, self.device, warmup_ms=self.warmup_ms,
+                                rep_ms=self.rep_ms)
+        return self._clock
+
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
 
-    def _flush_buffer(self) -> Any:
-        # 256 MiB: five times the H200's 50 MB L2, so nothing of the previous call survives.
-        if self._flush_buf is None:
-            self._flush_buf = self.torch.empty(256 * 2**20, dtype=self.torch.int8,
-                                               device="cuda")
-        return self._flush_buf
-
     def time(self, fn: Callable[[], Any], *, flush_l2: bool = True) -> dict[str, Any]:
-        """Median time of one call of ``fn`` in microseconds, with its spread.
-
-        CUDA: events around each call, L2 flushed before each (unless
-        ``flush_l2=False``), ``warmup_ms`` of warm-up and about ``rep_ms`` of
-        timed calls (at least 3).  CPU (dry run): wall clock of 3 calls.
-
-        Returns
-        -------
-        dict
-            ``median_us``, ``p20_us``, ``p80_us``, ``min_us``, ``max_us``, ``n``, ``method``.
-        """
-        if not self.cuda:
-            fn()
-            samples = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e6)
-            return _timing(samples, "wall clock on cpu (dry run, not a measurement)")
-        torch = self.torch
-        fn()
-        torch.cuda.synchronize()
-        cache = self._flush_buffer() if flush_l2 else None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            if cache is not None:
-                cache.zero_()
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        est_ms = max(start.elapsed_time(end) / 3, 1e-3)
-        n_warm = int(min(max(self.warmup_ms / est_ms, 1), 500))
-        n_rep = int(min(max(self.rep_ms / est_ms, 3 if est_ms > 20 else 10), 2000))
-        for _ in range(n_warm):
-            fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-        for i in range(n_rep):
-            if cache is not None:
-                cache.zero_()
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-        method = "cuda events per call, L2 flushed" if flush_l2 else "cuda events per call"
-        return _timing(samples, method)
+        """Median time of one call of ``fn`` with its spread (:meth:`Clock.calls`)."""
+        return self.clock.calls(fn, flush_l2=flush_l2)
 
     def time_back_to_back(self, fn: Callable[[], Any], *, calls: int = 200,
                           rounds: int = 5) -> dict[str, Any]:
-        """Per-call time of ``calls`` calls issued back to back (no flush, no sync between).
-
-        This is what an engine's eager loop sees: when the host issues calls
-        slower than the device runs them, the host cost shows up here.  Also
-        records the host time per call (``host_us``): the time to *issue* them.
-        """
-        calls = max(1, calls if not self.dry_run else 3)
-        dev, host = [], []
-        fn()
-        self.sync()
-        for _ in range(max(1, rounds if not self.dry_run else 1)):
-            if self.cuda:
-                torch = self.torch
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                host.append((time.perf_counter() - t0) * 1e6 / calls)
-                e.record()
-                torch.cuda.synchronize()
-                dev.append(s.elapsed_time(e) * 1e3 / calls)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                host.append((time.perf_counter() - t0) * 1e6 / calls)
-                dev.append(host[-1])
-        out = _timing(dev, "cuda events around back-to-back calls" if self.cuda
-                      else "wall clock on cpu (dry run, not a measurement)")
-        out["host_us"] = spread(host)["median"]
-        out["calls_per_round"] = calls
-        return out
+        """Per-call time of calls issued back to back (:meth:`Clock.back_to_back`); a dry
+        run issues 3 calls once."""
+        if self.dry_run:
+            calls, rounds = 3, 1
+        return self.clock.back_to_back(fn, calls=calls, rounds=rounds)
 
     # -- graphs ----------------------------------------------------------------------
     def capture(self, fn: Callable[[], Any], mode: Any, *, warmup: int = 1) -> Any:
@@ -456,12 +385,6 @@ class RunContext:
             fn()
         torch.cuda.synchronize()
         return graph
-
-
-def _timing(samples_us: list[float], method: str) -> dict[str, Any]:
-    s = spread(samples_us)
-    return {"median_us": s["median"], "p20_us": s["p20"], "p80_us": s["p80"],
-            "min_us": s["min"], "max_us": s["max"], "n": s["n"], "method": method}
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._harness import RunContext
+from ._report import Page, md_table
+from .metrics import Check
 
 #: Copy size: far above the 50 MB L2, so the copy streams HBM.
 COPY_BYTES = 2 * 2**30
@@ -58,3 +60,25 @@ def gemm_tflops(ctx: RunContext) -> float | None:
     if data and "gemm_bf16" in data:
         return float(data["gemm_bf16"]["TFLOPs"])
     return None
+
+# ----------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------
+
+def checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> list[Check]:
+    """None: the ceilings are what the other figures are judged against."""
+    return []
+
+
+def render(data: dict[str, Any], page: Page) -> list[str]:
+    copy, gemm = data.get("copy", {}), data.get("gemm_bf16", {})
+    rows = []
+    if copy:
+        rows.append(["device-to-device copy", f"{copy['bytes_copied'] / 2**30:.2f} GiB",
+                     f"{copy['timing']['median_us']:.0f} us",
+                     f"**{copy['GBps'] / 1e3:.2f} TB/s** (read + write)"])
+    if gemm:
+        rows.append([f"bf16 matmul {gemm['n']}³", f"{gemm['flops'] / 1e12:.2f} TFLOP",
+                     f"{gemm['timing']['median_us']:.0f} us",
+                     f"**{gemm['TFLOPs']:.0f} TFLOP/s**"])
+    return [md_table(["ceiling", "size", "median time", "rate"], rows)]

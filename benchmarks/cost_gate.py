@@ -47,18 +47,34 @@ try:
     import attnreg  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+if __package__ in (None, ""):  # run as a script: the renderer helpers are benchmarks'
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnreg.commands.calibrate import (
-    DRY_LAYER,
-    LayerShape,
-    MLALayer,
-    kv_slots_of,
-    random_pool,
-    rel_diff,
-)
 from attnreg.graph_policy import GraphConfig, ModelFacts, ReplayBatch, ReplayGate, resolve
 from attnreg.graph_policy.cost_profile import CostProfile, PrefillShape, load_profile
+from attnreg.profiling import (
+    DRY_LAYER,
+    Clock,
+    LayerShape,
+    MLALayer,
+    bucket_for,
+    kv_slots_of,
+    library_versions,
+    random_pool,
+    rel_error,
+)
 from attnreg.registry import ForwardMode, GraphMode, Platform
+from benchmarks._report import (
+    SETUP_COMMAND,
+    Page,
+    ResultsFile,
+    bar_groups,
+    fmt,
+    k_tokens,
+    md_table,
+    rel,
+)
+from benchmarks.metrics import Check, evaluate
 
 SCHEMA = "attnreg.bench.cost_gate"
 #: (requests, prefix per request, extend per request); each class counts once in the mix.
@@ -73,50 +89,6 @@ DRY_BUCKETS = (4, 8, 16, 32)
 TARGET_RATIO_TO_BEST = 1.05
 TARGET_SPEEDUP_OVER_WORSE = 1.3
 MAX_REL_DIFF = 5e-2
-_FLUSH_BYTES = 256 * 2 ** 20
-
-
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
-class StepTimer:
-    """Median time of a whole step (host work included), in microseconds."""
-
-    def __init__(self, torch: Any, cuda: bool, rep_ms: float) -> None:
-        self.torch = torch
-        self.cuda = cuda
-        self.rep_ms = rep_ms
-        self.flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda") if cuda \
-            else None
-
-    def __call__(self, fn: Any) -> dict[str, Any]:
-        torch = self.torch
-        samples: list[float] = []
-        if not self.cuda:
-            for _ in range(2):
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e6)
-            return {"us": _median(samples), "samples_us": samples,
-                    "method": "wall clock on cpu (dry run: not a measurement)"}
-        reps, spent_ms = 0, 0.0
-        while reps < 2 or (spent_ms < self.rep_ms and reps < 10):
-            torch.cuda.synchronize()
-            self.flush.zero_()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-            spent_ms += samples[-1] / 1e3
-            reps += 1
-        return {"us": _median(samples), "samples_us": [round(s, 2) for s in samples],
-                "method": "cuda events around the step, L2 flushed, median"}
 
 
 def _mix(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -129,10 +101,6 @@ def _mix(text: str) -> tuple[tuple[int, int, int], ...]:
     return classes  # type: ignore[return-value]
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    return next((b for b in buckets if b >= n), n)
-
-
 def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
                seed: int) -> dict[str, Any]:
     from attnreg.backends.batch import extend_batch
@@ -142,7 +110,7 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
     cuda, dev, hidden = ctx["cuda"], ctx["device"], ctx["shape"].hidden
     seq_lens = [prefix + extend] * batch_size
     tokens = batch_size * extend
-    padded = _bucket(tokens, ctx["buckets"])
+    padded = bucket_for(tokens, ctx["buckets"]) or tokens
     pools = [random_pool(torch, backend.config, sum(seq_lens), seed + i)
              for i in range(len(layers))]
     pages = pools[0].allocate(seq_lens, shuffle=seed)
@@ -210,13 +178,13 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
 
         row["graph"] = "emulated eagerly (cpu dry run)"
     out_graph = graph_step()
-    diff = rel_diff(torch, out_graph - x, out_eager - x)
+    diff = rel_error(torch, out_graph - x, out_eager - x)
     # JSON has no infinity: a non-finite output is recorded as null (and disagrees).
     row.update(rel_diff_graph_vs_eager=diff if math.isfinite(diff) else None,
                agree=diff <= MAX_REL_DIFF)
     del out_eager, out_graph
-    row["graph_timing"] = ctx["timer"](graph_step)
-    row["eager_timing"] = ctx["timer"](eager_step)
+    row["graph_timing"] = ctx["clock"].step(graph_step, rep_ms=ctx["rep_ms"])
+    row["eager_timing"] = ctx["clock"].step(eager_step, rep_ms=ctx["rep_ms"])
     if cuda:
         del graph
         backend.graph_state = None
@@ -283,15 +251,8 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _environment(torch: Any, cuda: bool) -> dict[str, Any]:
-    from attnreg import __version__
-    from attnreg.registry.spec import installed_version
-
-    return {"attnreg": __version__, "torch": torch.__version__,
-            "cuda": getattr(torch.version, "cuda", None),
-            "triton": installed_version("triton"),
-            "flashinfer-python": installed_version("flashinfer-python"),
+    return {**library_versions(),
             "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "python": sys.version.split()[0],
             # what the renderer shows as the command: the argv this run was given
             "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -361,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
               for i in range(layers_n)]
     ctx = {"torch": torch, "backend": backend, "layers": layers, "cuda": cuda,
            "device": device, "shape": shape, "buckets": tuple(buckets), "heads": heads,
-           "timer": StepTimer(torch, cuda, args.rep_ms), "gate": gate,
+           "clock": Clock(torch, device), "rep_ms": args.rep_ms, "gate": gate,
            "plain_gate": plain_gate, "profile": gate_profile}
     doc: dict[str, Any] = {
         "schema": SCHEMA, "schema_version": 1, "dry_run": args.dry_run,
@@ -418,6 +379,227 @@ def main(argv: list[str] | None = None) -> int:
               + (" (DRY RUN: not a measurement)" if args.dry_run else ""))
     print(f"written to {out}")
     return 0
+
+
+
+# ----------------------------------------------------------------------------------------
+# Rendering (python -m benchmarks.render: results/cost-gate/*.json)
+# ----------------------------------------------------------------------------------------
+
+TITLE = "Cost-aware prefill replay (issue 10)"
+#: The targets of issue 10, for result files that do not carry their own.
+TARGETS = {"max_class_ratio_to_best": TARGET_RATIO_TO_BEST,
+           "min_speedup_over_worse_fixed": TARGET_SPEEDUP_OVER_WORSE}
+COMMAND = (f"{SETUP_COMMAND} && python3 benchmarks/cost_gate.py --profile "
+           "src/attnreg/data/profiles/h200-BACKEND.json --out $OUT/cost-gate/h200-BACKEND.json")
+RESULTS = ("cost-gate", "*.json")
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A results file of this script (``ValueError`` for anything else)."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {doc.get('schema')!r}, expected {SCHEMA!r} "
+                         "(written by benchmarks/cost_gate.py)")
+    return dict(doc)
+
+
+def where(doc: dict[str, Any]) -> str:
+    return str(doc.get("meta", {}).get("device", "?"))
+
+
+def _gate_backend(doc: dict[str, Any]) -> str:
+    return str(doc.get("setup", {}).get("backend", "?"))
+
+
+def _gate_targets(doc: dict[str, Any]) -> dict[str, float]:
+    recorded = doc.get("summary", {}).get("targets", {})
+    return {k: recorded.get(k, v) for k, v in TARGETS.items()}
+
+
+def checks(doc: dict[str, Any]) -> list[Check]:
+    """Issue 10's two targets for one results file."""
+    backend = _gate_backend(doc)
+    s = doc.get("summary", {})
+    targets = _gate_targets(doc)
+    n_done, n_all = s.get("classes", 0), len(doc.get("classes", []))
+    worst = s.get("worst_class") or {}
+    worst_at = (f"B={worst.get('batch_size')}, prefix {worst.get('prefix')}, extend "
+                f"{worst.get('extend')}; " if worst else "")
+    totals = s.get("total_ms", {})
+    worse = max(("always_graph", "always_eager"), key=lambda k: totals.get(k, 0.0))
+    mix = (f"{worse.replace('_', ' ')} {totals[worse]:.1f} ms vs cost-aware "
+           f"{totals['cost_aware']:.1f} ms" if totals else "")
+    return [
+        evaluate(f"cost gate {backend}: classes", "cost-aware / per-class best, worst batch class",
+                 s.get("max_class_ratio_to_best"), "ratio", "<=",
+                 target=targets["max_class_ratio_to_best"],
+                 detail=f"{worst_at}{n_done} of {n_all} classes measured"),
+        evaluate(f"cost gate {backend}: mix", "worse fixed policy / cost-aware, total over the mix",
+                 s.get("speedup_over_worse_fixed"), "ratio", ">=",
+                 target=targets["min_speedup_over_worse_fixed"], detail=mix),
+    ]
+
+
+def _gate_provenance(f: ResultsFile, root: Path) -> str:
+    m = f.doc.get("meta", {})
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "triton", "flashinfer-python")
+                         if m.get(k))
+    cuda = f", CUDA {m['cuda']}" if m.get("cuda") else ""
+    source = f.doc.get("profile", {}).get("source", "PROFILE.json")
+    recorded = f.doc.get("command") or m.get("command")
+    command = recorded or (
+        f"python3 benchmarks/cost_gate.py --profile {source} --out {rel(f.path, root)}")
+    how = "" if recorded else \
+        " (rebuilt from the file's profile source: cost_gate.py does not record its command)"
+    return (f"*Measured* {m.get('date', '?')} on {m.get('device', '?')}; {versions}{cuda}, "
+            f"python {m.get('python', '?')}, attnreg {m.get('attnreg', '?')}.  \n"
+            f"*Command:* `{command}`{how}; took {fmt(f.doc.get('wall_s'), '.0f')} s; data: "
+            f"`{rel(f.path, root)}`.")
+
+
+def _gate_row(r: dict[str, Any], target: float) -> list[str]:
+    head = [str(r.get("batch_size")), str(r.get("prefix")), str(r.get("extend"))]
+    if "gate_ms" not in r:
+        why = "skipped: " + r["skipped"] if r.get("skipped") else "error: " + \
+            str(r.get("error", "?"))
+        return head + ["-", why[:100]] + [""] * 4
+    graph, eager = f"{r['graph_ms']:.2f}", f"{r['eager_ms']:.2f}"
+    if r["best"] == "graph":
+        graph = f"**{graph}**"
+    else:
+        eager = f"**{eager}**"
+    if not r.get("eligible", True):  # always-graph runs this class eagerly too
+        graph += " (not eligible)"
+    pred = r.get("predicted", {})
+    ratio = f"{r['ratio_to_best']:.3f}x"
+    if r["ratio_to_best"] > target:
+        ratio = f"**{ratio}**"
+    if not r.get("agree", True):
+        ratio += f" **outputs disagree (rel.diff {fmt(r.get('rel_diff_graph_vs_eager'))})**"
+    return head + [f"{r.get('tokens')} ({r.get('padded_tokens')})", graph, eager,
+                   f"{fmt(pred.get('graph_ms'), '.2f')} / {fmt(pred.get('eager_ms'), '.2f')}",
+                   r["gate_choice"], ratio]
+
+
+def _gate_totals(s: dict[str, Any]) -> list[str]:
+    t = s.get("total_ms")
+    if not t:
+        return ["No class was measured: no totals."]
+    best = t["per_class_best"]
+    worse = max(("always graph", "always_graph"), ("always eager", "always_eager"),
+                key=lambda nk: t[nk[1]])[0]
+    rows = [[name, f"{t[key]:.1f}", f"{t[key] / best:.3f}x"]
+            for name, key in (("cost-aware (the gate)", "cost_aware"),
+                              ("always graph (absorbed, replayed)", "always_graph"),
+                              ("always eager (MHA)", "always_eager"),
+                              ("per-class best", "per_class_best"))]
+    return [md_table(["policy over the mix (each class once)", "total ms", "/ per-class best"],
+                     rows), "",
+            (f"Cost-aware is **{s['speedup_over_worse_fixed']:.2f}x** faster than the worse "
+             f"fixed policy ({worse}) and {s['speedup_over_better_fixed']:.2f}x faster than the better "
+             "one.")]
+
+
+def _gate_table(f: ResultsFile, page: Page) -> list[str]:
+    doc = f.doc
+    target = _gate_targets(doc)["max_class_ratio_to_best"]
+    header = ["requests", "prefix", "extend", "tokens (graph bucket)", "graph ms", "eager ms",
+              "predicted graph / eager ms", "gate's choice", "gate / best"]
+    rows = [_gate_row(r, target) for r in doc.get("classes", [])]
+    prof = doc.get("profile", {})
+    done = [r for r in doc.get("classes", []) if "gate_ms" in r]
+    diffs = [r["rel_diff_graph_vs_eager"] for r in done
+             if r.get("rel_diff_graph_vs_eager") is not None]
+    agree = ("the graph and eager outputs agree on every measured class (cost_gate.py's "
+             f"tolerance; largest relative difference {max(diffs):.1e})"
+             if done and all(r.get("agree") for r in done) and diffs else
+             "**the graph and eager outputs disagree on some class** (see the table)"
+             if done else "")
+    out = [f"### `{_gate_backend(f.doc)}`", "", _gate_provenance(f, page.root), "",
+           (f"Profile: {prof.get('label', '?')} (`{prof.get('source', '?')}`); the gate "
+            f"{'uses' if prof.get('gate_uses_cost_model') else '**does not use**'} the cost "
+            f"model.  Bold: the faster of graph and eager.  Predicted: the profile's per-layer "
+            f"terms x {doc.get('setup', {}).get('layers', '?')} layers.{'  ' if agree else ''}"
+            f"{agree[:1].upper() + agree[1:]}{'.' if agree else ''}"), "",
+           md_table(header, rows), ""]
+    out += _gate_totals(doc.get("summary", {})) + [""]
+    return out + page.check_lines([c.to_dict() for c in checks(doc)], doc) + [""]
+
+
+def _plot(files: list[ResultsFile], page: Page) -> list[str]:
+    plotted = [f for f in files if any("gate_ms" in r for r in f.doc.get("classes", []))]
+    if not page.plot.available or not plotted:
+        return []
+    fig, axes = page.plot.plt.subplots(len(plotted), 1, figsize=(13, 3.8 * len(plotted)),
+                                  squeeze=False)
+    for ax, f in zip(axes[:, 0], plotted):
+        rows = [r for r in f.doc["classes"] if "gate_ms" in r]
+        groups = [f"B={r['batch_size']}\nP={k_tokens(r['prefix'])}\nE={k_tokens(r['extend'])}"
+                  for r in rows]
+        series = {
+            "cost-aware": [r["gate_ms"] / r["best_ms"] for r in rows],
+            "always graph": [(r["graph_ms"] if r["eligible"] else r["eager_ms"]) / r["best_ms"]
+                             for r in rows],
+            "always eager": [r["eager_ms"] / r["best_ms"] for r in rows]}
+        bar_groups(ax, groups, series, "time / per-class best (log)", log=True)
+        target = _gate_targets(f.doc)["max_class_ratio_to_best"]
+        ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target:.2f}x")
+        for i, ratio in enumerate(series["cost-aware"]):
+            if ratio > 1.0005:  # the gate missed the best path here: say by how much
+                ax.text(i - 0.27, ratio, f"{ratio:.3f}", ha="center", va="bottom", fontsize=7)
+        _ratio_axis(ax, max(max(v) for v in series.values()))
+        ax.legend(fontsize=8, loc="upper left", ncol=4)
+        t = f.doc.get("summary", {}).get("total_ms", {})
+        totals = (f" (mix: cost-aware {t['cost_aware']:.0f} ms, always graph "
+                  f"{t['always_graph']:.0f} ms, always eager {t['always_eager']:.0f} ms)"
+                  if t else "")
+        ax.set_title(f"{_gate_backend(f.doc)}: prefill step time per batch class{totals}",
+                     fontsize=10)
+    return page.image(fig, "cost_gate.png",
+                      "Cost-aware prefill replay: time per class / per-class best")[1:] + [""]
+
+
+def _ratio_axis(ax: Any, top: float) -> None:
+    """Plain 1x, 1.5x, 2x ... ticks on a log axis, with room above for the legend."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ticks = [t for t in (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32) if t <= top * 1.05]
+    ax.set_ylim(0.9, top * 1.6)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_yticklabels([f"{t:g}x" for t in ticks])
+
+
+def render(files: list[ResultsFile], page: Page) -> list[str]:
+    """The issue-10 section: one table per results file, the checks, one plot."""
+    lines = [f"## {TITLE}", ""]
+    if not files:
+        return lines + [f"Not measured yet. Run `{COMMAND}` once per backend and "
+                        "bring back each JSON as "
+                        "`benchmarks/results/cost-gate/h200-BACKEND.json`.", ""]
+    setup = files[0].doc.get("setup", {})
+    shape = setup.get("layer_shape", {})
+    targets = _gate_targets(files[0].doc)
+    timing = next((r["graph_timing"].get("method") for f in files
+                   for r in f.doc.get("classes", []) if r.get("graph_timing")), "?")
+    lines += [
+        (f"A mix of {len(setup.get('mix', []))} prefill batch classes (requests, prefix and "
+         f"extend tokens per request) runs through a DeepSeek-shaped MLA stack of "
+         f"{setup.get('layers')} layers (hidden {shape.get('hidden')}, q_lora {shape.get('q_lora')}, "
+         f"kv_lora {shape.get('kv_lora')}, rope {shape.get('rope')}, nope {shape.get('nope')}, "
+         f"v {shape.get('v_dim')}, {setup.get('heads')} heads, bf16 random weights, page size "
+         f"{setup.get('page_size')}) two ways: **graph** = {setup.get('graph')} (metadata, "
+         f"input copies and replay timed together; token buckets {setup.get('buckets')}); "
+         f"**eager** = {setup.get('eager')}.  The cost-aware policy is `ReplayGate` with the "
+         "backend's cost profile; always graph replays whatever today's rules allow; always "
+         f"eager never replays.  Timing: {timing}.  Targets (issue 10): cost-aware within "
+         f"{targets['max_class_ratio_to_best']:.2f}x of the per-class best on every class, and "
+         f"at least {targets['min_speedup_over_worse_fixed']:.1f}x faster than the worse fixed "
+         "policy over the mix."), ""]
+    for f in files:
+        lines += _gate_table(f, page)
+    return lines + _plot(files, page)
 
 
 if __name__ == "__main__":

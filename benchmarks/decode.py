@@ -23,19 +23,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from attnreg.profiling import random_pool, rel_error
+
 from ._backends import (
     DECODE_VARIANTS,
     Variant,
     available_variants,
     create_backend,
     declared_reasons,
-    random_pool,
     reference_decode,
-    rel_error,
 )
 from ._harness import RunContext, SkipSection
+from ._report import Page, bar_groups, fmt, md_table, not_run_notes, pct
 from .ceilings import copy_gbps
-from .metrics import decode_bytes, evaluate, geomean
+from .metrics import Check, decode_bytes, evaluate, geomean
 
 SHAPES: tuple[tuple[int, int, int], ...] = (
     (128, 4096, 128), (128, 4096, 16), (32, 8192, 16), (1, 32768, 16), (1, 32768, 128),
@@ -106,7 +107,7 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], variants: list[V
     B, L, H = shape
     torch.manual_seed(B * 1_000_003 + L * 7 + H)
     cfg = MLAConfig(num_heads=H, page_size=PAGE_SIZE, device=ctx.device, max_context_len=L)
-    pool = random_pool(ctx, cfg, B * L, seed=L + H)
+    pool = random_pool(ctx.torch, cfg, B * L, seed=L + H)
     pages = pool.allocate([L] * B, shuffle=B + L + H)
     batch = decode_batch(pool, [L] * B, pages=pages)
     q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=ctx.device)
@@ -154,7 +155,7 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
     be.init_forward_metadata(batch)
     be.forward_decode(q, None, None, pool, batch, out=out)
     ctx.sync()
-    res: dict[str, Any] = {"rel_err_eager": rel_error(ctx, out[:REF_ROWS], ref)}
+    res: dict[str, Any] = {"rel_err_eager": rel_error(ctx.torch, out[:REF_ROWS], ref)}
     splits = be.forward_metadata.extras.get("max_splits") if be.forward_metadata else None
     if splits is not None:
         res["max_splits"] = int(splits)
@@ -168,7 +169,7 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
         gout.fill_(float("nan"))
         graph.replay()
         ctx.sync()
-        res["rel_err"] = rel_error(ctx, gout[:REF_ROWS], ref)
+        res["rel_err"] = rel_error(ctx.torch, gout[:REF_ROWS], ref)
         timing = ctx.time(graph.replay)
         res["mode"] = "graph"
     except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
@@ -184,7 +185,7 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
 
 
 # ----------------------------------------------------------------------------------------
-# Derived figures (pure: also used by the renderer's tests)
+# Derived figures and checks (pure: measured once, recomputed when rendered)
 # ----------------------------------------------------------------------------------------
 
 def _us(row: dict[str, Any], label: str) -> float | None:
@@ -215,7 +216,7 @@ def summarize_p1(data: dict[str, Any]) -> dict[str, Any]:
             "shapes_total": len(data.get("rows", []))}
 
 
-def p1_checks(data: dict[str, Any]) -> list[Any]:
+def p1_checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> list[Check]:
     s = data.get("summary") or summarize_p1(data)
     n, total = s["shapes_with_both"], s["shapes_total"]
     return [evaluate("P1", "triton / flashinfer fa3 decode time, geo-mean over shapes",
@@ -231,10 +232,106 @@ def p2_from_row(row: dict[str, Any], copy: float | None) -> dict[str, Any]:
             shares[label] = row["bytes"] / (res["us"] * 1e3) / copy
     best = max(shares, key=shares.get) if shares else None  # type: ignore[arg-type]
     share = shares[best] if best else None
-    check = evaluate("P2", f"best decode backend at {tuple(P2_SHAPE)} as a share of copy "
-                     "bandwidth", share, "of copy", ">=", goal=0.90,
-                     detail=f"best: {best}" if best else "no correct backend timed")
-    return {"shape": [row.get("B"), row.get("L"), row.get("H")], "copy_GBps": copy,
-            "shares": shares, "best": best, "best_share": share,
-            "best_GBps": share * copy if share and copy else None,
-            "checks": [check.to_dict()]}
+    out = {"shape": [row.get("B"), row.get("L"), row.get("H")], "copy_GBps": copy,
+           "shares": shares, "best": best, "best_share": share,
+           "best_GBps": share * copy if share and copy else None}
+    out["checks"] = [c.to_dict() for c in p2_checks(out)]
+    return out
+
+
+def p2_checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> list[Check]:
+    best = data.get("best")
+    return [evaluate("P2", f"best decode backend at {tuple(P2_SHAPE)} as a share of copy "
+                     "bandwidth", data.get("best_share"), "of copy", ">=", goal=0.90,
+                     detail=f"best: {best}" if best else "no correct backend timed")]
+
+
+# ----------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------
+
+def render_p1(data: dict[str, Any], page: Page) -> list[str]:
+    labels = data.get("variants", [])
+    copy = data.get("copy_GBps")
+    header = ["(B, L, H)", "MB moved"] + [f"{v} us (TB/s, % copy)" for v in labels] + \
+        ["triton / fa3"]
+    rows = []
+    not_declared: dict[str, str] = {}
+    summary = data.get("summary", {})
+    per_shape = {tuple(p["shape"]): p for p in summary.get("per_shape", [])}
+    for r in data.get("rows", []):
+        shape = (r["B"], r["L"], r["H"])
+        if r.get("skipped") or r.get("error"):
+            why = "skipped: " + r["skipped"] if r.get("skipped") else "error: " + r["error"]
+            rows.append([str(shape), "-"] + [why[:80]] * len(labels) + ["-"])
+            continue
+        cells = [f"({r['B']}, {r['L']}, {r['H']})", f"{r['bytes'] / 1e6:.1f}"]
+        best = per_shape.get(shape, {}).get("best")
+        for v in labels:
+            res = r["results"].get(v, {})
+            if res.get("not_declared"):
+                not_declared[v] = res["not_declared"]
+                cells.append("not declared")
+                continue
+            if "us" not in res:
+                cells.append("error: " + res.get("error", "?")[:60])
+                continue
+            cell = f"{res['us']:.1f} ({res['GBps'] / 1e3:.2f}, {pct(res.get('copy_share'))})"
+            if res.get("mode") == "eager":
+                cell += " eager"
+            if not res.get("correct", True):
+                cell += f" **wrong: rel.err {res['rel_err']:.1e}**"
+            if v == best:
+                cell = f"**{cell}**"
+            cells.append(cell)
+        ratio = per_shape.get(shape, {}).get("triton_over_fa3")
+        cells.append(fmt(ratio, ".2f") + ("x" if ratio else ""))
+        rows.append(cells)
+    out = [(f"bf16, page size {data.get('page_size')}, page order {data.get('page_order')}; "
+           f"{data.get('timing')}.  Bytes = KV rows (512 + 64) read once + q + out.  Copy "
+           f"bandwidth of the same run: {fmt(copy and copy / 1e3, '.2f')} TB/s.  Bold: the "
+           "fastest correct backend of the shape."), "", md_table(header, rows)]
+    out += not_run_notes(data, not_declared)
+    errs = [f"{r['B'], r['L'], r['H']} {v}: {res.get('graph_error')}"
+            for r in data.get("rows", []) for v, res in r.get("results", {}).items()
+            if res.get("graph_error")]
+    if errs:
+        out += ["", "Timed eagerly because capture failed: " + "; ".join(errs)]
+    if page.plot.available and data.get("rows"):
+        timed = [r for r in data["rows"] if r.get("results")]
+        groups = [f"{r['B']},{r['L']},{r['H']}" for r in timed]
+        series = {v: [(r["results"].get(v, {}).get("GBps") or 0) / 1e3 or None for r in timed]
+                  for v in labels}
+        fig, (ax1, ax2) = page.plot.plt.subplots(1, 2, figsize=(13, 4.2),
+                                                 gridspec_kw={"width_ratios": [3, 1.4]})
+        bar_groups(ax1, groups, series, "achieved TB/s (min. bytes / median time)")
+        if copy:
+            ax1.axhline(copy / 1e3, color="k", ls="--", lw=1)
+            ax1.text(len(groups) - 0.5, copy / 1e3 * 1.01, f"copy {copy / 1e3:.2f} TB/s",
+                     fontsize=8, ha="right", va="bottom")
+        ax1.set_xlabel("(B, L, H)")
+        ax1.set_title("MLA decode bandwidth per backend")
+        ratios = [per_shape.get((r["B"], r["L"], r["H"]), {}).get("triton_over_fa3")
+                  for r in timed]
+        bars = ax2.bar(range(len(groups)), [x or 0 for x in ratios], color="tab:blue")
+        for bar, x in zip(bars, ratios):
+            if x:
+                ax2.text(bar.get_x() + bar.get_width() / 2, x, f"{x:.2f}", ha="center",
+                         va="bottom", fontsize=7)
+        ax2.axhline(1.25, color="tab:red", ls="--", lw=1, label="target 1.25")
+        ax2.axhline(1.0, color="tab:green", ls=":", lw=1, label="goal 1.0")
+        ax2.set_xticks(range(len(groups)))
+        ax2.set_xticklabels(groups, rotation=45, fontsize=7)
+        ax2.set_title("triton / flashinfer fa3 time")
+        ax2.legend(fontsize=7)
+        out += page.image(fig, "p1_decode.png", "P1 decode bandwidth and triton/fa3 ratio")
+    return out
+
+
+def render_p2(data: dict[str, Any], page: Page) -> list[str]:
+    shares = data.get("shares", {})
+    rows = [[k, f"{v * data['copy_GBps'] / 1e3:.2f} TB/s", pct(v, 1)]
+            for k, v in sorted(shares.items(), key=lambda kv: -kv[1])]
+    return [(f"Shape {tuple(data.get('shape', []))}; source: {data.get('source')}; copy "
+            f"bandwidth {fmt((data.get('copy_GBps') or 0) / 1e3, '.2f')} TB/s."), "",
+            md_table(["backend", "achieved", "share of copy"], rows)]

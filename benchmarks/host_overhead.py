@@ -51,18 +51,17 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# The Triton kernels are never launched here, but importing them without a GPU
-# needs the interpreter mode the test-suite uses.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("ATTNREG_DISABLE_PLUGIN_AUTOLOAD", "1")
+if TYPE_CHECKING:
+    import torch
 
-import torch  # noqa: E402
-
-# run as a script (benchmarks/host_overhead.py) or as benchmarks.host_overhead
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a script: the helpers are benchmarks'
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from attnreg.profiling import load_average  # noqa: E402
 from benchmarks._harness import _cpu_model  # noqa: E402
+from benchmarks._report import Page, ResultsFile, rel  # noqa: E402
+from benchmarks.metrics import Check  # noqa: E402
 
 SHAPES: tuple[tuple[int, int, int], ...] = ((8, 1024, 128), (64, 2048, 64), (128, 4096, 16),
                                             (1, 32768, 128))
@@ -103,7 +102,7 @@ class _StubMLAWrapper:
     the timings hold attnreg's host work and nothing of flashinfer's.
     """
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
+    def __init__(self, float_workspace_buffer: Any, use_cuda_graph: bool = False,
                  qo_indptr: Any = None, kv_indptr: Any = None, kv_indices: Any = None,
                  kv_len_arr: Any = None, backend: str = "auto") -> None:
         self.backend = backend
@@ -178,6 +177,8 @@ def _triton_direct(be: Any, pool: Any, batch: Any, q: torch.Tensor, out: torch.T
 
 def _flashinfer_direct(be: Any, pool: Any, batch: Any, q: torch.Tensor, out: torch.Tensor
                        ) -> dict[str, Callable[[], Any]]:
+    import torch
+
     cfg = be.config
     lens = list(batch.seq_lens_cpu)
     pages = [-(-n // cfg.page_size) for n in lens]
@@ -211,6 +212,8 @@ def build_paths(name: str, shape: tuple[int, int, int], width: int
 
     ``width``: columns of the page table (P6: ``L``, every column used).
     """
+    import torch
+
     from attnreg.backends.batch import decode_batch
 
     B, L, H = shape
@@ -287,13 +290,6 @@ def profile(fn: Callable[[], Any], calls: int, top: int) -> str:
     return buf.getvalue()
 
 
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def measure(backends: list[str], cases: list[tuple[tuple[int, int, int], int]], *,
             round_s: float, rounds: int, prof: bool) -> list[dict[str, Any]]:
     """One row per (backend, (shape, page-table width))."""
@@ -343,6 +339,8 @@ def _row_line(row: dict[str, Any]) -> str:
 def write(label: str, argv: list[str], rows: list[dict[str, Any]], path: Path,
           load_start: list[float] | None) -> None:
     """Store this run as ``runs[label]`` of the JSON file, keeping the other runs."""
+    import torch
+
     import attnreg
 
     doc: dict[str, Any] = {"schema": "attnreg-host-overhead/1", "runs": {}}
@@ -362,16 +360,16 @@ def write(label: str, argv: list[str], rows: list[dict[str, Any]], path: Path,
                   "kernels stubbed (Triton launches are no-ops, flashinfer plan/run keep "
                   "their arguments)",
         # 1, 5 and 15 minute load averages: other processes share the machine
-        "load_average_start": load_start, "load_average_end": _load_average(),
+        "load_average_start": load_start, "load_average_end": load_average(),
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def compare(path: Path, before: str, after: str) -> str:
+def compare(doc: dict[str, Any], before: str, after: str) -> str:
     """A markdown table of two stored runs, row by row (best round, us per call)."""
-    runs = json.loads(path.read_text())["runs"]
+    runs = doc["runs"]
     old = {_key(r): r for r in runs[before]["rows"]}
     lines = [f"| variant | (B, L, H) | table width | direct (plan +) run "
              f"| metadata + forward, {before} | metadata + forward, {after} | direct run "
@@ -417,14 +415,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure nothing: print a table of two runs stored in --out")
     args = ap.parse_args(argv)
     if args.compare:
-        print(compare(args.out, *args.compare))
+        print(compare(json.loads(args.out.read_text()), *args.compare))
         return 0
+    # The Triton kernels are never launched here, but importing them without a GPU
+    # needs the interpreter mode the test-suite uses (set before triton is imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("ATTNREG_DISABLE_PLUGIN_AUTOLOAD", "1")
+    import torch
+
     # One intra-op thread: the device ops that run on the host here (cpu "device")
     # would otherwise compete for the 2 cores with whatever else runs.
     torch.set_num_threads(args.threads)
     stub_triton_launches()
     install_stub_flashinfer()
-    load_start = _load_average()
+    load_start = load_average()
     cases = [(s, s[1]) for s in (QUICK_SHAPES if args.quick else SHAPES)]
     cases += [(s, 2 * s[1]) for s in WIDE_SHAPES]
     print(HEADER, flush=True)
@@ -434,6 +438,62 @@ def main(argv: list[str] | None = None) -> int:
         write(args.label, argv, rows, args.out, load_start)
         print(f"wrote {args.out} (runs[{args.label!r}])")
     return 0
+
+
+
+# ----------------------------------------------------------------------------------------
+# rendering (python -m benchmarks.render: results/host/*.json)
+# ----------------------------------------------------------------------------------------
+
+TITLE = "Host cost of the eager decode path (CPU, kernels stubbed)"
+SCHEMA = "attnreg-host-overhead/1"
+RESULTS = ("host", "*.json")
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A results file of this script (``ValueError`` for anything else)."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != SCHEMA or not isinstance(doc.get("runs"), dict):
+        raise ValueError(f"{path}: schema {doc.get('schema')!r}, expected {SCHEMA!r} "
+                         "(written by benchmarks/host_overhead.py)")
+    return dict(doc)
+
+
+def where(doc: dict[str, Any]) -> str:
+    return "CPU"
+
+
+def checks(doc: dict[str, Any]) -> list[Check]:
+    """None: this breaks P6's host cost down; P6 carries the goal."""
+    return []
+
+
+def render(files: list[ResultsFile], page: Page) -> list[str]:
+    """Each stored run's provenance, then before / after side by side (or each run alone)."""
+    lines = [f"## {TITLE}", ""]
+    if not files:
+        return lines + [f"Not measured yet. Run `{COMMAND} --label LABEL` on the CPU machine.",
+                        ""]
+    lines += [("The CPU-side counterpart of P6: the same shapes and paths with every kernel "
+               "launch stubbed, so only the host work around the kernels is timed.  What the "
+               "host does in each path, and what changed between the runs: "
+               "[benchmarks-host-overhead.md](benchmarks-host-overhead.md)."), ""]
+    for f in files:
+        runs = f.doc["runs"]
+        for label, run in runs.items():
+            lines += [f"- *{label}*: measured {run.get('date_utc', '?')} on {run.get('cpu')} "
+                      f"({run.get('cpu_count')} cores), python {run.get('python')}, torch "
+                      f"{run.get('torch')}, {run.get('torch_threads')} torch thread(s), "
+                      f"load average {run.get('load_average_start')} -> "
+                      f"{run.get('load_average_end')}; command `{run.get('command')}`."]
+        lines += ["", f"{next(iter(runs.values())).get('method', '')}; us per call, best round; "
+                  f"data: `{rel(f.path, page.root)}`.", ""]
+        if {"before", "after"} <= runs.keys():
+            lines += [compare(f.doc, "before", "after"), ""]
+        else:
+            for label, run in runs.items():
+                lines += [f"*{label}*:", "", HEADER] + [_row_line(r) for r in run["rows"]] + [""]
+    return lines
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "D_LATENT",
@@ -22,8 +22,7 @@ __all__ = [
     "extend_attention_flops",
     "extend_pairs",
     "geomean",
-    "mla_layer_weight_bytes",
-    "spread",
+    "median_of_runs",
 ]
 
 #: DeepSeek MLA widths: the latent (c_kv, K and V of absorbed attention), the
@@ -68,19 +67,6 @@ def extend_attention_flops(prefix: int, extend: int, heads: int, d_qk: int, d_v:
     return 2 * extend_pairs(prefix, extend) * heads * (d_qk + d_v)
 
 
-def mla_layer_weight_bytes(hidden: int, q_lora: int, kv_lora: int, rope: int, nope: int,
-                           v_dim: int, heads: int, elem_bytes: int = 2) -> int:
-    """Bytes of one MLA attention layer's projection weights (no norms, no MLP).
-
-    q_a ``hidden x q_lora``, q_b ``q_lora x H(nope + rope)``, kv_a
-    ``hidden x (kv_lora + rope)``, kv_b (W_UK and W_UV) ``kv_lora x H(nope + v)``,
-    o ``H v x hidden``.
-    """
-    params = (hidden * q_lora + q_lora * heads * (nope + rope) + hidden * (kv_lora + rope)
-              + kv_lora * heads * (nope + v_dim) + heads * v_dim * hidden)
-    return params * elem_bytes
-
-
 def geomean(values: Iterable[float]) -> float:
     """Geometric mean of positive values (raises ValueError on an empty or non-positive input)."""
     vals = [float(v) for v in values]
@@ -91,23 +77,6 @@ def geomean(values: Iterable[float]) -> float:
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
-def spread(samples: Sequence[float]) -> dict[str, float]:
-    """Median, 20th / 80th percentiles, min and max of timing samples."""
-    xs = sorted(float(s) for s in samples)
-    if not xs:
-        raise ValueError("no samples")
-
-    def quantile(q: float) -> float:
-        # linear interpolation between closest ranks (numpy's default)
-        pos = q * (len(xs) - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return {"median": statistics.median(xs), "p20": quantile(0.2), "p80": quantile(0.8),
-            "min": xs[0], "max": xs[-1], "n": len(xs)}
-
-
 Direction = Literal["<=", ">="]
 
 
@@ -116,7 +85,9 @@ class Check:
     """One measured figure against its target (and optional stretch goal).
 
     ``status`` is ``"goal met"``, ``"target met"`` (goal missed or none),
-    ``"missed"``, or ``"not measured"`` when ``measured`` is None.
+    ``"missed"``, or ``"not measured"`` when ``measured`` is None.  ``runs``:
+    the figure of every run when ``measured`` is their median (a host-bound
+    figure moves between runs; the page shows min and max beside the median).
     """
 
     id: str
@@ -128,6 +99,7 @@ class Check:
     goal: float | None = None
     status: str = ""
     detail: str = ""
+    runs: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -139,7 +111,7 @@ def _meets(value: float, bound: float, direction: Direction) -> bool:
 
 def evaluate(id: str, what: str, measured: float | None, unit: str, direction: Direction, *,
              target: float | None = None, goal: float | None = None,
-             detail: str = "") -> Check:
+             detail: str = "", runs: Sequence[float] = ()) -> Check:
     """Build a :class:`Check` and decide its status.
 
     A check with only a goal (the issue says "goal" without a "target") is
@@ -158,4 +130,12 @@ def evaluate(id: str, what: str, measured: float | None, unit: str, direction: D
         status = "target met"
     else:
         status = "missed"
-    return Check(id, what, measured, unit, direction, target, goal, status, detail)
+    return Check(id, what, measured, unit, direction, target, goal, status, detail,
+                 tuple(runs))
+
+
+def median_of_runs(id: str, what: str, values: Sequence[float], unit: str,
+                   direction: Direction, **kw: Any) -> Check:
+    """A check on the median of one figure over several runs (None when there is none)."""
+    return evaluate(id, what, statistics.median(values) if values else None, unit, direction,
+                    runs=values if len(values) > 1 else (), **kw)

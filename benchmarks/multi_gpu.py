@@ -51,6 +51,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: the renderer helpers are benchmarks'
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._report import Page, ResultsFile, fmt, md_table, rel
+from benchmarks.metrics import Check, evaluate
+
 #: Set in the environment of every child this script starts (the parent never
 #: imports torch); each worker checks them before it imports torch: NVLink
 #: multicast can take a shared host's GPUs out of service.
@@ -619,47 +624,15 @@ def verdict(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """``summary.md``: the same tables the benchmarks page shows, and the verdict."""
     w = result["workers"]
     lines = [f"# multi-rank run: {result['nprocs']} ranks, {result['backend']}, "
              f"device {result['device']}", "",
              f"Command: `{result['command']}`", ""]
-    if "vote" in w:
-        v, g = w["vote"], w["gate"]
-        s = g["setup"]
-        graphs = "CUDA graph replay" if s["real_graphs"] else \
-            "capture-mode code path, no device graph (cpu)"
-        lines += [
-            "| check | result |", "|---|---|",
-            f"| vote: trials | {v['trials']} ({v['and_true']} AND true, {v['and_false']} false) |",
-            f"| vote: disagreeing trials | {v['disagreements']} |",
-            f"| gate: steps | {g['steps']} ({g['graph_steps']} replayed, "
-            f"{g['eager_steps']} eager) |",
-            f"| gate: steps where ranks ran different paths | {g['paths']} |",
-            f"| gate: votes not the AND of local eligibility | {g['vote_not_the_and']} |",
-            f"| gate: replays that differ from eager (atol=rtol={REPLAY_ATOL}) | "
-            f"{g['replay_mismatches']} (max abs err {g['max_abs_err']:.3g}) |",
-            f"| gate: plan | {MODEL}, triton, {s['plan_platform']}"
-            f"{' (simulated)' if s['simulated_plan'] else ''}, decode {s['decode_mode']} |",
-            f"| gate: decode step | {graphs}; {s['heads']} heads, {s['max_bs']} slots, "
-            f"seq <= {s['max_seq']} |",
-            "| gate: rules fired (all ranks) | "
-            + ", ".join(f"{k} {n}" for k, n in g["rules"].items()) + " |",
-        ]
-        if result["backend"] == "nccl":
-            lines.append(f"| distinct GPUs | {w['distinct_gpus']} |")
-    else:
-        lines.append(f"vote/gate workers FAILED: exit codes {w['exit_codes']}"
-                     + (" (timed out)" if w["timed_out"] else ""))
-        for rank, tail in w.get("errors", {}).items():
-            lines += ["", f"{rank}, end of its log:", "", "```text", tail.rstrip(), "```"]
-    if result.get("conformance"):
-        lines += ["", "| rank | heads | device | verified | refuted | skipped | exit | report |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for row in result["conformance"]:
-            lines.append(f"| {row['rank']} | {row['heads']} | "
-                         f"{row.get('device_name') or row['device']} | {row.get('verified', '-')}"
-                         f" | {row.get('refuted', '-')} | {row.get('skipped', '-')} | "
-                         f"{row.get('exit_code')} | {row['report']} |")
+    lines += checks_table(result)
+    for rank, tail in w.get("errors", {}).items():
+        lines += ["", f"{rank}, end of its log:", "", "```text", tail.rstrip(), "```"]
+    lines += [""] + conformance_table(result)
     fails = result["failures"]
     lines += ["", "PASSED" if not fails else "FAILED: " + "; ".join(fails), ""]
     return "\n".join(lines)
@@ -716,6 +689,185 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "summary.md").write_text(text)
     print(text)
     return 0 if not result["failures"] else 1
+
+
+
+# ---------------------------------------------------------------------------
+# rendering (python -m benchmarks.render: results/multi/*-summary.json)
+# ---------------------------------------------------------------------------
+
+TITLE = "Multi-GPU (issue 9)"
+COMMAND = ("python3 benchmarks/multi_gpu.py --nprocs N --backend nccl --trials 1000 "
+           "--out $OUT/tpN")
+RESULTS = ("multi", "*-summary.json")
+#: World sizes issue 9 asks for, and why a size has no summary file (where known).
+SIZES = (2, 4, 8)
+UNMEASURED_WHY = {n: f"nvidia-h200-x{n} machines were not lent when issue 9 was measured"
+                  for n in (4, 8)}
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A ``summary.json`` of this script (``ValueError`` for anything else)."""
+    doc = json.loads(Path(path).read_text())
+    if not {"nprocs", "backend", "workers"} <= doc.keys():
+        raise ValueError(f"{path}: not a summary written by benchmarks/multi_gpu.py "
+                         "(needs nprocs, backend, workers)")
+    return dict(doc)
+
+
+def where(doc: dict[str, Any]) -> str:
+    return _multi_devices(doc).split(" (")[0]
+
+
+def _conformance_k(doc: dict[str, Any]) -> str | None:
+    """The ``-k`` expression of the conformance runs (multi_gpu.py appends it last)."""
+    for row in doc.get("conformance", []):
+        if " -k " in row.get("command", ""):
+            return str(row["command"].split(" -k ", 1)[1])
+    return None
+
+
+def _multi_command(doc: dict[str, Any]) -> str:
+    # multi_gpu.py joins argv with spaces: quote the -k expression again so it can be pasted
+    command, expr = str(doc.get("command", "?")), _conformance_k(doc)
+    if expr and f" -k {expr}" in command:
+        command = command.replace(f" -k {expr}", f" -k {shlex.quote(expr)}", 1)
+    return command
+
+
+def _multi_devices(doc: dict[str, Any]) -> str:
+    w = doc.get("workers", {})
+    ranks = w.get("ranks") or []
+    names = sorted({str(r.get("gpu", {}).get("name")) for r in ranks if r.get("gpu")})
+    if not names:
+        return f"{doc.get('nprocs')} ranks on {doc.get('device', '?')}"
+    extra = [f"{k} {v}" for k, v in (("NCCL", ranks[0].get("nccl")),
+                                     ("torch", ranks[0].get("torch"))) if v]
+    return (f"{doc.get('nprocs')} x {' / '.join(names)} ({w.get('distinct_gpus')} distinct "
+            f"GPUs){'; ' + ', '.join(extra) if extra else ''}")
+
+
+def checks_table(doc: dict[str, Any]) -> list[str]:
+    w = doc.get("workers", {})
+    if "vote" not in w:
+        return [f"Vote/gate workers **failed**: exit codes {w.get('exit_codes')}"
+                + (" (timed out)" if w.get("timed_out") else "") + "."]
+    v, g = w["vote"], w["gate"]
+    s = g.get("setup", {})
+    step = "CUDA graph replay" if s.get("real_graphs") else \
+        "capture-mode code path, no device graph"
+
+    def zero(n: int) -> str:
+        return "pass" if n == 0 else "**FAIL**"
+
+    rows = [
+        ["vote: trials", f"{v['trials']} ({v['and_true']} AND true, {v['and_false']} false)",
+         ""],
+        ["vote: disagreeing trials (gathered / seen by each rank)",
+         f"{v['disagreements']} / {v['seen_by_ranks']}",
+         zero(v["disagreements"] + sum(v["seen_by_ranks"]))],
+        ["gate: decode steps", f"{g['steps']} ({g['graph_steps']} replayed, "
+         f"{g['eager_steps']} eager)", ""],
+        ["gate: steps where ranks ran different paths", str(g["paths"]), zero(g["paths"])],
+        ["gate: votes not the AND of local eligibility", str(g["vote_not_the_and"]),
+         zero(g["vote_not_the_and"])],
+        ["gate: paths not the vote", str(g["path_not_the_vote"]), zero(g["path_not_the_vote"])],
+        ["gate: replays that differ from eager", f"{g['replay_mismatches']} (max abs err "
+         f"{fmt(g.get('max_abs_err'))})", zero(g["replay_mismatches"])],
+        ["gate: decode step", f"{step}; {s.get('heads')} heads, "
+         f"{s.get('max_bs')} slots, seq <= {s.get('max_seq')}; plan {s.get('plan_platform')}"
+         f"{' (simulated)' if s.get('simulated_plan') else ''}, decode "
+         f"{s.get('decode_mode')}", ""],
+        ["gate: rules fired (all ranks)",
+         ", ".join(f"{k} {n}" for k, n in g.get("rules", {}).items()), ""],
+    ]
+    if doc.get("backend") == "nccl":
+        rows.append(["distinct GPUs", str(w.get("distinct_gpus")),
+                     "pass" if w.get("distinct_gpus") == doc.get("nprocs") else "**FAIL**"])
+    return [md_table(["check", "result", "status"], rows)]
+
+
+def conformance_table(doc: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in doc.get("conformance", []):
+        claims = sum(r.get(k, 0) for k in ("verified", "refuted", "skipped"))
+        exit_ = str(r.get("exit_code")) + (" (killed at the deadline)" if r.get("timed_out")
+                                           else "")
+        rows.append([str(r["rank"]), str(r.get("device_name") or r.get("device")),
+                     str(r.get("cuda_visible_devices") or "-"), str(r["heads"]),
+                     ", ".join(map(str, r.get("claim_head_counts") or ["-"])), str(claims),
+                     f"**{r.get('verified', '-')}**", str(r.get("refuted", "-")),
+                     str(r.get("skipped", "-")), exit_, fmt(r.get("wall_s"), ".0f")])
+    if not rows:
+        return ["The per-rank conformance did not run (`--skip-conformance`)."]
+    return [md_table(["rank", "device", "CUDA_VISIBLE_DEVICES", "heads", "claims ran at heads",
+                      "claims", "verified", "refuted", "skipped", "exit", "wall s"], rows)]
+
+
+def checks(doc: dict[str, Any]) -> list[Check]:
+    """One check per run: this script's own list of failures must be empty."""
+    n = doc.get("nprocs")
+    return [evaluate(f"multi-GPU {n} ranks", f"{n} ranks over {doc.get('backend')}: failed "
+                     "checks (vote, replay-gate paths, replays vs eager, per-rank conformance)",
+                     len(doc.get("failures", [])), "failed checks", "<=", target=0,
+                     detail="; ".join(doc.get("failures", [])))]
+
+
+def _multi_file(f: ResultsFile, page: Page) -> list[str]:
+    doc = f.doc
+    n, backend = int(doc["nprocs"]), str(doc["backend"])  # load_extras checked both
+    date = doc.get("date_utc") or doc.get("date")
+    date = f" {date}" if date else ""
+    undated = "" if date else "; date not recorded (multi_gpu.py writes none into its summary)"
+    w = doc.get("workers", {})
+    conf = doc.get("conformance", [])
+    walls = [f"vote + gate workers {fmt(w.get('wall_s'), '.0f')} s"] + \
+        ([f"conformance {fmt(conf[0].get('wall_s'), '.0f')} s"] if conf else [])
+    expr = _conformance_k(doc)
+    claims = sorted({sum(r.get(k, 0) for k in ("verified", "refuted", "skipped"))
+                     for r in conf})
+    heads = sorted({r["heads"] for r in conf})
+    share = f" (DeepSeek-V3's 128 split over TP={n})" if heads == [128 // n] else ""
+    on = (f"{n} GPUs with {backend.upper()}, one rank per GPU" if doc.get("device") == "cuda"
+          else f"{n} ranks over {backend} on a {doc.get('device')}")
+    multicast = ", ".join(f"{k}={v}" for k, v in doc.get("multicast_env", {}).items())
+    conf_txt = ("" if not conf else
+                f"  The per-rank tensor-parallel conformance ran at "
+                f"{' / '.join(map(str, heads))} heads{share}, every rank at once on its own "
+                "device, "
+                + (f"**only the `-k {shlex.quote(expr)}` subset**: " if expr else
+                   "the whole suite: ")
+                + f"{' / '.join(str(c) for c in claims)} claims per rank.")
+    out = [f"### {n} ranks, {backend}", "",
+           f"*Measured*{date} on {_multi_devices(doc)}{undated}.  \n"
+           f"*Command:* `{_multi_command(doc)}`; {', '.join(walls)}; data: "
+           f"`{rel(f.path, page.root)}`.", "",
+           f"Ran on {on}{'; ' + multicast if multicast else ''}.{conf_txt}", ""]
+    out += checks_table(doc) + [""] + conformance_table(doc) + [""]
+    return out + page.check_lines([c.to_dict() for c in checks(doc)], doc) + [""]
+
+
+def render(files: list[ResultsFile], page: Page) -> list[str]:
+    """The issue-9 section: each summary's checks and per-rank conformance."""
+    lines = [f"## {TITLE}", ""]
+    if not files:
+        return lines + [f"Not measured yet. Run `{COMMAND}` on an N-GPU machine (N in "
+                        f"{', '.join(map(str, SIZES))}) and bring back "
+                        "`$OUT/tpN/summary.json` as "
+                        "`benchmarks/results/multi/h200-xN-summary.json`.", ""]
+    lines += [("`benchmarks/multi_gpu.py` (see [multi_gpu.md](multi_gpu.md)): every rank "
+               "votes on random local eligibility (all results must be the AND), runs a "
+               "replay-gate decode step whose path (graph replay or eager) follows the vote "
+               "(all ranks must run the same path; replays must match eager), and runs "
+               "`attnreg conformance` at its tensor-parallel share of the heads."), ""]
+    for f in files:
+        lines += _multi_file(f, page)
+    done = {f.doc.get("nprocs") for f in files if f.doc.get("backend") == "nccl"}
+    missing = [f"{n} GPUs ({UNMEASURED_WHY.get(n, 'no summary file yet')})"
+               for n in SIZES if n not in done]
+    if missing:
+        lines += [f"Not measured with NCCL: {'; '.join(missing)}.", ""]
+    return lines
 
 
 if __name__ == "__main__":

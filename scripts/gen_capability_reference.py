@@ -27,6 +27,7 @@ from attnreg.registry import (
     BackendSpec,
     Capabilities,
     CaptureMemory,
+    CaptureShape,
     DeclarationContext,
     GraphModeSupport,
     KernelConstraints,
@@ -109,15 +110,33 @@ def _heads(k: KernelConstraints) -> str:
     return _join(k.head_counts) if k.head_counts else f"1..{k.max_heads}"
 
 
-def _memory(mem: CaptureMemory) -> str:
-    if not (mem.fixed_bytes or mem.per_batch_slot_bytes):
+#: The shapes capture-memory formulas are evaluated at, to give a figure next to each:
+#: DeepSeek-V3 on one rank (128 heads), one captured graph, page size 64, an unknown
+#: SM count (the declaration's upper bound), no pool size (fallbacks that convert the
+#: pool add to it).
+EXAMPLE_SHAPES: dict[Phase, CaptureShape] = {
+    Phase.DECODE: CaptureShape(max_batch_size=256, max_num_tokens=256, max_seq_len=8192,
+                               num_heads=128, page_size=64, num_graphs=1),
+    Phase.PREFILL: CaptureShape(max_batch_size=64, max_num_tokens=8192, max_seq_len=8192,
+                                num_heads=128, page_size=64, num_graphs=1),
+}
+EXAMPLE_NOTE = ("Capture memory: the declared formula, and in brackets its value for one "
+                "captured graph of DeepSeek-V3 on one rank (128 heads; decode: 256 slots; "
+                "prefill: 64 requests, 8192 tokens; max_seq_len 8192, page size 64, SM count "
+                "unknown).")
+
+
+def _memory(mem: CaptureMemory, phase: Phase) -> str:
+    if not (mem.fixed_bytes or mem.per_batch_slot_bytes or mem.bytes_fn):
         return "-"
     parts = []
     if mem.fixed_bytes:
         parts.append(f"{_mib(mem.fixed_bytes)} fixed")
     if mem.per_batch_slot_bytes:
         parts.append(f"{_mib(mem.per_batch_slot_bytes)} per batch slot")
-    return " + ".join(parts)
+    if mem.bytes_fn is not None:
+        parts.append(mem.formula or "a function of the capture shape")
+    return " + ".join(parts) + f" [{_mib(mem.estimate(EXAMPLE_SHAPES[phase]))}]"
 
 
 def _mib(n: int) -> str:
@@ -178,13 +197,15 @@ def render_declaration(caps: Capabilities) -> list[str]:
             if g.phase is phase:
                 rows.append([g.phase.value, g.mode.value, _capture(g),
                              g.pinned_method.value if g.pinned_method else "none",
-                             g.split_kv.value, _memory(g.capture_memory)])
+                             g.split_kv.value, _memory(g.capture_memory, g.phase)])
                 if not g.capture.is_native:
                     why.append(f"- {g.phase.value} / {g.mode.value}: {g.capture.reason}")
     lines += ["Graph modes (DISABLED, i.e. eager, is always possible):", ""]
     lines += _table(("phase", "graph mode", "capture support", "pins", "split-KV under capture",
                      "capture memory"), rows)
     lines.append("")
+    if any(g.capture_memory.estimate(EXAMPLE_SHAPES[g.phase]) for g in caps.graph_modes):
+        lines += [EXAMPLE_NOTE, ""]
     if why:
         lines += ["Why not native:", "", *why, ""]
     if caps.notes:

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnreg.backends.base import MLAConfig
-from attnreg.backends.batch import ForwardBatch, decode_batch, extend_batch
-from attnreg.backends.kv_pool import MLAKVPool
+from attnreg.runtime import ForwardBatch, MLAConfig, MLAKVPool, decode_batch, extend_batch
 
 #: fp8 pools in tests use this scale, so bf16 inputs of magnitude ~3 use much of the range.
 FP8_SCALE = 0.02

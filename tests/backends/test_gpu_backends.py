@@ -1,14 +1,14 @@
 """Triton backend vs the reference on a real GPU, bigger shapes, and real CUDA graph
-capture / replay (torch.cuda.CUDAGraph) with other lengths and contents per replay."""
+capture / replay (through attnreg.runtime.GraphRunner) with other lengths and contents
+per replay."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnreg.backends.base import MLAConfig
-from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
+from attnreg.runtime import CudaGraphRecorder, GraphRunner, MLAConfig
 
 from ._scenarios import FP8_SCALE, make_scenario
 
@@ -43,7 +43,7 @@ def test_decode_matches_reference(heads: int, page_size: int, kv_dtype: str) -> 
     sc = make_scenario(cfg, prefix, [1] * len(prefix), decode=True, seed=heads + page_size,
                        q_dtype=q_dtype_for(kv_dtype))
     got = tri.forward_decode(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
-    assert tri.forward_metadata is not None and tri.forward_metadata.extras["max_splits"] > 1
+    assert tri.forward_metadata is not None and tri.forward_metadata.plan.splits > 1
     want = ref.forward_decode(sc.q, None, None, sc.pool, sc.batch)
     assert_close(got, want)
 
@@ -95,16 +95,14 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
     tri.init_cuda_graph_state(max_bs=8, max_num_tokens=8, max_seq_len=max_seq)
     tri.init_forward_metadata_capture(bs, bs)
     assert tri.forward_metadata is not None
-    assert tri.forward_metadata.extras["max_splits"] > 1, "split-KV must survive capture"
+    assert tri.forward_metadata.plan.splits > 1, "split-KV must survive capture"
     static_q = torch.zeros(bs, heads, 576, dtype=torch.bfloat16, device="cuda")
     static_lat = torch.zeros(bs, 512, dtype=torch.bfloat16, device="cuda")
     static_rope = torch.zeros(bs, 64, dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with capturing(GraphMode.FULL):
-        tri.forward_decode(static_q, static_lat, static_rope, pool)  # warm-up / compile
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            static_out = tri.forward_decode(static_q, static_lat, static_rope, pool)
+    static_out = torch.zeros(bs, heads, 512, dtype=torch.bfloat16, device="cuda")
+    runner = GraphRunner("cuda", before_replay=_churn)
+    graph = runner.capture(lambda: tri.forward_decode(static_q, static_lat, static_rope, pool,
+                                                      out=static_out), GraphMode.FULL)
     written: list[int] = []
     replays = [[0, 5, 300, 4095, 17, 1], [2000, 3], [255, 256, 257, 1023, 1024, 3000],
                [4000, 0, 0, 0]]
@@ -116,12 +114,13 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
         static_q[:b] = sc.q
         static_lat[:b] = sc.latent_new
         static_rope[:b] = sc.rope_new
-        _churn()
-        graph.replay()
+        static_out.fill_(float("nan"))
+        graph.replay()  # the runner's before_replay hook churns the allocator first
         torch.cuda.synchronize()
         want = ref.forward_decode(sc.q, None, None, pool, sc.batch)
         assert_close(static_out[:b], want)
-        assert torch.count_nonzero(static_out[b:].float()) == 0, "padded rows must be 0"
+        assert torch.count_nonzero(static_out[b:].float().nan_to_num(1.0)) == 0, \
+            "padded rows must be 0"
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
@@ -141,13 +140,11 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
     static_q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16, device="cuda")
     static_lat = torch.zeros(tokens, 512, dtype=torch.bfloat16, device="cuda")
     static_rope = torch.zeros(tokens, 64, dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with capturing(GraphMode.BREAKABLE):
-        tri.forward_extend(static_q, static_lat, static_rope, pool, method=ForwardMethod.MLA)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            static_out = tri.forward_extend(static_q, static_lat, static_rope, pool,
-                                            method=ForwardMethod.MLA)
+    static_out = torch.zeros(tokens, 16, 512, dtype=torch.bfloat16, device="cuda")
+    runner = GraphRunner("cuda", before_replay=_churn)
+    graph = runner.capture(lambda: tri.forward_extend(static_q, static_lat, static_rope, pool,
+                                                      method=ForwardMethod.MLA, out=static_out),
+                           GraphMode.BREAKABLE)
     written: list[int] = []
     replays = [([0, 100, 1500, 7], [64, 64, 64, 64]), ([1000], [256]),
                ([0, 0, 3], [1, 200, 2])]
@@ -158,11 +155,13 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
         static_q[:t] = sc.q
         static_lat[:t] = sc.latent_new
         static_rope[:t] = sc.rope_new
-        _churn()
-        graph.replay()
+        static_out.fill_(float("nan"))
+        graph.replay()  # the runner's before_replay hook churns the allocator first
         torch.cuda.synchronize()
         want = ref.forward_extend(sc.q, None, None, pool, sc.batch)
         assert_close(static_out[:t], want)
+        assert torch.count_nonzero(static_out[t:].float().nan_to_num(1.0)) == 0, \
+            "padded rows must be 0"
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
@@ -176,7 +175,11 @@ def test_reference_refuses_a_real_capture_without_a_capture_context() -> None:
     _, ref = backends(cfg)
     sc = make_scenario(cfg, [10], [1], decode=True)
     ref.init_forward_metadata(sc.batch)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(UnsupportedError, match="decode under full graph capture"), \
-            torch.cuda.graph(graph):
-        ref.forward_decode(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
+    # the runner's recorder alone: a raw stream capture, no capturing() context
+    recorder = CudaGraphRecorder(torch.cuda.graph_pool_handle())
+    handle = recorder.begin()
+    try:
+        with pytest.raises(UnsupportedError, match="decode under full graph capture"):
+            ref.forward_decode(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
+    finally:
+        recorder.end(handle)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.backends.base import KernelErrors, MLAConfig
-from attnreg.backends.batch import decode_batch
 from attnreg.registry import UnsupportedError, get_registry, load_registry
+from attnreg.runtime import KernelErrors, MLAConfig, decode_batch
 
 
 def _kernels(monkeypatch, page_size: int):
@@ -129,11 +128,11 @@ def test_triton_eager_workspace_is_planned_once_per_batch() -> None:
     tri.init_forward_metadata(batch)
     md = tri.forward_metadata
     assert md is not None
-    workspace = md.extras["workspace"]
+    workspace = md.plan.workspace
     assert workspace is not None and tuple(workspace.partial_out.shape) == (2, 3, 2, 512)
     first = tri.forward_decode(q, None, None, pool, batch)
     second = tri.forward_decode(q, None, None, pool, batch)
-    assert tri.forward_metadata is md and md.extras["workspace"] is workspace
+    assert tri.forward_metadata is md and md.plan.workspace is workspace
     assert torch.equal(first, second)
     want = ref.forward_decode(q, None, None, pool, batch)
     assert (first.float() - want.float()).abs().max().item() <= 2e-2
@@ -145,7 +144,7 @@ def test_triton_one_split_needs_no_workspace() -> None:
     pool = cfg.make_pool(16)
     tri.init_forward_metadata(decode_batch(pool, [3]))
     assert tri.forward_metadata is not None
-    assert tri.forward_metadata.extras["workspace"] is None
+    assert tri.forward_metadata.plan.workspace is None
 
 
 def test_page_indices_of_full_rows_ignore_table_rows_beyond_the_batch():

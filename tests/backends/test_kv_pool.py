@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.backends.batch import ForwardBatch, decode_batch, extend_batch
-from attnreg.backends.kv_pool import FP8_E4M3_MAX, PADDING_PAGE, MLAKVPool
 from attnreg.registry import ForwardMode, UnsupportedError
+from attnreg.runtime import (
+    FP8_E4M3_MAX,
+    PADDING_PAGE,
+    ForwardBatch,
+    MLAKVPool,
+    decode_batch,
+    extend_batch,
+)
 
 
 def rows(n: int, seed: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +104,33 @@ def test_page_zero_is_reserved_and_allocation_is_bounded() -> None:
         pool.allocate([1])
     pool.free(pages[1])
     assert len(pool.allocate([8])[0]) == 2
-    with pytest.raises(ValueError, match="not an allocated page"):
+    with pytest.raises(ValueError, match="not an allocatable page.*page 0 is reserved"):
         pool.free([PADDING_PAGE])
+
+
+def test_free_refuses_double_frees_and_foreign_pages_and_frees_nothing_then() -> None:
+    pool = MLAKVPool(10, 1)
+    (a, b) = pool.allocate([3, 2])
+    assert pool.num_free_pages == 4
+    pool.free(a)
+    with pytest.raises(ValueError, match="page 1 is already free .double free."):
+        pool.free([a[0]])
+    with pytest.raises(ValueError, match="page 10 is not an allocatable page"):
+        pool.free([b[0], 10])
+    with pytest.raises(ValueError, match=f"page {b[0]} is already free"):
+        pool.free([b[0], b[0]])  # listed twice in one call
+    assert pool.num_free_pages == 7, "a refused free() frees nothing"
+    pool.free(b)
+    assert pool.num_free_pages == 9
+
+
+def test_fresh_pools_hand_out_ascending_pages_and_reuse_freed_ones_first() -> None:
+    pool = MLAKVPool(12, 1)
+    first = pool.allocate([3, 2])
+    assert first == [[1, 2, 3], [4, 5]]
+    pool.free(first[0])
+    assert pool.allocate([3]) == [[1, 2, 3]]
+    assert pool.allocate([2]) == [[6, 7]]
 
 
 def test_shuffled_allocation_is_a_permutation_and_reproducible() -> None:

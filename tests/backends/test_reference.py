@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 
-from attnreg.backends.base import MLAConfig
-from attnreg.backends.batch import decode_batch, extend_batch
 from attnreg.graph_policy.capture import break_handler, capturing, eager_break
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
+from attnreg.runtime import MLAConfig, decode_batch, extend_batch
 
 from ._scenarios import FP8_SCALE, Scenario, make_scenario
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.backends.base import MLAConfig
-from attnreg.backends.batch import decode_batch
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
+from attnreg.runtime import MLAConfig, decode_batch
 
 from ._scenarios import FP8_SCALE, make_scenario
 
@@ -64,7 +63,7 @@ def test_split_mla_extend_matches_reference(kv_dtype: str, splits: int | None) -
     tri, ref = backends(cfg, force_kv_splits=splits)
     sc = make_scenario(cfg, [600, 90], [3, 2], seed=4)
     tri.init_forward_metadata(sc.batch)
-    assert tri.forward_metadata.extras["extend_splits"] == (splits or 3)
+    assert tri.forward_metadata.plan.splits == (splits or 3)
     got = tri.forward_extend(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
     want = ref.forward_extend(sc.q, None, None, sc.pool, sc.batch)
     assert_close(got, want)
@@ -158,9 +157,9 @@ def test_split_extend_graph_metadata_replays_longer_prefixes() -> None:
                               graph_modes={"prefill": "breakable"})
     tri.init_forward_metadata_capture(2, 8, forward_mode="extend")
     md = tri.forward_metadata
-    ws = md.extras["extend_workspace"]
-    assert md.extras["extend_splits"] == 3
-    assert ws.partial_out.data_ptr() == tri.graph_state.extras["extend_partial_out"].data_ptr()
+    ws = md.plan.workspace
+    assert md.plan.splits == 3
+    assert ws.partial_out.data_ptr() == tri.graph_state.buffers.extend_partial_out.data_ptr()
     static = [torch.zeros(8, H, d, dtype=torch.bfloat16, device=DEVICE) for d in (576,)] + \
         [torch.zeros(8, d, dtype=torch.bfloat16, device=DEVICE) for d in (512, 64)]
     written: list[int] = []
@@ -187,12 +186,12 @@ def test_split_extend_capture_takes_the_heuristic_splits_from_the_graph_state() 
     tri.init_cuda_graph_state(max_bs=2, max_num_tokens=600, max_seq_len=400,
                               graph_modes={"prefill": "breakable"})
     tri.init_forward_metadata_capture(2, 8, forward_mode="extend")
-    assert tri.forward_metadata.extras["extend_splits"] == 2
-    ws = tri.forward_metadata.extras["extend_workspace"]
+    assert tri.forward_metadata.plan.splits == 2
+    ws = tri.forward_metadata.plan.workspace
     assert ws.partial_out.shape == (8, 2, H, 512)
     tri.init_forward_metadata_capture(2, 600, forward_mode="extend")
-    assert tri.forward_metadata.extras["extend_splits"] == 1
-    assert "extend_workspace" not in tri.forward_metadata.extras
+    assert tri.forward_metadata.plan.splits == 1
+    assert tri.forward_metadata.plan.workspace is None
 
 
 # -- refusals ---------------------------------------------------------------------------

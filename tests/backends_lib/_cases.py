@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnreg.backends.base import MLAConfig
-from attnreg.backends.batch import ForwardBatch, decode_batch, extend_batch
-from attnreg.backends.kv_pool import MLAKVPool
 from attnreg.backends.reference import ReferenceBackend, causal_attention, gather_sequence
 from attnreg.registry import ForwardMethod, get_registry
+from attnreg.runtime import ForwardBatch, MLAConfig, MLAKVPool, decode_batch, extend_batch
 
 #: fp8 pools use this scale, so unit-scale inputs use much of the e4m3 range.
 FP8_SCALE = 0.02

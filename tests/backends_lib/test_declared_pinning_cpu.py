@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from attnreg.backends.base import AttentionBackend, MLAConfig
 from attnreg.graph_policy.capture import break_handler, capturing, eager_break
 from attnreg.registry import (
     ForwardMethod,
@@ -26,6 +25,7 @@ from attnreg.registry import (
     UnsupportedError,
     load_registry,
 )
+from attnreg.runtime import AttentionBackend, MLAConfig
 
 from ._cases import assert_close, expected, make_case, make_pool
 from .fakes import install_fake_flash_attn_cute, install_fake_flashinfer

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from attnreg.backends.base import MLAConfig
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, load_registry
+from attnreg.runtime import MLAConfig
 
 from ._cases import assert_close, expected, make_case, make_pool
 from .fakes import install_fake_flash_attn_cute

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.backends.base import MLAConfig
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, load_registry
+from attnreg.runtime import GraphRunner, MLAConfig
 
 from ._cases import assert_close, expected, make_case, make_pool
 from .fakes import install_fake_flashinfer
@@ -74,8 +74,13 @@ def test_mha_ragged_prefill_with_prefix_matches_reference(reg, monkeypatch) -> N
 
 
 def _capture_and_replay(fi, cfg, pool, *, decode: bool, bs: int, num_tokens: int,
-                        first, replays):
-    """Emulate graph use on the CPU: plan the captured shape, run under capturing()."""
+                        first, replays, zero_stale_inputs: bool = True):
+    """Graph use on the CPU through the GraphRunner (no device graph: capture runs the
+    step once under capturing(), each replay runs it again after the metadata replay).
+
+    ``zero_stale_inputs=False`` leaves the rows of earlier, larger batches in the static
+    inputs, as an engine does: only the batch's own rows are rewritten.
+    """
     mode = GraphMode.FULL if decode else GraphMode.BREAKABLE
     phase = "decode" if decode else "prefill"
     fi.init_cuda_graph_state(bs, num_tokens, max_seq_len=512, graph_modes={phase: mode})
@@ -86,25 +91,31 @@ def _capture_and_replay(fi, cfg, pool, *, decode: bool, bs: int, num_tokens: int
     out = torch.zeros(rows, cfg.num_heads, cfg.kv_lora_rank, dtype=torch.bfloat16)
 
     def step():
-        with capturing(mode):
-            if decode:
-                fi.forward_decode(q, lat, rope, pool, out=out)
-            else:
-                fi.forward_extend(q, lat, rope, pool, method=ForwardMethod.MLA, out=out)
+        if decode:
+            fi.forward_decode(q, lat, rope, pool, out=out)
+        else:
+            fi.forward_extend(q, lat, rope, pool, method=ForwardMethod.MLA, out=out)
 
-    fi.init_forward_metadata_capture(bs, num_tokens, first.batch)
-    results = []
-    for case in [first, *replays]:
-        if case is not first:
-            fi.init_forward_metadata_replay(bs, num_tokens, case.batch)
+    def load(case):
         t = case.batch.num_tokens
-        q.zero_(), lat.zero_(), rope.zero_()
+        if zero_stale_inputs:
+            q.zero_(), lat.zero_(), rope.zero_()
         q[: case.q.shape[0]].copy_(case.q)
         lat[:t].copy_(case.latent_new)
         rope[:t].copy_(case.rope_new)
-        step()
-        results.append((case, out[: case.q.shape[0]].clone()))
-    return results
+
+    runner = GraphRunner("cpu")
+    fi.init_forward_metadata_capture(bs, num_tokens, first.batch)
+    load(first)
+    graph = runner.capture(step, mode)
+    results = [(first, out[: first.q.shape[0]].clone(), out.clone())]
+    for case in replays:
+        fi.init_forward_metadata_replay(bs, num_tokens, case.batch)
+        load(case)
+        out.fill_(float("nan"))
+        graph.replay()
+        results.append((case, out[: case.q.shape[0]].clone(), out.clone()))
+    return [(case, got) for case, got, _ in results], [whole for _, _, whole in results]
 
 
 def test_captured_decode_keeps_its_grid_for_smaller_batches(reg, monkeypatch) -> None:
@@ -118,8 +129,9 @@ def test_captured_decode_keeps_its_grid_for_smaller_batches(reg, monkeypatch) ->
     first = make_case(cfg, pool, [10, 20, 30, 40, 50, 60, 70, 80], [1] * 8, decode=True)
     replays = [make_case(cfg, pool, [300], [1], decode=True, seed=5),
                make_case(cfg, pool, [3, 150, 9], [1, 1, 1], decode=True, seed=6)]
-    for case, got in _capture_and_replay(fi, cfg, pool, decode=True, bs=8, num_tokens=8,
-                                         first=first, replays=replays):
+    pairs, _ = _capture_and_replay(fi, cfg, pool, decode=True, bs=8, num_tokens=8,
+                                   first=first, replays=replays)
+    for case, got in pairs:
         assert_close(got, expected(cfg, case), what=f"replay {case.batch.seq_lens_cpu}")
     graph_plans = [p for p in calls.mla_plans if p["graph"]]
     assert len(graph_plans) == 3
@@ -137,12 +149,52 @@ def test_captured_extend_replays_other_lengths_and_prefixes(reg, monkeypatch) ->
     replays = [make_case(cfg, pool, [100, 7], [30, 2], seed=8),
                make_case(cfg, pool, [250], [1], seed=9),
                make_case(cfg, pool, [0, 5, 17], [10, 30, 24], seed=10)]
-    for case, got in _capture_and_replay(fi, cfg, pool, decode=False, bs=3, num_tokens=64,
-                                         first=first, replays=replays):
+    pairs, _ = _capture_and_replay(fi, cfg, pool, decode=False, bs=3, num_tokens=64,
+                                   first=first, replays=replays)
+    for case, got in pairs:
         assert_close(got, expected(cfg, case), what=f"replay {case.batch.seq_lens_cpu}")
     graph_plans = [p for p in calls.mla_plans if p["graph"]]
     assert all(p["rows"] == 64 and p["requests"] == 4 and p["causal"] for p in graph_plans)
     assert len({p["grid"] for p in graph_plans}) == 1
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_padded_replays_give_zero_rows_for_the_missing_sequences(reg, monkeypatch,
+                                                                 decode: bool) -> None:
+    """The issue's case (16 heads, page size 1, a graph for 8 sequences replaying 3) at cpu
+    sizes: the filler request that keeps the launch grid fixed computes the padding rows
+    over the padding page; after the replay they must be exactly zero, as docs/runtime.md
+    promises.  Without the zeroing they are not (checked below, so this can fail)."""
+    install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=1)
+    fi = backend(reg, cfg)
+    pool = make_pool(cfg, 3000)
+    # the padding page holds whatever earlier padded writes left there
+    pool.buffer[0].copy_(torch.randn(pool.buffer[0].shape, generator=torch.Generator()
+                                     .manual_seed(0)).to(pool.buffer.dtype))
+    if decode:
+        bs, nt = 8, 8
+        first = make_case(cfg, pool, [40 + i for i in range(8)], [1] * 8, decode=True, seed=1)
+        small = make_case(cfg, pool, [330, 50, 2], [1, 1, 1], decode=True, seed=2)
+    else:
+        bs, nt = 4, 24
+        first = make_case(cfg, pool, [10, 20, 30, 5], [6, 6, 6, 6], seed=1)
+        small = make_case(cfg, pool, [300, 7], [3, 2], seed=2)
+    rows = small.q.shape[0]
+
+    pairs, wholes = _capture_and_replay(fi, cfg, pool, decode=decode, bs=bs, num_tokens=nt,
+                                        first=first, replays=[small], zero_stale_inputs=False)
+    assert_close(pairs[1][1], expected(cfg, small), what="the real rows")
+    padding = wholes[1][rows:].float()
+    assert padding.shape[0] == (bs if decode else nt) - rows
+    assert torch.count_nonzero(padding) == 0, "padding rows must be exactly zero"
+
+    monkeypatch.setattr(type(fi), "zero_padded_rows", lambda self, out, md: None)
+    fi2 = backend(reg, cfg)
+    _, unzeroed = _capture_and_replay(fi2, cfg, pool, decode=decode, bs=bs, num_tokens=nt,
+                                      first=first, replays=[small], zero_stale_inputs=False)
+    assert torch.count_nonzero(unzeroed[1][rows:].float().nan_to_num(1.0)) > 0, \
+        "without the zeroing the filler's rows are not zero: the check above means something"
 
 
 def test_graph_refuses_a_forward_dtype_it_was_not_planned_for(reg, monkeypatch) -> None:

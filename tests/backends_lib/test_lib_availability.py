@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from attnreg.backends.base import MLAConfig
 from attnreg.registry import BackendUnavailableError, load_registry
+from attnreg.runtime import MLAConfig
 
 LIBS = {
     # backend: (runtime module, class, modules to hide, install hint)

@@ -9,13 +9,10 @@ runs anywhere flashinfer does: it is tested with the sm100 declaration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from attnreg.backends.base import MLAConfig
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import (
     ForwardMethod,
@@ -23,6 +20,8 @@ from attnreg.registry import (
     UnsupportedError,
     get_registry,
 )
+from attnreg.runtime import GraphRunner, MLAConfig
+from attnreg.testing.capture_harness import CaptureMemoryCheck
 
 from ._cases import Case, assert_close, expected, make_case, make_pool
 
@@ -112,21 +111,6 @@ def run(backend, case: Case, method: ForwardMethod = ForwardMethod.MLA) -> torch
 # ----------------------------------------------------------------------------------------
 # graphs: capture once, replay other batches
 # ----------------------------------------------------------------------------------------
-def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    fn()  # compile / load kernels outside the capture
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def graph_replays(backend, cfg: MLAConfig, cases: list[Case], *, mode: GraphMode, bs: int,
                   num_tokens: int, method: ForwardMethod = ForwardMethod.MLA,
                   max_kv_tokens: int = 0) -> None:
@@ -162,23 +146,27 @@ def graph_replays(backend, cfg: MLAConfig, cases: list[Case], *, mode: GraphMode
             v[: case.v.shape[0]].copy_(case.v)
 
     def step() -> None:
-        with capturing(mode):
-            if decode:
-                backend.forward_decode(q, lat, rope, pool, out=out)
-            else:
-                backend.forward_extend(q, lat, rope, pool, method=method, k=k, v=v, out=out)
+        if decode:
+            backend.forward_decode(q, lat, rope, pool, out=out)
+        else:
+            backend.forward_extend(q, lat, rope, pool, method=method, k=k, v=v, out=out)
 
     backend.init_forward_metadata_capture(bs, num_tokens, cases[0].batch)
     load(cases[0])
-    graph = capture(step)
+    # two side-stream warm-ups: kernels compile and libraries set up state outside the graph
+    graph = GraphRunner("cuda", warmup=2).capture(step, mode)
     for case in cases:
         backend.init_forward_metadata_replay(bs, num_tokens, case.batch)
         load(case)
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        got = out[: case.q.shape[0]].clone()
+        rows = case.q.shape[0]
+        got = out[:rows].clone()
         assert_close(got, expected(cfg, case, method),
                      what=f"replay of seq_lens {case.batch.seq_lens_cpu}")
+        assert torch.count_nonzero(out[rows:].float().nan_to_num(1.0)) == 0, \
+            f"replay of seq_lens {case.batch.seq_lens_cpu}: padding rows must be zero"
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,6 +257,42 @@ def test_trtllm_extend_fallback_under_breakable_capture(kv_dtype: str, page_size
              make_case(cfg, pool, [333, 5], [20, 60], seed=31),
              make_case(cfg, pool, [1500], [3], seed=32)]
     graph_replays(trt, cfg, cases, mode=GraphMode.BREAKABLE, bs=2, num_tokens=96)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_trtllm_fallback_capture_memory_is_what_it_declares(kv_dtype: str) -> None:
+    """The FP8 fallback converts the whole pool inside the graph: the declaration counts
+    it from CaptureShape.kv_pool_bytes, and the graph's pool holds it.  The pool is large
+    (~150k tokens) so the conversion dominates what is measured."""
+    from dataclasses import replace
+
+    cfg = config(page_size=32, kv_dtype=kv_dtype)
+    trt = trtllm_backend(cfg)
+    pool = make_pool(cfg, 150_000)
+    case = make_case(cfg, pool, [300, 0], [40, 56], seed=38)
+    q = torch.zeros(96, cfg.num_heads, cfg.kv_row_dim, dtype=case.q.dtype, device="cuda")
+    out = torch.zeros(96, cfg.num_heads, cfg.kv_lora_rank, dtype=case.q.dtype, device="cuda")
+    q[: case.q.shape[0]].copy_(case.q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    trt.init_cuda_graph_state(2, 96, max_seq_len=cfg.max_context_len,
+                              graph_modes={"prefill": "breakable"})
+    trt.init_forward_metadata_capture(2, 96, case.batch)
+    GraphRunner("cuda").capture(
+        lambda: trt.forward_extend(q, None, None, pool, method=ForwardMethod.MLA, out=out),
+        GraphMode.BREAKABLE)
+    torch.cuda.synchronize()
+    state = trt.graph_state
+    assert state is not None
+    measured = torch.cuda.max_memory_allocated() - start - state.base_bytes
+    shape = replace(state.capture_shape, kv_pool_bytes=pool.buffer.nbytes, num_graphs=1)
+    declared = trt.capabilities.graph_support("prefill", "breakable").capture_memory.estimate(
+        shape)
+    if kv_dtype == "fp8_e4m3":
+        assert declared > 2 * pool.buffer.nbytes
+    check = CaptureMemoryCheck(measured=measured, declared=declared, how="peak allocated")
+    assert check.problem() is None, check.problem()
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])

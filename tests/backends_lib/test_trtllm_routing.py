@@ -16,7 +16,6 @@ import dataclasses
 import pytest
 import torch
 
-from attnreg.backends.base import MLAConfig
 from attnreg.graph_policy.capture import (
     break_handler,
     capturing,
@@ -24,6 +23,7 @@ from attnreg.graph_policy.capture import (
     recording_served,
 )
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, load_registry
+from attnreg.runtime import MLAConfig
 
 from ._cases import assert_close, expected, make_case, make_pool
 from .fakes import Calls, install_fake_flashinfer

@@ -211,7 +211,7 @@ def test_prefill_times_the_mha_path_of_a_backend_without_absorbed_prefill(tmp_pa
     """
     from benchmarks import prefill
     from benchmarks.__main__ import main
-    from benchmarks.render import Plotter, render_prefill
+    from benchmarks._report import Page, Plotter
 
     real = prefill.declared_reasons
 
@@ -234,7 +234,8 @@ def test_prefill_times_the_mha_path_of_a_backend_without_absorbed_prefill(tmp_pa
     assert res["agree"], res["rel_diff_mha_vs_reference"]  # MHA matches the reference's MLA
     assert res["reference_rows"] == 5
     assert "triton" not in data["summary"]  # no absorbed / MHA ratio to summarise
-    text = "\n".join(render_prefill(data, Plotter(tmp_path / "img", enabled=False), "img"))
+    text = "\n".join(prefill.render(data, Page(Plotter(tmp_path / "img", enabled=False),
+                                                 "img")))
     assert "vs reference" in text and "test stand-in" in text
 
 
@@ -270,21 +271,21 @@ def test_p3_lists_a_backend_without_absorbed_paths_as_not_declared(tmp_path, mon
 
     Stand-in: triton with both its absorbed paths reported as not declared.
     """
-    from benchmarks import graphs
+    from benchmarks import split_kv
     from benchmarks.__main__ import main
 
     def nothing_absorbed(ctx, v, method, phase, **kw):
         return ["no absorbed path here (test stand-in)"] if v.backend == "triton" else []
 
-    real_create = graphs.create_backend
+    real_create = split_kv.create_backend
 
     def create(ctx, v, **kw):
         if v.backend == "triton":  # as flash_attn_cute's graph state refuses on sm90
             raise RuntimeError("built although neither path is declared")
         return real_create(ctx, v, **kw)
 
-    monkeypatch.setattr(graphs, "declared_reasons", nothing_absorbed)
-    monkeypatch.setattr(graphs, "create_backend", create)
+    monkeypatch.setattr(split_kv, "declared_reasons", nothing_absorbed)
+    monkeypatch.setattr(split_kv, "create_backend", create)
     rc = main(["--dry-run", "--only", "P3", "--out", str(tmp_path), "--no-jit-cache",
                "--no-render"])
     doc = json.loads((tmp_path / "results.json").read_text())

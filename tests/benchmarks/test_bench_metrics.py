@@ -16,16 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import decode, graphs, overhead, prefill
-from benchmarks._mla_stack import DEEPSEEK
+from attnreg.profiling import LayerShape
+from benchmarks import decode, graphs, overhead, prefill, split_kv
 from benchmarks.metrics import (
     decode_bytes,
     evaluate,
     extend_attention_flops,
     extend_pairs,
     geomean,
-    mla_layer_weight_bytes,
-    spread,
 )
 
 #: Bytes per shape of /work/shared/bench/h200-mla-decode-peers.json ("MB" * 1e6),
@@ -62,10 +60,10 @@ def test_extend_flops_ratio_absorbed_over_mha():
 
 
 def test_deepseek_layer_weights():
-    per_layer = mla_layer_weight_bytes(7168, 1536, 512, 64, 128, 128, 128)
+    per_layer = LayerShape().weight_bytes(128)
     params = (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168)
     assert per_layer == 2 * params
-    assert DEEPSEEK.weight_bytes == 8 * per_layer
+    assert graphs.P4_SHAPE.weight_bytes(graphs.P4_HEADS) * graphs.P4_LAYERS == 2_993_684_480
 
 
 def test_geomean():
@@ -75,12 +73,6 @@ def test_geomean():
         geomean([])
     with pytest.raises(ValueError):
         geomean([1.0, 0.0])
-
-
-def test_spread_quantiles():
-    s = spread([5.0, 1.0, 3.0, 2.0, 4.0])
-    assert (s["median"], s["min"], s["max"], s["n"]) == (3.0, 1.0, 5.0, 5)
-    assert s["p20"] == pytest.approx(1.8) and s["p80"] == pytest.approx(4.2)
 
 
 @pytest.mark.parametrize("measured,status", [(0.9, "goal met"), (1.0, "goal met"),
@@ -137,10 +129,10 @@ def test_p2_best_correct_share_of_copy():
 
 
 def test_p3_check_reads_the_target_length_row():
-    data = {"heads": [128], "rows": [{"H": 128, "L": 32768, "decode_speedup": 5.0,
-                                      "extend_speedup": 1.0},
-                                     {"H": 128, "L": 8192, "decode_speedup": 1.5}]}
-    checks = {c.id: c for c in graphs.p3_checks(data, 32768)}
+    data = {"heads": [128], "target_len": 32768,
+            "rows": [{"H": 128, "L": 32768, "decode_speedup": 5.0, "extend_speedup": 1.0},
+                     {"H": 128, "L": 8192, "decode_speedup": 1.5}]}
+    checks = {c.id: c for c in split_kv.p3_checks(data)}
     assert checks["P3 decode H=128"].status == "target met"
     assert checks["P3 extend H=128"].status == "missed"
 
@@ -154,6 +146,19 @@ def test_p4_check_per_backend_at_batch_one():
     assert checks == {"P4 triton": "target met", "P4 flashinfer_mla": "missed"}
 
 
+def test_p4_over_several_runs_is_their_median_with_every_run_kept():
+    def run(triton: float) -> dict:
+        return {"variants": ["triton"], "rows": [{"variant": "triton", "B": 1,
+                                                  "speedup": triton}]}
+
+    runs = [run(6.0), run(2.0), run(2.5)]
+    (check,) = graphs.p4_checks(runs[0], runs)
+    assert check.measured == 2.5 and check.status == "missed"  # not the best run's 6x
+    assert sorted(check.runs) == [2.0, 2.5, 6.0] and "median" in check.what
+    (single,) = graphs.p4_checks(runs[0])
+    assert single.measured == 6.0 and single.runs == ()
+
+
 def test_p6_check_takes_the_worst_row():
     data = {"rows": [{"variant": "triton", "B": 1, "L": 2, "H": 3, "overhead": 0.01},
                      {"variant": "triton", "B": 4, "L": 5, "H": 6, "overhead": 0.05},
@@ -161,6 +166,10 @@ def test_p6_check_takes_the_worst_row():
     (check,) = overhead.p6_checks(data)
     assert check.measured == 0.05 and check.status == "missed"
     assert "(4, 5, 6)" in check.detail
+    better = {"rows": [{"variant": "triton", "B": 1, "L": 2, "H": 3, "overhead": 0.01}]}
+    (median,) = overhead.p6_checks(data, [data, better, better])
+    assert median.measured == 0.01 and median.status == "goal met"
+    assert sorted(median.runs) == [0.01, 0.01, 0.05] and "median" in median.detail
 
 
 def test_prefill_summary_worst_and_best_ratio():

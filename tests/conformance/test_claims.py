@@ -84,7 +84,8 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     claims = _claims("triton", "cuda:sm90", "cuda")
     full = {c.check for c in claims if c.graph_mode is GraphMode.FULL}
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
-                    Check.NO_SYNC_ALLOC, Check.SPLIT_KV}
+                    Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
+                    Check.CAPTURE_MEMORY}
     breakable = {c.check for c in claims if c.graph_mode is GraphMode.BREAKABLE}
     assert Check.PINNING in breakable and Check.SPLIT_KV in breakable  # split extend
     # a replay claim per declared kv dtype of the pinned kernel (fp8 + graphs broke engines)
@@ -98,6 +99,29 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     split = next(c for c in claims if c.check is Check.SPLIT_KV
                  and c.graph_mode is GraphMode.BREAKABLE)
     assert split.batches == ("short_extend", "long_kv_extend")
+
+
+@pytest.mark.parametrize("name,platform", [("triton", "cuda:sm90"),
+                                           ("flashinfer_mla", "cuda:sm90"),
+                                           ("flash_attn_cute", "cuda:sm90"),
+                                           ("trtllm_mla", "cuda:sm100")])
+def test_every_full_or_breakable_capture_claims_padded_rows_and_capture_memory(name, platform):
+    """Issue 15: padded replays give zero rows, and the declared capture memory is measured,
+    for every backend that captures attention (FULL decode, BREAKABLE prefill)."""
+    claims = _claims(name, platform, "cuda")
+    captured = {(c.combo.phase, c.graph_mode) for c in claims
+                if c.graph_mode in (GraphMode.FULL, GraphMode.BREAKABLE)
+                and c.check is Check.REPLAY}
+    assert captured
+    for check in (Check.PADDED_ROWS, Check.CAPTURE_MEMORY):
+        have = {(c.combo.phase, c.graph_mode) for c in claims if c.check is check}
+        assert have == captured, (check, have, captured)
+        assert all(not c.needs_device_graphs for c in claims if c.check is check)
+    # one capture-memory claim per declared kv dtype: an FP8 fallback converts the pool
+    kv = {c.combo.kv_dtype for c in claims if c.check is Check.CAPTURE_MEMORY}
+    assert kv == {c.combo.kv_dtype for c in claims if c.check is Check.REPLAY}
+    assert not [c for c in claims if c.check in (Check.PADDED_ROWS, Check.CAPTURE_MEMORY)
+                and c.graph_mode is GraphMode.TC_PIECEWISE]
 
 
 def test_pinned_mode_captures_only_the_pinned_method_and_unpinned_mode_every_method():

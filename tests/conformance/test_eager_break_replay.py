@@ -1,6 +1,6 @@
 """Replayable eager breaks and served-by records (graph_policy.capture), and how the
-conformance harness's breakable-capture runner uses them.  CPU logic only: the
-segments are fakes that log what a CUDA graph would replay."""
+GraphRunner's breakable capture uses them.  CPU logic only: the segments are fakes
+that log what a CUDA graph would replay."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from attnreg.registry import GraphMode
 torch = pytest.importorskip("torch")
 
 from attnreg.graph_policy.capture import dispose_tensor  # noqa: E402
-from attnreg.testing.capture_harness import HARNESS_BREAK, _Segments  # noqa: E402
-from attnreg.testing.errors import HarnessLimitation  # noqa: E402
+from attnreg.runtime import GraphRunner, UnreplayableBreakError  # noqa: E402
+from attnreg.testing.capture_harness import HARNESS_BREAK  # noqa: E402
 
 
 def _replay_handler(got: list[tuple[str, Any]]):  # type: ignore[no-untyped-def]
@@ -133,7 +133,7 @@ def test_served_records_are_kept_only_while_recording_and_carry_the_context():
     assert inner[0].detail == "why" and inner[0].mode is GraphMode.BREAKABLE
 
 
-class _FakeSegments:
+class _FakeRecorder:
     """Stands in for CUDA graph segments: each 'graph' logs its number when replayed."""
 
     def __init__(self, log: list[str]) -> None:
@@ -157,35 +157,34 @@ class _FakeSegments:
         return contextlib.nullcontext()
 
 
-def _capture(seg: _Segments, backend_break: Any) -> None:
-    with capturing(GraphMode.BREAKABLE), break_handler(seg.handler, with_replay=True):
-        seg.begin()
+def _harness_like(log: list[str], backend_break: Any) -> Any:
+    """The conformance harness's captured function: attention, its own break, an epilogue."""
+    def step() -> None:
         backend_break()
-        with eager_break(HARNESS_BREAK):
-            seg.eager_fn()
-        seg.end()
+        eager_break.run(HARNESS_BREAK, log.append, "harness")
+    return step
 
 
-def test_segments_replay_a_backends_own_break_between_the_right_graphs():
+def test_the_runner_replays_a_backends_own_break_between_the_right_graphs():
     log: list[str] = []
-    seg = _Segments(None, lambda: log.append("harness"), segments=_FakeSegments(log))
-    _capture(seg, lambda: eager_break.run("attn", log.append, "attention"))
-    seg.check_replayable()
-    assert seg.backend_breaks == ["attn"]
-    assert [kind for kind, _ in seg.plan] == ["graph", "eager", "graph", "eager", "graph"]
+    runner = GraphRunner("cpu", recorder=_FakeRecorder(log))
+    graph = runner.capture(_harness_like(log, lambda: eager_break.run("attn", log.append,
+                                                                      "attention")),
+                           GraphMode.BREAKABLE)
+    assert graph.breaks == ["attn", HARNESS_BREAK]
+    assert [kind for kind, _ in graph.plan] == ["graph", "eager", "graph", "eager", "graph"]
     log.clear()
-    seg.replay()
+    graph.replay()
     assert log == ["graph1", "attention", "graph2", "harness", "graph3"]
 
 
-def test_segments_refuse_to_replay_a_with_block_break():
+def test_the_runner_refuses_to_replay_a_with_block_break_and_the_harness_skips_it():
     log: list[str] = []
-    seg = _Segments(None, lambda: None, segments=_FakeSegments(log))
 
     def with_block() -> None:
         with eager_break("attn"):
             log.append("attention")
 
-    _capture(seg, with_block)
-    with pytest.raises(HarnessLimitation, match="as a `with` block.*eager_break.run"):
-        seg.check_replayable()
+    runner = GraphRunner("cpu", recorder=_FakeRecorder(log))
+    with pytest.raises(UnreplayableBreakError, match="as a `with` block.*eager_break.run"):
+        runner.capture(_harness_like(log, with_block), GraphMode.BREAKABLE)

@@ -22,6 +22,8 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
         f"capture/prefill/breakable/capture_path/mla/{P}":
             "trtllm ragged attention: unsupported head dims q/k 576/576, v 512",
         f"capture/prefill/breakable/pinning/mla/{P}": "an assertion fired inside the backend",
+        f"capture/prefill/breakable/capture_memory/mla/{P}": "unsupported head dims",
+        f"capture/prefill/breakable/padded_rows/mla/{P}": "unsupported head dims",
         f"capture/prefill/tc_piecewise/capture_path/mla/{P}":
             "unsupported head dims q/k 576/576",
     },
@@ -29,11 +31,17 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
     "planted_split_assert": {
         f"capture/prefill/breakable/capture_path/mla/{P}":
             "no split-KV variant (num_splits=3)",
+        f"capture/prefill/breakable/capture_memory/mla/{P}": "no split-KV variant",
+        f"capture/prefill/breakable/padded_rows/mla/{P}": "no split-KV variant",
         f"capture/prefill/tc_piecewise/capture_path/mla/{P}": "no split-KV variant",
     },
-    # (c) inputs freed under capture by a dispose guarded for tc_piecewise only
+    # (c) inputs freed under capture by a dispose guarded for tc_piecewise only: every
+    # claim that runs the capture-mode path catches it
     "planted_dispose_inputs": {
-        f"capture/decode/full/capture_path/mla/{P}": "released the storage of latent_new",
+        f"capture/{where}/{check}/mla/{P}": "released the storage of latent_new"
+        for where in ("decode/full", "prefill/breakable")
+        for check in ("capture_path", "capture_memory", "padded_rows")
+    } | {
         f"capture/prefill/breakable/capture_path/mla/{P}": "seed 000 defect 3",
         f"capture/prefill/breakable/pinning/mla/{P}": "released the storage of latent_new",
     },
@@ -41,6 +49,7 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
     "planted_frozen_splits": {
         f"capture/decode/full/capture_path/mla/{P}": "long_kv (bs=2, seq_lens=[1101, 41]): "
                                                      "output differs from the float32 oracle",
+        f"capture/decode/full/padded_rows/mla/{P}": "output differs from the float32 oracle",
     },
     # (e) int64 lengths accepted and read as int32
     "planted_int64_lengths": {
@@ -55,9 +64,20 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
             "declares mla pinned, but forward_extend(method=mha) ran under "
             "capturing(breakable)",
     },
+    # (g) capture memory off the declaration, padding rows not zeroed
+    "planted_memory_overdeclared": {
+        f"capture/decode/full/capture_memory/mla/{P}": "less than declared",
+    },
+    "planted_memory_undeclared": {
+        f"capture/decode/full/capture_memory/mla/{P}": "8.06 MiB",
+        f"capture/prefill/breakable/capture_memory/mla/{P}": "more than declared",
+    },
+    "planted_padding_rows": {
+        f"capture/prefill/breakable/padded_rows/mla/{P}": "padding output rows are not zero",
+    },
 }
 MODULES = ("ragged_absorbed", "split_assert", "dispose", "frozen_splits", "int64_lengths",
-           "pin_mismatch")
+           "pin_mismatch", "capture_declared")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from attnreg.graph_policy.cost_profile import (
     PrefillShape,
     load_profile,
 )
+from attnreg.profiling import DRY_LAYER, MLALayer, kv_slots_of, random_pool, rel_error
 
 torch = pytest.importorskip("torch")
 
@@ -129,25 +130,23 @@ def test_default_path_is_under_the_user_cache(monkeypatch: pytest.MonkeyPatch,
 
 def test_absorbed_and_mha_paths_of_the_layer_agree() -> None:
     """The check calibrate relies on: W_UK/W_UV absorption reproduces the MHA form."""
-    from attnreg.backends.base import MLAConfig
-    from attnreg.backends.batch import extend_batch
     from attnreg.registry import get_registry
+    from attnreg.runtime import MLAConfig, extend_batch
 
     heads = 2
     cfg = MLAConfig(num_heads=heads, page_size=1, device="cpu", max_context_len=64)
     backend = get_registry().create("reference", cfg, platform="cpu")
-    layer = calibrate.MLALayer(torch, calibrate.DRY_LAYER, heads, "cpu", seed=0,
-                               max_positions=64)
-    pool = calibrate.random_pool(torch, cfg, 20, seed=1)
+    layer = MLALayer(torch, DRY_LAYER, heads, "cpu", seed=0, max_positions=64)
+    pool = random_pool(torch, cfg, 20, seed=1)
     pages = pool.allocate([20])
     batch = extend_batch(pool, [12], [8], pages=pages)
-    x = torch.randn(8, calibrate.DRY_LAYER.hidden, dtype=torch.bfloat16)
+    x = torch.randn(8, DRY_LAYER.hidden, dtype=torch.bfloat16)
     positions = torch.arange(12, 20)
-    slots = calibrate.kv_slots_of(torch, pool, pages, [20])
+    slots = kv_slots_of(torch, pool, pages, [20])
     out_mha = layer.forward_mha(x, positions, backend, pool, batch, slots)
     out_abs = layer.forward_absorbed(x, positions, backend, pool, batch)
-    assert calibrate.rel_diff(torch, out_abs - x, out_mha - x) < 2e-2
+    assert rel_error(torch, out_abs - x, out_mha - x) < 2e-2
     # ... and a wrong weight is caught.
     layer.w_uv = layer.w_uv.flip(0)
     out_bad = layer.forward_absorbed(x, positions, backend, pool, batch)
-    assert calibrate.rel_diff(torch, out_bad - x, out_mha - x) > 0.3
+    assert rel_error(torch, out_bad - x, out_mha - x) > 0.3

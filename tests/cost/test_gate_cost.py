@@ -141,20 +141,19 @@ def test_earlier_rules_still_win() -> None:
     assert g.can_replay(decode)[1].rule == "gate.ok"  # decode is not the cost model's
 
 
-def test_unknown_lengths_at_schedule_time_fall_back_to_todays_rule() -> None:
+def test_unknown_lengths_are_an_error_not_a_guess() -> None:
+    # Issue 16: the same batch must get the same answer at schedule and forward time,
+    # so with a cost model the per-request lengths are required, never estimated.
     g = gate()
-    ok, reason = g.can_replay(ReplayBatch(ForwardMode.EXTEND, 1, prefix_lens=(4096,)))
-    assert ok and reason.cost is None
-
-
-def test_num_tokens_without_extend_lens_is_split_evenly_and_said_so() -> None:
-    g = gate()
-    estimated = ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024, prefix_lens=(0, 0))
-    exact = prefill(0, 512, batch_size=2)
-    ok_est, est = g.can_replay(estimated)
-    ok_exact, ex = g.can_replay(exact)
-    assert ok_est == ok_exact and est.cost == ex.cost
-    assert "estimated" in est.message and "estimated" not in ex.message
+    with pytest.raises(ValueError, match="ReplayBatch.num_tokens is required"):
+        g.can_replay(ReplayBatch(ForwardMode.EXTEND, 1, prefix_lens=(4096,)))
+    with pytest.raises(ValueError, match="ReplayBatch.extend_lens is required"):
+        g.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024, prefix_lens=(0, 0)))
+    with pytest.raises(ValueError, match="ReplayBatch.prefix_lens is required"):
+        g.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, extend_lens=(512, 512)))
+    # Without a cost model neither is needed: no rule reads them.
+    plain = ReplayGate(sim())
+    assert plain.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024))[0]
 
 
 def test_extend_lens_stand_in_for_num_tokens() -> None:
@@ -167,7 +166,7 @@ def test_extend_lens_stand_in_for_num_tokens() -> None:
 @pytest.mark.parametrize("kwargs, problem", [
     ({"batch_size": 2, "extend_lens": (4,)}, "1 extend_lens for batch_size 2"),
     ({"batch_size": 1, "extend_lens": (4,), "prefix_lens": (0, 0)},
-     "2 prefix_lens and 1 extend_lens"),
+     "2 prefix_lens for batch_size 1"),
     ({"batch_size": 1, "extend_lens": (4,), "num_tokens": 5}, "num_tokens 5 != sum"),
 ])
 def test_inconsistent_lengths_are_refused(kwargs: dict[str, object], problem: str) -> None:

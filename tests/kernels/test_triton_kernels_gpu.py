@@ -19,6 +19,8 @@ from attnreg.backends._triton_kernels import (
     mla_extend,
     mla_extend_workspace,
 )
+from attnreg.registry import GraphMode
+from attnreg.runtime import GraphRunner
 
 from .test_triton_kernels import (
     FP8,
@@ -63,18 +65,8 @@ def test_mha_prefill_large():
 
 
 def _graph(fn):
-    fn()  # compile outside capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
+    """``fn`` captured by the project's one graph runner (two side-stream warm-ups)."""
+    return GraphRunner("cuda", warmup=2).capture(fn, GraphMode.FULL)
 
 
 @pytest.mark.parametrize("H", [16, 128])

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnreg.graph_policy import GraphConfig, GraphPlan, ModelFacts, ServerFeatures, resolve
+from attnreg.graph_policy import (
+    EngineFacts,
+    GraphConfig,
+    GraphPlan,
+    ModelFacts,
+    ServerFeatures,
+    resolve,
+)
 from attnreg.registry import (
     Capabilities,
     CaptureSupport,
     DType,
     ForwardMethod,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -32,10 +40,11 @@ VERSIONS: dict[str, str | None] = {"flashinfer-python": "0.6.13", "flash-attn-4"
 
 
 def sim(platform: str, model: ModelFacts | str, backends: Any = None,
-        config: GraphConfig | None = None, features: ServerFeatures | None = None) -> GraphPlan:
+        config: GraphConfig | None = None, features: ServerFeatures | None = None,
+        engine: EngineFacts | None = None, **kwargs: Any) -> GraphPlan:
     """Resolve on a simulated platform, as `attnreg compat --platform` does."""
-    return resolve(platform, model, backends, config, features, assume_installed=True,
-                   versions=VERSIONS)
+    return resolve(platform, model, backends, config, features, engine, assume_installed=True,
+                   versions=VERSIONS, **kwargs)
 
 
 def declaration(
@@ -46,22 +55,32 @@ def declaration(
     pinned: dict[tuple[Phase, GraphMode], ForwardMethod | None] | None = None,
     kv_dtypes: frozenset[DType] = ALL_KV,
     priority: int = 0,
+    page_sizes: tuple[int, ...] = (1, 64),
+    forward_modes: dict[tuple[Phase, GraphMode], tuple[ForwardModeSupport, ...]] | None = None,
+    eager_forward_modes: tuple[ForwardModeSupport, ...] = (),
+    max_seq_len: int | None = None,
 ) -> Capabilities:
     """A declaration serving MLA decode + MLA/MHA prefill, every mode NATIVE
-    unless ``modes`` says otherwise, pinning nothing unless ``pinned`` says so."""
+    unless ``modes`` says otherwise, pinning nothing unless ``pinned`` says so;
+    ``forward_modes`` per (phase, mode) and ``eager_forward_modes`` as declared
+    (default: the plain decode / extend)."""
     plat = Platform.parse(platform)
     kernels = (
         KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE, Phase.PREFILL}),
-                          MLA_DIMS, HALF, kv_dtypes, page_sizes=(1, 64), max_heads=128),
+                          MLA_DIMS, HALF, kv_dtypes, page_sizes=page_sizes, max_heads=128,
+                          max_seq_len=max_seq_len),
         KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS, HALF, HALF,
                           max_heads=128),
     )
     modes = modes or {}
     pinned = pinned or {}
+    served = forward_modes or {}
     entries = []
     for key in ((Phase.DECODE, GraphMode.FULL), (Phase.PREFILL, GraphMode.BREAKABLE),
                 (Phase.PREFILL, GraphMode.TC_PIECEWISE)):
         entries.append(GraphModeSupport(key[0], key[1], modes.get(key, CaptureSupport.native()),
-                                        pinned_method=pinned.get(key)))
+                                        pinned_method=pinned.get(key),
+                                        forward_modes=served.get(key, ())))
     return Capabilities(backend=name, platform=plat, vendors=frozenset(Vendor),
-                        kernels=kernels, graph_modes=tuple(entries), priority=priority)
+                        kernels=kernels, graph_modes=tuple(entries), priority=priority,
+                        eager_forward_modes=eager_forward_modes)

@@ -112,3 +112,82 @@ def test_bad_size_is_an_argument_error(capsys: pytest.CaptureFixture[str]) -> No
         main(["compat", "--capture-memory-budget", "lots"])
     assert info.value.code == 2
     assert "cannot read size" in capsys.readouterr().err
+
+
+# -- issue 16 / 18: the platform table, engine facts, one-line input errors -------------
+def test_cpu_plans_both_phases_disabled(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "--platform", "cpu", "--model", "deepseek-v3")
+    phases = data["phases"]
+    assert isinstance(phases, dict)
+    assert (phases["prefill"]["mode"], phases["decode"]["mode"]) == ("disabled", "disabled")
+    assert phases["prefill"]["captured"] == [] and phases["decode"]["captured"] == []
+
+
+def test_a_locked_tc_piecewise_on_cpu_exits_2_naming_the_rule(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["compat", "--platform", "cpu", "--model", "deepseek-v3",
+                 "--prefill-graph", "tc_piecewise"])
+    err = capsys.readouterr().err
+    assert code == 2 and "prefill tc_piecewise (set by the user): platform.no_device_graphs" in err
+
+
+@pytest.mark.parametrize("args, option, value", [
+    (["--num-heads", "0"], "--num-heads", "0"),
+    (["--num-heads", "-3"], "--num-heads", "-3"),
+    (["--page-size", "x"], "--page-size", "x"),
+    (["--max-context", "0"], "--max-context", "0"),
+    (["--decode-batch-sizes", "4,2"], "--decode-batch-sizes", "4,2"),
+    (["--speculative-decoding", "0"], "--speculative-decoding", "0"),
+    (["--capture-budget-fraction", "2"], "--capture-budget-fraction", "2"),
+    (["--engine-prefill-modes", "full"], "--engine-prefill-modes", "full"),
+    (["--device-memory", "0"], "--device-memory", "0"),
+    (["--platform", "cuda"], "--platform", "cuda"),
+    (["--kv-dtype", "int4"], "--kv-dtype", "int4"),
+])
+def test_bad_input_is_one_line_naming_option_value_and_what_is_allowed(
+        capsys: pytest.CaptureFixture[str], args: list[str], option: str, value: str) -> None:
+    try:
+        code = main(["compat", *args])
+    except SystemExit as exc:  # argparse's way out
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("attnreg compat: error: argument " + option)
+    assert repr(value) in lines[0] or value in lines[0]
+    assert "Traceback" not in err
+
+
+def test_traceback_is_shown_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["compat", "--platform", "cpu", "--prefill-graph", "tc_piecewise"]
+    assert main(args) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert main([*args, "--traceback"]) == 2
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_engine_facts_and_capture_sizes_reach_the_plan(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "--platform", "b200", "--model", "deepseek-v3", "--page-size", "1",
+                    "--max-context", "32768", "--max-running-requests", "48",
+                    "--decode-batch-sizes", "1,8,64", "--prefill-tokens", "256,1024",
+                    "--speculative-decoding", "4", "--kv-pool-size", "100GB")
+    engine = data["engine"]
+    assert isinstance(engine, dict)
+    assert (engine["page_size"], engine["max_context_len"], engine["num_draft_tokens"],
+            engine["kv_pool_bytes"]) == (1, 32768, 4, 100 * 10 ** 9)
+    decode = data["phases"]["decode"]  # type: ignore[index]
+    assert decode["backend"] == "flashinfer_mla"  # trtllm_mla declares pages of 32/64 only
+    (captured,) = decode["captured"]
+    assert captured["batch_sizes"] == [1, 8, 64] and captured["max_seq_len"] == 32768
+    assert data["phases"]["prefill"]["captured"][0]["num_tokens"] == [256, 1024]  # type: ignore[index]
+    assert [s["how"] for s in data["speculative"]] == ["unserved", "unserved"]  # type: ignore[union-attr]
+    assert data["capture_budget"]["source"] == "platform"  # type: ignore[index]
+    assert data["capture_budget"]["device_memory_bytes"] == 180 * 10 ** 9  # type: ignore[index]
+
+
+def test_host_engine_modes_are_an_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["compat", "--platform", "cuda:sm90", "--engine-prefill-modes",
+                 "breakable,disabled", "--prefill-graph", "tc_piecewise", "--backend", "triton"])
+    assert code == 2 and "engine.mode_unsupported" in capsys.readouterr().err

@@ -100,7 +100,9 @@ def test_token_buckets_and_padding_waste() -> None:
     assert rule_of(g, extend(num_tokens=256)) == "gate.ok"
     assert rule_of(g, extend(num_tokens=31)) == "gate.padding_waste"  # 64 > 2 x 31
     assert rule_of(g, extend(num_tokens=32)) == "gate.ok"             # 64 == 2 x 32
-    assert rule_of(g, extend(num_tokens=None)) == "gate.ok"           # schedule time
+    # Unknown tokens are not "fits": the gate refuses to answer rather than guess.
+    with pytest.raises(ValueError, match="ReplayBatch.num_tokens is required"):
+        g.can_replay(extend(num_tokens=None))
     strict = gate(config=GraphConfig(prefill_num_tokens=(64, 128), padding_waste_factor=1.0))
     assert rule_of(strict, extend(num_tokens=63)) == "gate.padding_waste"
 

@@ -75,7 +75,8 @@ def test_default_selection_skips_backends_whose_kernels_reject_the_pool() -> Non
     plan = sim("cuda:sm90", fp8)
     assert plan.decode.backend == "triton"  # flashinfer_mla (higher priority) takes no FP8
     chosen = [d for d in plan.decisions if d.rule == "backend.selected" and d.phase is Phase.DECODE]
-    assert "skipped: flashinfer_mla" in chosen[0].message
+    assert "passed over: flashinfer_mla (priority 30: its kernels reject the model" in \
+        chosen[0].message and "fp8_e4m3" in chosen[0].message
 
 
 def _registry_with(*decls: Capabilities) -> BackendRegistry:
@@ -88,7 +89,7 @@ def _registry_with(*decls: Capabilities) -> BackendRegistry:
                 register(BackendSpec(
                     name=caps.backend, summary="generated for a test",
                     capabilities=lambda ctx, c=caps: replace(c, platform=ctx.platform),
-                    runtime="tests.policy.nowhere:Nothing"))
+                    runtime="attnreg.backends.reference:ReferenceBackend"))
 
     reg = load_registry(autoload=False, extra_plugins=[("gen_plugin", Plugin())])
     assert not reg.errors, reg.errors
@@ -105,7 +106,8 @@ def test_default_selection_takes_the_highest_priority_that_accepts_the_model() -
     fp8 = TEXT_MLA.with_overrides(kv_dtype=DType.FP8_E4M3)
     plan = resolve("rocm:gfx942", fp8, registry=reg, assume_installed=True)
     assert plan.decode.backend == "gen_low"
-    assert "skipped: gen_high" in plan.decode.backend_choice
+    assert "passed over: gen_high (priority 50: its kernels reject the model" in \
+        plan.decode.backend_choice
 
 
 def test_equal_priorities_break_ties_by_name() -> None:
@@ -170,6 +172,9 @@ def test_soft_feature_rules_adjust_defaults_and_yield_to_locks(rule) -> None:  #
 def test_speculative_decoding_restricts_no_mode() -> None:
     plan = sim("cuda:sm90", TEXT_MLA, features=ServerFeatures(speculative_decoding=True))
     assert (plan.prefill.mode, plan.decode.mode) == (GraphMode.BREAKABLE, GraphMode.FULL)
+    # ... and says how its batches run (tests/policy/test_speculative.py has the rest).
+    assert [s.forward_mode.value for s in plan.speculative] == ["target_verify",
+                                                                "draft_extend"]
 
 
 def test_multimodal_model_without_piecewise_validation_avoids_tc_piecewise_by_default() -> None:
@@ -220,7 +225,6 @@ def test_capture_memory_estimate_counts_backend_buffers_and_model_pool() -> None
         Phase.PREFILL, GraphMode.BREAKABLE).capture_memory
     decode_mem = reg.declaration("triton", "cuda:sm90", VERSIONS).graph_support(
         Phase.DECODE, GraphMode.FULL).capture_memory
-    assert prefill_mem.fixed_bytes + prefill_mem.per_batch_slot_bytes > 0
     # Prefill counts its captured request slots, decode its largest batch.
     prefill_shape = CaptureShape(max_batch_size=cfg.prefill_max_requests,
                                  max_num_tokens=cfg.prefill_num_tokens[-1],
@@ -230,6 +234,7 @@ def test_capture_memory_estimate_counts_backend_buffers_and_model_pool() -> None
                                 max_num_tokens=cfg.decode_batch_sizes[-1],
                                 max_seq_len=DEFAULT_MAX_SEQ_LEN, num_heads=facts.num_heads,
                                 kv_dtype=facts.kv_dtype)
+    assert prefill_mem.estimate(prefill_shape) > 0
     assert plan.prefill.capture_memory_bytes == prefill_mem.estimate(prefill_shape) + 1000
     assert plan.decode.capture_memory_bytes == decode_mem.estimate(decode_shape) + 10
     eager = sim("cuda:sm90", facts, {"prefill": "flashinfer_mla", "decode": "triton"},

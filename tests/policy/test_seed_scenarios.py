@@ -167,9 +167,28 @@ def test_a_backend_that_does_not_pin_gets_prefix_batches_eagerly() -> None:
 
 
 def test_dsa_sparse_model_has_no_companion_so_prefix_batches_replay() -> None:
-    plan = sim("cuda:sm90", MODEL_PRESETS["deepseek-v3.2"], {"prefill": "flash_attn_cute"})
-    assert plan.prefill.pinned_method is None
+    # A backend that pins nothing under breakable: for a DSA model the MHA companion
+    # does not exist, so a prefix batch still replays.
+    caps = declaration("unpinned", "rocm:gfx942")
+    plan = sim("rocm:gfx942", MODEL_PRESETS["deepseek-v3.2"], caps,
+               GraphConfig(prefill_mode=GraphMode.BREAKABLE))
+    assert plan.prefill.mode is GraphMode.BREAKABLE and plan.prefill.pinned_method is None
     assert ReplayGate(plan).can_replay(prefix_batch())[0]
+
+
+def test_dsa_sparse_prefill_needs_an_absorbed_kernel() -> None:
+    # flash_attn_cute on sm90 has no absorbed (qv) kernel: it cannot serve a DSA
+    # model's prefill at all, so naming it is an error and the default passes it over.
+    dsa = MODEL_PRESETS["deepseek-v3.2"]
+    with pytest.raises(GraphPolicyError) as info:
+        sim("cuda:sm90", dsa, {"prefill": "flash_attn_cute"})
+    (reason,) = info.value.reasons
+    assert reason.startswith("prefill: backend.model_unsupported") and "DSA" in reason
+    # With an FP8 pool, flashinfer_mla's absorbed kernel (flashinfer 0.6.13) cannot read
+    # it: triton, which can, serves prefill and captures it.
+    plan = sim("cuda:sm90", dsa.with_overrides(kv_dtype=DType.FP8_E4M3))
+    assert plan.prefill.backend == "triton" and plan.prefill.mode is GraphMode.BREAKABLE
+    assert "passed over: flashinfer_mla" in plan.prefill.backend_choice
 
 
 def test_locked_unsupported_modes_fail_with_every_reason() -> None:
@@ -199,7 +218,9 @@ def test_unlocked_unsupported_default_falls_to_disabled_with_each_reason(caplog)
                                                  "backend.capture_unsupported"]
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "platform.no_device_graphs" in logged and "backend.capture_unsupported" in logged
-    assert plan.prefill.mode is GraphMode.TC_PIECEWISE  # cpu default, declared native
+    # cpu's default tc_piecewise needs device graphs too (the reference declares it native).
+    assert plan.prefill.mode is GraphMode.DISABLED
+    assert changed_rules(plan, Phase.PREFILL) == ["platform.no_device_graphs"]
 
 
 def test_pinned_kernel_that_rejects_the_pool_dtype_is_a_hard_rule() -> None:
@@ -212,7 +233,8 @@ def test_pinned_kernel_that_rejects_the_pool_dtype_is_a_hard_rule() -> None:
 
 
 def test_capture_fallback_declared_high_only_for_fp8_in_a_generated_backend() -> None:
-    fallback = CaptureSupport.fallback("other", Cost.LOW, "converts the pool",
+    # A fallback target that exists and captures both modes natively (checked by the policy).
+    fallback = CaptureSupport.fallback("triton", Cost.LOW, "converts the pool",
                                        costs_by_kv_dtype={DType.FP8_E4M3: Cost.HIGH})
     caps = declaration("gen_fb", "cuda:sm90",
                        modes={(Phase.PREFILL, GraphMode.BREAKABLE): fallback,

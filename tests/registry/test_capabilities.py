@@ -12,6 +12,8 @@ from attnreg.registry import (
     Cost,
     DType,
     ForwardMethod,
+    ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -68,11 +70,12 @@ def test_platform_parse_rejects_with_a_hint(bad):
         Platform.parse(bad)
 
 
-def test_platform_has_device_graphs_only_on_cuda_and_rocm():
+def test_platform_table_says_which_platforms_have_device_graphs():
+    # cpu has none; npu and xpu graphs exist, and each backend's declaration decides there.
     assert Platform.parse("cuda:sm90").has_device_graphs
     assert Platform.parse("rocm:gfx942").has_device_graphs
+    assert Platform.parse("npu").has_device_graphs and Platform.parse("xpu").has_device_graphs
     assert not Platform.parse("cpu").has_device_graphs
-    assert not Platform.parse("npu").has_device_graphs
 
 
 def test_platform_detect_without_gpu_is_cpu():
@@ -108,6 +111,18 @@ def test_graph_support_defaults_disabled_to_native_and_missing_to_unsupported():
     assert caps.graph_support("prefill", "breakable").capture.is_unsupported
 
 
+def _with_decode_modes(caps, *served):
+    full = dataclasses.replace(caps.graph_modes[0], forward_modes=served)
+    return dataclasses.replace(caps, graph_modes=(full,) + caps.graph_modes[1:])
+
+
+def test_speculative_forward_modes_declared_well_are_valid():
+    caps = _with_decode_modes(_caps(), ForwardModeSupport(ForwardMode.DECODE),
+                              ForwardModeSupport(ForwardMode.TARGET_VERIFY, 4),
+                              ForwardModeSupport(ForwardMode.DRAFT_EXTEND, 4, uniform=False))
+    assert validate_capabilities(caps) == []
+
+
 @pytest.mark.parametrize("mutate,expected", [
     (lambda c: dataclasses.replace(c, graph_modes=c.graph_modes[:2]),
      "prefill/tc_piecewise is not declared"),
@@ -131,6 +146,19 @@ def test_graph_support_defaults_disabled_to_native_and_missing_to_unsupported():
      "declares no kernel"),
     (lambda c: dataclasses.replace(c, kernels=(dataclasses.replace(
         c.kernels[0], split_kv=SplitKV.NONE),) + c.kernels[1:]), "claims dynamic split-KV"),
+    (lambda c: _with_decode_modes(c, ForwardModeSupport(ForwardMode.EXTEND, None, False)),
+     "serves forward mode extend, which is not one of"),
+    (lambda c: _with_decode_modes(c, ForwardModeSupport(ForwardMode.DECODE, 4)),
+     "DECODE serves exactly one query token"),
+    (lambda c: _with_decode_modes(c, ForwardModeSupport(ForwardMode.TARGET_VERIFY, 0)),
+     "max_query_len must be >= 1"),
+    (lambda c: _with_decode_modes(c, ForwardModeSupport(ForwardMode.TARGET_VERIFY, None)),
+     "needs a bound on the draft tokens"),
+    (lambda c: _with_decode_modes(c, ForwardModeSupport(ForwardMode.DECODE),
+                                  ForwardModeSupport(ForwardMode.DECODE)), "listed twice"),
+    (lambda c: dataclasses.replace(c, eager_forward_modes=(
+        ForwardModeSupport(ForwardMode.EXTEND, None, False),
+        ForwardModeSupport(ForwardMode.DRAFT_EXTEND, -2))), "eager forward modes: draft_extend"),
 ])
 def test_invalid_declarations_are_explained(mutate, expected):
     reasons = validate_capabilities(mutate(_caps()))

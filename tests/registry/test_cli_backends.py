@@ -79,7 +79,8 @@ def test_doctor_lists_plugin_errors(capsys, fake_site):
     finally:
         del os.environ["ATTNREG_PLUGINS"]
     out = capsys.readouterr().out
-    assert "raising_hook: hook error" in out
+    assert "raising_hook (attnreg_raising_hook 0.0.1): hook error" in out
+    assert "silence it: `--disable raising_hook` / ATTNREG_DISABLE=raising_hook" in out
 
 
 @pytest.mark.parametrize("module", ["attnreg.registry", "attnreg", "attnreg.cli"])

@@ -163,8 +163,28 @@ def test_missing_runtime_module_is_unavailable_not_a_crash():
                                  runtime="attnreg_no_such_module:Backend"))
 
     reg = load_registry(autoload=False, extra_plugins=[("ghostly", Plugin())])
-    with pytest.raises(BackendUnavailableError, match="could not be imported"):
+    assert not reg.availability("ghost", "cpu").available
+    with pytest.raises(BackendUnavailableError,
+                       match="does not resolve .no module named 'attnreg_no_such_module'"):
         reg.load("ghost", "cpu")
+
+
+def test_a_runtime_that_fails_at_import_is_reported_by_load(fake_site):
+    # The module exists (so startup says it resolves) but importing it fails.
+    def caps(ctx):
+        import dataclasses
+        return dataclasses.replace(reference.capabilities(ctx), backend="fragile")
+
+    class Plugin:
+        @attnreg.hookimpl
+        def attnreg_register_backends(self, register):
+            register(BackendSpec(name="fragile", summary="runtime raises at import",
+                                 capabilities=caps,
+                                 runtime="attnreg_fragile_runtime:Backend"))
+
+    reg = load_registry(autoload=False, extra_plugins=[("fragile_plugin", Plugin())])
+    with pytest.raises(BackendUnavailableError, match="could not be imported"):
+        reg.load("fragile", "cpu")
 
 
 def _spec_requiring(distribution: str, import_name: str, min_version: str | None = None):
@@ -172,7 +192,7 @@ def _spec_requiring(distribution: str, import_name: str, min_version: str | None
 
     return BackendSpec(name="needy", summary="needs a library", capabilities=reference.capabilities,
                        runtime="attnreg.backends.reference:ReferenceBackend",
-                       requires=(Requirement(import_name, distribution, "needy", min_version),))
+                       requires=(Requirement(import_name, distribution, min_version),))
 
 
 def test_a_given_version_overrides_what_is_importable_here():

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from attnreg import DeclarationContext, ForwardMethod, Platform, UnsupportedError, load_registry
-from attnreg.backends.base import MLAConfig
-from attnreg.backends.batch import decode_batch, extend_batch
 from attnreg.registry import validate_capabilities
+from attnreg.runtime import MLAConfig, decode_batch, extend_batch
 
 from attnreg_example_backend.declaration import BACKEND_NAME, capabilities
 

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from attnreg import BackendUnavailableError
 
-from attnreg_flashmla.declaration import BACKEND_NAME
+from attnreg_flashmla.declaration import BACKEND_NAME, FLASH_MLA
 
 HAS_FLASH_MLA = importlib.util.find_spec("flash_mla") is not None
 #: Simulated environments: the versions attnreg sees, independent of this machine.
@@ -23,24 +23,26 @@ def test_available_on_sm90_with_the_library(registry):
 def test_without_the_library_the_reason_is_an_install_hint(registry):
     avail = registry.availability(BACKEND_NAME, "cuda:sm90", WITHOUT_LIBRARY)
     assert not avail.available
-    assert avail.reason == "sgl-flash-mla not installed: install sgl-flash-mla"
+    assert avail.reason == ("sgl-flash-mla not installed: "
+                            "pip install --no-deps 'sgl-flash-mla>=1.0.0'")
+    assert FLASH_MLA.install_hint() in avail.reason
 
 
 def test_an_older_library_is_not_enough(registry):
     avail = registry.availability(BACKEND_NAME, "cuda:sm90",
                                   {"sgl-flash-mla": "0.9.0", "torch": "2.11.0"})
-    assert not avail.available and "install sgl-flash-mla" in avail.reason
+    assert not avail.available and FLASH_MLA.install_hint() in avail.reason
 
 
 def test_without_a_gpu_the_platform_reason_comes_first(registry):
     avail = registry.availability(BACKEND_NAME, "cpu", WITHOUT_LIBRARY)
     assert not avail.available
     assert avail.reason.startswith("FlashMLA is a CUDA library")
-    assert avail.reason.endswith("install sgl-flash-mla")
+    assert avail.reason.endswith(FLASH_MLA.install_hint())
 
 
 def test_creating_it_on_cpu_raises_unavailable_before_importing_anything(registry):
-    from attnreg.backends.base import MLAConfig
+    from attnreg.runtime import MLAConfig
 
     with pytest.raises(BackendUnavailableError, match="FlashMLA is a CUDA library"):
         registry.create(BACKEND_NAME, MLAConfig(num_heads=16, page_size=64), platform="cpu")
@@ -52,4 +54,4 @@ def test_backends_command_prints_the_hint_on_this_machine(cli):
     assert proc.returncode == 0, proc.stderr
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith(BACKEND_NAME)]
     assert " no: " in line
-    assert "sgl-flash-mla not installed: install sgl-flash-mla" in line
+    assert "sgl-flash-mla not installed" in line and "pip install --no-deps" in line

@@ -14,7 +14,7 @@ from .declarations._common import FLASH_ATTN_CUTE, FLASHINFER, TORCH, TRITON
 @hookimpl(trylast=True)
 def attnreg_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(BackendSpec(
-        name="reference", summary="float32 torch MLA/MHA: the conformance oracle, cpu fallback",
+        name="reference", summary="float32 torch MLA/MHA: simple enough to trust, the cpu fallback",
         capabilities=reference.capabilities,
         runtime="attnreg.backends.reference:ReferenceBackend", requires=(TORCH,)))
     register(BackendSpec(

@@ -25,15 +25,12 @@ from typing import Any
 import torch
 
 from attnreg.registry import BackendUnavailableError, ForwardMethod, UnsupportedError
+from attnreg.runtime import AttentionBackend, ForwardMetadata, MLAConfig, MLAKVPool, device_sm
 
-from .base import AttentionBackend, ForwardMetadata, MLAConfig
-from .flashinfer_mla import device_sm
-from .kv_pool import MLAKVPool
+from .declarations.flash_attn_cute import QV_MIN_SM
 
 __all__ = ["QV_MIN_SM", "FlashAttnCuteBackend"]
 
-#: The absorbed ``qv`` kernel exists for Blackwell (sm100+) only.
-QV_MIN_SM = 100
 INSTALL_HINT = "install attnreg[flash-attn-cute]"
 
 
@@ -48,7 +45,7 @@ def import_flash_attn_cute(backend: str) -> Any:
             f"({type(exc).__name__}: {exc}); {INSTALL_HINT}") from exc
 
 
-class FlashAttnCuteBackend(AttentionBackend):
+class FlashAttnCuteBackend(AttentionBackend[None, None]):
     """flash-attn-4 varlen prefill: MHA everywhere it runs, absorbed MLA on sm100+.
 
     Parameters
@@ -78,7 +75,7 @@ class FlashAttnCuteBackend(AttentionBackend):
         return result[0] if isinstance(result, tuple) else result
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
-                             md: ForwardMetadata, out: torch.Tensor, *,
+                             md: ForwardMetadata[None], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None) -> None:
         if method is ForwardMethod.MLA:
@@ -86,13 +83,16 @@ class FlashAttnCuteBackend(AttentionBackend):
             assert pool is not None  # checked by the base class
             if md.num_tokens:
                 self._absorbed(q, pool, md, out)
+            self.zero_padded_rows(out, md)
             return
         assert k is not None and v is not None
         if md.num_tokens:
             self._mha(q, k, v, md, out)
+        # rows of padding tokens belong to no sequence: FA4 leaves them unwritten
+        self.zero_padded_rows(out, md)
 
-    def _mha(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetadata,
-             out: torch.Tensor) -> None:
+    def _mha(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             md: ForwardMetadata[None], out: torch.Tensor) -> None:
         with self.kernel_errors("flash_attn_varlen_func inputs"):
             result = self._varlen(
                 q, k, v, cu_seqlens_q=md.qo_indptr, cu_seqlens_k=md.kv_indptr,
@@ -100,7 +100,7 @@ class FlashAttnCuteBackend(AttentionBackend):
                 softmax_scale=self.config.softmax_scale, causal=True)
         out.copy_(self._result_tensor(result))
 
-    def _absorbed(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
+    def _absorbed(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata[None],
                   out: torch.Tensor) -> None:
         latent = self.config.kv_lora_rank
         cache = pool.buffer                           # [pages, page_size, 576]

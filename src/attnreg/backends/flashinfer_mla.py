@@ -21,7 +21,9 @@ captured plan has ``bs + 1`` requests and ``num_tokens`` query rows: the real
 sequences, zero-length padding sequences, and one filler request that owns
 the padding rows (attending over the reserved padding page).  The average --
 and the grid -- is then the same for every replay of that shape; a replay
-whose grid still differs is refused rather than run wrong.
+whose grid still differs is refused rather than run wrong.  The filler's rows
+(and any row beyond the replayed batch) are zeroed inside the graph after the
+kernel, so a padded replay gives zero output rows for the missing sequences.
 
 flashinfer 0.6 plans with positional arguments; the 0.7 wrapper takes
 keywords (``metadata=MLAPlanMetadata.csr(...)``).  The form is picked from the
@@ -42,32 +44,44 @@ from typing import Any
 
 import torch
 
-from attnreg.registry import BackendUnavailableError, ForwardMethod, Phase, UnsupportedError
+from attnreg.registry import (
+    BackendUnavailableError,
+    CaptureShape,
+    ForwardMethod,
+    Phase,
+    UnsupportedError,
+)
 from attnreg.registry.spec import installed_version
+from attnreg.runtime import (
+    PADDING_PAGE,
+    AttentionBackend,
+    ForwardBatch,
+    ForwardMetadata,
+    GraphState,
+    KernelErrors,
+    MLAConfig,
+    MLAKVPool,
+    torch_dtype,
+)
 
-from .base import AttentionBackend, ForwardMetadata, GraphState, KernelErrors, MLAConfig
-from .batch import ForwardBatch
-from .kv_pool import PADDING_PAGE, MLAKVPool, torch_dtype
+from .declarations.flashinfer_mla import FLOAT_WORKSPACE_BYTES, graph_index_sizes
 
 __all__ = [
     "MLA_BACKENDS",
-    "WORKSPACE_BYTES",
+    "FlashInferGraphBuffers",
     "FlashInferMLABackend",
     "FlashInferMLAKernels",
-    "device_sm",
+    "FlashInferPlan",
+    "PlannedMLA",
+    "PlannedRagged",
     "import_flashinfer",
     "warm_jit_cache",
 ]
 
-#: The float workspace every wrapper shares (flashinfer's recommended size).
-WORKSPACE_BYTES = 128 * 1024 * 1024
 #: Values of the ``mla_backend`` option (flashinfer's ``backend=``).
 MLA_BACKENDS = ("auto", "fa3", "fa2")
 INSTALL_HINT = "install attnreg[flashinfer]"
 
-_MLA_EXTRA = "flashinfer_mla"
-_RAGGED_EXTRA = "flashinfer_ragged"
-_GRAPH_BUFFERS = "flashinfer_mla_buffers"
 _REFUSED_HINT = "flashinfer refused the inputs before launching"
 
 
@@ -108,14 +122,6 @@ def lookup(fi: ModuleType, module: str, name: str, *, owner: str = "flashinfer",
             owner, f"flashinfer {have} has no {module}.{name}; {INSTALL_HINT} "
             "(flashinfer-python >= 0.6.13)")
     return None
-
-
-def device_sm(device: torch.device) -> int | None:
-    """Compute capability of a CUDA device as an int (``90``), None for other devices."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
 
 
 def _parameters(fn: Any) -> Sequence[str]:
@@ -165,6 +171,32 @@ class PlannedMLA:
     grid: tuple[int, int] | None = None
 
 
+@dataclass
+class PlannedRagged:
+    """The planned ragged-MHA wrapper and its (q dtype, k dtype, qk dim, v dim)."""
+
+    key: tuple[torch.dtype, torch.dtype, int, int]
+    wrapper: Any
+
+
+@dataclass
+class FlashInferPlan:
+    """What flashinfer planned for one batch or captured shape (each planned on first use)."""
+
+    mla: PlannedMLA | None = None
+    ragged: PlannedRagged | None = None
+
+
+@dataclass
+class FlashInferGraphBuffers:
+    """int32 index buffers every ``use_cuda_graph`` wrapper slices (sized by the declaration)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_indices: torch.Tensor
+
+
 def _plan_grid(wrapper: Any) -> tuple[int, int] | None:
     """The launch grid a 0.6-style plan chose (``plan_info[0:2]``), if it is visible."""
     info = getattr(wrapper, "_plan_info", None)
@@ -212,7 +244,7 @@ class FlashInferMLAKernels:
         else:
             self.plan_style = "positional"
         self.run_takes_kv_scales = "ckv_scale" in _parameters(self.mla_wrapper_cls.run)
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._eager_mla: Any = None
         self._eager_ragged: Any = None
         self._graph_wrappers: dict[tuple[Phase, int, int], Any] = {}
@@ -337,9 +369,9 @@ class FlashInferMLAKernels:
                              common["head_dim_kpe"], common["page_size"], causal,
                              common["sm_scale"], q_dtype, kv_dtype)
 
-    def plan_eager(self, md: ForwardMetadata, *, q_dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> PlannedMLA:
-        """Plan the eager MLA wrapper for ``md`` (host lengths) and remember it in ``md``."""
+    def plan_eager(self, md: ForwardMetadata[Any], plan: FlashInferPlan, *,
+                   q_dtype: torch.dtype, kv_dtype: torch.dtype) -> PlannedMLA:
+        """Plan the eager MLA wrapper for ``md`` (host lengths) into ``plan.mla``."""
         if md.seq_lens_cpu is None or md.extend_lens_cpu is None:
             raise UnsupportedError(self.owner, "eager MLA plan on graph metadata",
                                    "graph metadata carries no host lengths",
@@ -349,53 +381,51 @@ class FlashInferMLAKernels:
         causal = md.phase is Phase.PREFILL
         inputs = self.plan_inputs(md.seq_lens_cpu, md.extend_lens_cpu, md.page_table)
         self._plan(self._eager_mla, inputs, causal=causal, q_dtype=q_dtype, kv_dtype=kv_dtype)
-        planned = PlannedMLA(self._eager_mla, q_dtype, kv_dtype, causal)
-        md.extras[_MLA_EXTRA] = planned
-        return planned
+        plan.mla = PlannedMLA(self._eager_mla, q_dtype, kv_dtype, causal)
+        return plan.mla
 
     # -- graphs ------------------------------------------------------------------------
-    def init_graph_buffers(self, state: GraphState) -> None:
-        """Index buffers every graph wrapper slices (each replay re-plans before it runs)."""
+    def init_graph_buffers(self, shape: CaptureShape) -> FlashInferGraphBuffers:
+        """Index buffers every graph wrapper slices (each replay re-plans before it runs).
+
+        Sized by the declaration's :func:`graph_index_sizes`, the formula its
+        capture memory is estimated with.
+        """
+        sizes = graph_index_sizes(shape)
+
         def ints(n: int) -> torch.Tensor:
             return torch.zeros((n,), dtype=torch.int32, device=self.device)
 
-        state.extras[_GRAPH_BUFFERS] = {
-            "qo_indptr": ints(state.max_bs + 2),
-            "kv_indptr": ints(state.max_bs + 2),
-            "kv_lens": ints(state.max_bs + 1),
-            # real pages, plus the filler request's padding pages
-            "kv_indices": ints(state.max_bs * state.max_pages + state.max_num_tokens),
-        }
         self._graph_wrappers.clear()
+        return FlashInferGraphBuffers(qo_indptr=ints(sizes.qo_indptr),
+                                      kv_indptr=ints(sizes.kv_indptr),
+                                      kv_lens=ints(sizes.kv_lens),
+                                      kv_indices=ints(sizes.kv_indices))
 
-    def plan_capture(self, md: ForwardMetadata, graph_state: GraphState, *,
-                     q_dtype: torch.dtype, kv_dtype: torch.dtype) -> PlannedMLA:
+    def plan_capture(self, md: ForwardMetadata[Any], buffers: FlashInferGraphBuffers,
+                     plan: FlashInferPlan, *, q_dtype: torch.dtype,
+                     kv_dtype: torch.dtype) -> PlannedMLA:
         """Create (once) and plan the ``use_cuda_graph`` wrapper of ``md``'s shape."""
-        buffers = graph_state.extras.get(_GRAPH_BUFFERS)
-        if buffers is None:
-            raise UnsupportedError(self.owner, "capture before init_cuda_graph_state",
-                                   "the flashinfer graph buffers are not allocated",
-                                   "call init_cuda_graph_state first")
         bs, nt = md.batch_size, md.num_tokens
         key = (md.phase, bs, nt)
         wrapper = self._graph_wrappers.get(key)
         if wrapper is None:
             wrapper = self.mla_wrapper_cls(
-                self.workspace, use_cuda_graph=True,
-                qo_indptr=buffers["qo_indptr"][:bs + 2], kv_indptr=buffers["kv_indptr"][:bs + 2],
-                kv_indices=buffers["kv_indices"], kv_len_arr=buffers["kv_lens"][:bs + 1],
-                backend=self.mla_backend)
+                self.workspace, use_cuda_graph=True, qo_indptr=buffers.qo_indptr[:bs + 2],
+                kv_indptr=buffers.kv_indptr[:bs + 2], kv_indices=buffers.kv_indices,
+                kv_len_arr=buffers.kv_lens[:bs + 1], backend=self.mla_backend)
             self._graph_wrappers[key] = wrapper
         planned = PlannedMLA(wrapper, q_dtype, kv_dtype, md.phase is Phase.PREFILL, graph=True)
         assert md.batch is not None
         self._plan_graph(planned, md, md.batch)
         planned.grid = _plan_grid(wrapper)
-        md.extras[_MLA_EXTRA] = planned
+        plan.mla = planned
         return planned
 
-    def plan_replay(self, md: ForwardMetadata, batch: ForwardBatch) -> None:
+    def plan_replay(self, md: ForwardMetadata[Any], plan: FlashInferPlan | None,
+                    batch: ForwardBatch) -> None:
         """Re-plan the captured wrapper of ``md`` for ``batch`` (outside the graph)."""
-        planned: PlannedMLA | None = md.extras.get(_MLA_EXTRA)
+        planned = plan.mla if plan is not None else None
         if planned is None or not planned.graph:
             raise UnsupportedError(self.owner, "replay of an uncaptured shape",
                                    "no flashinfer graph wrapper was planned for it",
@@ -408,7 +438,7 @@ class FlashInferMLAKernels:
                 f"the plan for this batch launches {grid} blocks, the graph was captured "
                 f"with {planned.grid}", "run this batch eagerly")
 
-    def _plan_graph(self, planned: PlannedMLA, md: ForwardMetadata,
+    def _plan_graph(self, planned: PlannedMLA, md: ForwardMetadata[Any],
                     batch: ForwardBatch) -> None:
         inputs = self.plan_inputs(batch.seq_lens_cpu, batch.extend_lens_cpu, batch.page_table,
                                   pad_to=(md.batch_size, md.num_tokens))
@@ -416,11 +446,14 @@ class FlashInferMLAKernels:
                    kv_dtype=planned.kv_dtype)
 
     # -- run ---------------------------------------------------------------------------
-    def run_mla(self, q: torch.Tensor, kv: torch.Tensor, md: ForwardMetadata,
-                out: torch.Tensor, *, kv_scale: float = 1.0) -> None:
-        """Absorbed MLA of ``q [rows, H, 576]`` over the paged cache ``kv`` into ``out``."""
+    def run_mla(self, q: torch.Tensor, kv: torch.Tensor, md: ForwardMetadata[Any],
+                plan: FlashInferPlan, out: torch.Tensor, *, kv_scale: float = 1.0) -> None:
+        """Absorbed MLA of ``q [rows, H, 576]`` over the paged cache ``kv`` into ``out``.
+
+        Eager: plans ``plan.mla`` on first use (once per batch for all layers).
+        """
         causal = md.phase is Phase.PREFILL
-        planned: PlannedMLA | None = md.extras.get(_MLA_EXTRA)
+        planned = plan.mla
         if planned is None or (planned.q_dtype, planned.kv_dtype, planned.causal) != \
                 (q.dtype, kv.dtype, causal):
             if md.is_graph:
@@ -430,7 +463,7 @@ class FlashInferMLAKernels:
                     self.owner, "MLA forward under a captured graph",
                     f"the graph was planned for {what}, the forward has q {q.dtype} / kv "
                     f"{kv.dtype}", "capture with the MLAConfig dtypes the forward uses")
-            planned = self.plan_eager(md, q_dtype=q.dtype, kv_dtype=kv.dtype)
+            planned = self.plan_eager(md, plan, q_dtype=q.dtype, kv_dtype=kv.dtype)
         latent = self.config.kv_lora_rank
         scales: dict[str, float] = {}
         if kv.dtype == torch.float8_e4m3fn:
@@ -441,11 +474,11 @@ class FlashInferMLAKernels:
                                 out=out, **scales)
 
     def run_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   md: ForwardMetadata, out: torch.Tensor) -> None:
+                   md: ForwardMetadata[Any], plan: FlashInferPlan, out: torch.Tensor) -> None:
         """Eager ragged MHA (bottom-right causal over prefix + new tokens) into ``out``."""
         key = (q.dtype, k.dtype, q.shape[-1], v.shape[-1])
-        planned = md.extras.get(_RAGGED_EXTRA)
-        if planned is None or planned[0] != key:
+        planned = plan.ragged
+        if planned is None or planned.key != key:
             if md.is_graph or md.seq_lens_cpu is None or md.extend_lens_cpu is None:
                 raise UnsupportedError(
                     self.owner, "ragged MHA prefill under a captured graph",
@@ -460,13 +493,12 @@ class FlashInferMLAKernels:
                     num_qo_heads=heads, num_kv_heads=heads, head_dim_qk=q.shape[-1],
                     head_dim_vo=v.shape[-1], causal=True, sm_scale=self.config.softmax_scale,
                     q_data_type=q.dtype, kv_data_type=k.dtype)
-            planned = (key, self._eager_ragged)
-            md.extras[_RAGGED_EXTRA] = planned
+            planned = plan.ragged = PlannedRagged(key, self._eager_ragged)
         with self.errors("ragged MHA inputs"):
-            planned[1].run(q, k, v, out=out)
+            planned.wrapper.run(q, k, v, out=out)
 
 
-class FlashInferMLABackend(AttentionBackend):
+class FlashInferMLABackend(AttentionBackend[FlashInferPlan, FlashInferGraphBuffers]):
     """flashinfer paged MLA (decode, extend) and ragged MHA prefill.
 
     Parameters
@@ -478,7 +510,8 @@ class FlashInferMLABackend(AttentionBackend):
 
     Graphs: decode FULL and prefill BREAKABLE capture absorbed MLA with one
     ``use_cuda_graph`` wrapper per captured shape, re-planned on the host before
-    every replay; ragged MHA runs eagerly only.
+    every replay; ragged MHA runs eagerly only.  The output rows of padding are
+    zeroed inside the graph.
     """
 
     def __init__(self, config: MLAConfig, *, capabilities: Any, mla_backend: str = "auto",
@@ -490,33 +523,49 @@ class FlashInferMLABackend(AttentionBackend):
     def _graph_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         return torch_dtype(self.config.q_dtype), torch_dtype(self.config.kv_dtype)
 
-    def _init_graph_state_impl(self, state: GraphState) -> None:
-        self.kernels.init_graph_buffers(state)
+    def _init_metadata_impl(self, md: ForwardMetadata[FlashInferPlan]) -> None:
+        # planned on the first forward, which knows the q / kv dtypes
+        md.plan = FlashInferPlan()
 
-    def _init_capture_impl(self, md: ForwardMetadata) -> None:
+    def _init_graph_state_impl(self, state: GraphState[FlashInferGraphBuffers]) -> None:
+        state.buffers = self.kernels.init_graph_buffers(state.capture_shape)
+
+    def _init_capture_impl(self, md: ForwardMetadata[FlashInferPlan]) -> None:
         q_dtype, kv_dtype = self._graph_dtypes()
-        self.kernels.plan_capture(md, self._require_graph_state(), q_dtype=q_dtype,
+        md.plan = FlashInferPlan()
+        self.kernels.plan_capture(md, self._require_buffers(), md.plan, q_dtype=q_dtype,
                                   kv_dtype=kv_dtype)
 
-    def _init_replay_impl(self, md: ForwardMetadata, batch: ForwardBatch) -> None:
-        self.kernels.plan_replay(md, batch)
+    def _init_replay_impl(self, md: ForwardMetadata[FlashInferPlan],
+                          batch: ForwardBatch) -> None:
+        self.kernels.plan_replay(md, md.plan, batch)
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
-                             out: torch.Tensor) -> None:
-        self.kernels.run_mla(q, pool.buffer, md, out, kv_scale=pool.kv_scale)
+    def _plan_of(self, md: ForwardMetadata[FlashInferPlan]) -> FlashInferPlan:
+        if md.plan is None:
+            md.plan = FlashInferPlan()
+        return md.plan
+
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
+                             md: ForwardMetadata[FlashInferPlan], out: torch.Tensor) -> None:
+        self.kernels.run_mla(q, pool.buffer, md, self._plan_of(md), out,
+                             kv_scale=pool.kv_scale)
+        # the filler request of a padded plan computed the padding rows: zero them
+        self.zero_padded_rows(out, md)
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
-                             md: ForwardMetadata, out: torch.Tensor, *,
+                             md: ForwardMetadata[FlashInferPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None) -> None:
         if md.num_tokens == 0:
             return
         if method is ForwardMethod.MLA:
             assert pool is not None  # checked by the base class
-            self.kernels.run_mla(q, pool.buffer, md, out, kv_scale=pool.kv_scale)
+            self.kernels.run_mla(q, pool.buffer, md, self._plan_of(md), out,
+                                 kv_scale=pool.kv_scale)
+            self.zero_padded_rows(out, md)
         else:
             assert k is not None and v is not None
-            self.kernels.run_ragged(q, k, v, md, out)
+            self.kernels.run_ragged(q, k, v, md, self._plan_of(md), out)
 
 
 def warm_jit_cache(sm: int, *, dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float16),

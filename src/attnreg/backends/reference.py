@@ -1,10 +1,12 @@
-"""The ``reference`` backend: float32 torch MLA and MHA, the conformance oracle.
+"""The ``reference`` backend: float32 torch MLA and MHA, the cpu fallback.
 
 It loops over sequences with host-side lengths, which is why its declaration
 says FULL and BREAKABLE capture are UNSUPPORTED: the base class refuses
-capture before this code could run.  Slow but simple enough to trust: every
-sequence is gathered from the pool through its page table, dequantised, and
-attended with an explicit causal mask.
+capture before this code could run.  Slow but simple: every sequence is
+gathered from the pool through its page table, dequantised, and attended with
+an explicit causal mask.  It is not the conformance oracle (that is the
+float64 computation in :mod:`attnreg.testing.workload`, which never reads the
+pool through a page table); the suite checks this backend like any other.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from typing import Any
 import torch
 
 from attnreg.registry import ForwardMethod, UnsupportedError
-
-from .base import AttentionBackend, ForwardMetadata, MLAConfig
-from .kv_pool import MLAKVPool
+from attnreg.runtime import AttentionBackend, ForwardMetadata, MLAConfig, MLAKVPool
 
 __all__ = ["ReferenceBackend", "causal_attention", "gather_sequence"]
 
@@ -46,7 +46,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale
     return torch.einsum("hel,lhd->ehd", probs, v.float().expand(-1, q.shape[1], -1))
 
 
-class ReferenceBackend(AttentionBackend):
+class ReferenceBackend(AttentionBackend[None, None]):
     """float32 torch MLA (decode, extend) and ragged MHA on any device.
 
     Takes no options.  Accepts bf16 / fp16 / fp32 queries and bf16 / fp16 /
@@ -58,7 +58,7 @@ class ReferenceBackend(AttentionBackend):
         super().__init__(config, capabilities=capabilities, **kwargs)
 
     @staticmethod
-    def _host_lens(md: ForwardMetadata) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _host_lens(md: ForwardMetadata[None]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if md.seq_lens_cpu is None or md.prefix_lens_cpu is None:
             # Graph metadata has no host lengths; capture is refused before this point,
             # so reaching here means a subclass bypassed the base class checks.
@@ -67,7 +67,7 @@ class ReferenceBackend(AttentionBackend):
                                    "run the reference eagerly")
         return md.seq_lens_cpu, md.prefix_lens_cpu
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata[None],
                              out: torch.Tensor) -> None:
         seq_lens, _ = self._host_lens(md)
         latent = self.config.kv_lora_rank
@@ -80,7 +80,7 @@ class ReferenceBackend(AttentionBackend):
             out[b] = o[0].to(out.dtype)
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
-                             md: ForwardMetadata, out: torch.Tensor, *,
+                             md: ForwardMetadata[None], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None) -> None:
         seq_lens, prefix_lens = self._host_lens(md)

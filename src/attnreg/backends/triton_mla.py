@@ -11,35 +11,81 @@
 Under capture the split counts and the workspaces are fixed in
 ``init_cuda_graph_state`` / ``init_forward_metadata_capture``; the captured
 region then allocates nothing of its own and reads no host value (lengths are
-read by the kernels on the device).
+read by the kernels on the device).  The workspaces are sized by
+:mod:`attnreg.backends.declarations.triton_sizing`, the functions the
+declaration estimates its capture memory with.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from attnreg.registry import ForwardMethod, GraphMode, Phase
+from attnreg.registry import CaptureShape, ForwardMethod, Phase
+from attnreg.runtime import (
+    AttentionBackend,
+    ForwardMetadata,
+    GraphState,
+    MLAConfig,
+    MLAKVPool,
+    device_num_sms,
+)
 
 from ._triton_kernels import (
     MLADecodeWorkspace,
     MLAExtendWorkspace,
-    default_extend_splits,
-    default_max_splits,
     mha_prefill,
     mla_decode,
     mla_decode_workspace,
     mla_extend,
     mla_extend_workspace,
 )
-from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
-from .kv_pool import MLAKVPool
+from .declarations.triton_sizing import (
+    LATENT,
+    SplitOptions,
+    decode_partial_rows,
+    default_extend_splits,
+    default_max_splits,
+    extend_partial_rows,
+)
 
-__all__ = ["TritonMLABackend"]
+__all__ = ["TritonGraphBuffers", "TritonMLABackend", "TritonPlan"]
+
+#: num_sms on a cpu, where the kernels run in the Triton interpreter.
+_CPU_NUM_SMS = 8
 
 
-class TritonMLABackend(AttentionBackend):
+@dataclass
+class TritonPlan:
+    """What the Triton backend plans per batch or captured shape.
+
+    ``splits``: the static split count of the launch (decode ``max_splits``,
+    extend ``num_splits``); ``workspace``: the split-KV partials it writes
+    (None with one split, and for an eager extend until its first MLA forward).
+    """
+
+    splits: int
+    workspace: MLADecodeWorkspace | MLAExtendWorkspace | None = None
+
+    def legacy_extras(self) -> dict[str, object]:
+        """The keys of the removed ``extras`` dict (``ForwardMetadata.extras``, deprecated)."""
+        return {"max_splits": self.splits, "extend_splits": self.splits,
+                "workspace": self.workspace, "extend_workspace": self.workspace}
+
+
+@dataclass
+class TritonGraphBuffers:
+    """Flat fp32 split-KV workspaces every captured shape views (None: mode not captured)."""
+
+    decode_partial_out: torch.Tensor | None = None
+    decode_partial_lse: torch.Tensor | None = None
+    extend_partial_out: torch.Tensor | None = None
+    extend_partial_lse: torch.Tensor | None = None
+
+
+class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
     """MLA decode / extend and MHA prefill with the Triton kernels of ``_triton_kernels``.
 
     Parameters
@@ -62,10 +108,7 @@ class TritonMLABackend(AttentionBackend):
                  **kwargs: Any) -> None:
         super().__init__(config, capabilities=capabilities, **kwargs)
         if num_sms is None:
-            if self.device.type == "cuda":
-                num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            else:
-                num_sms = 8
+            num_sms = device_num_sms(self.device) or _CPU_NUM_SMS
         for opt, value in (("num_sms", num_sms), ("max_kv_splits", max_kv_splits),
                            ("force_kv_splits", force_kv_splits)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -73,123 +116,123 @@ class TritonMLABackend(AttentionBackend):
         self.num_sms = int(num_sms)
         self.max_kv_splits = max_kv_splits
         self.force_kv_splits = force_kv_splits
+        self.split_options = SplitOptions(cap=max_kv_splits, force=force_kv_splits)
 
     # -- planning ----------------------------------------------------------------------
-    def _with_split_options(self, heuristic: int) -> int:
-        """The split count after ``force_kv_splits`` / ``max_kv_splits``."""
-        if self.force_kv_splits is not None:
-            return self.force_kv_splits
-        if self.max_kv_splits is not None:
-            heuristic = min(heuristic, self.max_kv_splits)
-        return max(1, heuristic)
-
     def _splits_for(self, batch_size: int, max_seq_len: int) -> int:
         # Not cached: an engine's longest sequence grows every decode step, so a cache
         # keyed on it would miss every step and grow without bound.
-        return self._with_split_options(default_max_splits(
+        return self.split_options.apply(default_max_splits(
             batch_size, self.config.num_heads, max_seq_len, self.num_sms))
 
     def _extend_splits_for(self, batch_size: int, num_tokens: int, max_seq_len: int) -> int:
-        return self._with_split_options(default_extend_splits(
+        return self.split_options.apply(default_extend_splits(
             batch_size, num_tokens, self.config.num_heads, max_seq_len, self.num_sms))
 
-    def _init_metadata_impl(self, md: ForwardMetadata) -> None:
+    def capture_shape(self, max_bs: int, max_num_tokens: int, max_seq_len: int
+                      ) -> CaptureShape:
+        # the split heuristic fills this backend's num_sms (8 on cpu), not the device's
+        return replace(super().capture_shape(max_bs, max_num_tokens, max_seq_len),
+                       num_sms=self.num_sms)
+
+    def _init_metadata_impl(self, md: ForwardMetadata[TritonPlan]) -> None:
         if md.phase is Phase.PREFILL:
             # The workspace is allocated by the first MLA extend forward: an MHA prefill
             # batch never needs it.
-            md.extras["extend_splits"] = self._extend_splits_for(
-                md.batch_size, md.num_tokens, md.max_seq_len)
-        if md.phase is Phase.DECODE:
-            splits = self._splits_for(md.batch_size, md.max_seq_len)
-            md.extras["max_splits"] = splits
-            # One split-KV workspace per batch, shared by every layer's forward (they run
-            # one after another on the stream), instead of one allocation per forward.
-            md.extras["workspace"] = mla_decode_workspace(
-                md.batch_size, self.config.num_heads, splits, self.device) \
-                if splits > 1 and md.batch_size > 0 else None
+            md.plan = TritonPlan(self._extend_splits_for(md.batch_size, md.num_tokens,
+                                                         md.max_seq_len))
+            return
+        splits = self._splits_for(md.batch_size, md.max_seq_len)
+        # One split-KV workspace per batch, shared by every layer's forward (they run
+        # one after another on the stream), instead of one allocation per forward.
+        workspace = mla_decode_workspace(md.batch_size, self.config.num_heads, splits,
+                                         self.device) \
+            if splits > 1 and md.batch_size > 0 else None
+        md.plan = TritonPlan(splits, workspace)
 
-    def _init_graph_state_impl(self, state: GraphState) -> None:
-        # One flat fp32 buffer serves every captured batch size: a launch for bs
-        # sequences with S splits views its first bs * S * H * 512 floats.  bs * S
-        # stays near num_sms / head blocks for small bs and is bs for large bs, so the
-        # buffer is far smaller than [max_bs, max_splits(bs=1), H, 512].
-        heads, latent = self.config.num_heads, self.config.kv_lora_rank
-        most = max(bs * self._splits_for(bs, state.max_seq_len)
-                   for bs in range(1, state.max_bs + 1))
-        state.extras["partial_out"] = torch.empty(most * heads * latent, dtype=torch.float32,
-                                                  device=self.device)
-        state.extras["partial_lse"] = torch.empty(most * heads, dtype=torch.float32,
-                                                  device=self.device)
-        if state.graph_modes.get(Phase.PREFILL, GraphMode.DISABLED) is not GraphMode.DISABLED:
-            # Split extend: num_tokens x splits x heads rows for the captured shape that
-            # needs the most; bs = 1 gets the most splits for a token count.  Only short
-            # extends split, so this stays near one wave of 64-row programs.
-            splits = ((nt, self._extend_splits_for(1, nt, state.max_seq_len))
-                      for nt in range(1, state.max_num_tokens + 1))
-            rows = max((nt * s for nt, s in splits if s > 1), default=0)
-            if rows:  # some captured shape would split
-                state.extras["extend_partial_out"] = torch.empty(
-                    rows * heads * latent, dtype=torch.float32, device=self.device)
-                state.extras["extend_partial_lse"] = torch.empty(
-                    rows * heads, dtype=torch.float32, device=self.device)
+    def _init_graph_state_impl(self, state: GraphState[TritonGraphBuffers]) -> None:
+        # Sized by the declaration's own functions (triton_sizing), for the modes captured.
+        shape, options = state.capture_shape, self.split_options
+        heads = self.config.num_heads
+        buffers = TritonGraphBuffers()
 
-    def _init_capture_impl(self, md: ForwardMetadata) -> None:
-        state = self.graph_state
-        assert state is not None
+        def floats(n: int) -> torch.Tensor:
+            return torch.empty(n, dtype=torch.float32, device=self.device)
+
+        if Phase.DECODE in state.graph_modes:
+            rows = decode_partial_rows(shape, options)
+            buffers.decode_partial_out = floats(rows * heads * LATENT)
+            buffers.decode_partial_lse = floats(rows * heads)
+        if Phase.PREFILL in state.graph_modes:
+            rows = extend_partial_rows(shape, options)
+            if rows:  # some captured token count would split
+                buffers.extend_partial_out = floats(rows * heads * LATENT)
+                buffers.extend_partial_lse = floats(rows * heads)
+        state.buffers = buffers
+
+    def _init_capture_impl(self, md: ForwardMetadata[TritonPlan]) -> None:
+        state = self._require_graph_state()
+        buffers = self._require_buffers()
+        heads, latent = self.config.num_heads, LATENT
         if md.phase is Phase.PREFILL:
-            nt, heads, latent = md.num_tokens, self.config.num_heads, self.config.kv_lora_rank
+            nt = md.num_tokens
             splits = self._extend_splits_for(md.batch_size, nt, state.max_seq_len)
-            md.extras["extend_splits"] = splits
+            md.plan = TritonPlan(splits)
             if splits > 1:
-                po = state.extras["extend_partial_out"][:nt * splits * heads * latent]
-                pl = state.extras["extend_partial_lse"][:nt * splits * heads]
-                md.extras["extend_workspace"] = MLAExtendWorkspace(
-                    po.view(nt, splits, heads, latent), pl.view(nt, splits, heads))
+                po, pl = buffers.extend_partial_out, buffers.extend_partial_lse
+                assert po is not None and pl is not None, "sized for every captured shape"
+                md.plan.workspace = MLAExtendWorkspace(
+                    po[:nt * splits * heads * latent].view(nt, splits, heads, latent),
+                    pl[:nt * splits * heads].view(nt, splits, heads))
             return
-        if md.phase is not Phase.DECODE:
-            return
-        bs, heads, latent = md.batch_size, self.config.num_heads, self.config.kv_lora_rank
+        bs = md.batch_size
         splits = self._splits_for(bs, state.max_seq_len)
-        md.extras["max_splits"] = splits
+        md.plan = TritonPlan(splits)
         if splits > 1:
-            po = state.extras["partial_out"][:bs * splits * heads * latent]
-            pl = state.extras["partial_lse"][:bs * splits * heads]
-            md.extras["workspace"] = MLADecodeWorkspace(po.view(bs, splits, heads, latent),
-                                                        pl.view(bs, splits, heads))
-        else:
-            md.extras["workspace"] = None
+            po, pl = buffers.decode_partial_out, buffers.decode_partial_lse
+            assert po is not None and pl is not None, "sized for every captured shape"
+            md.plan.workspace = MLADecodeWorkspace(
+                po[:bs * splits * heads * latent].view(bs, splits, heads, latent),
+                pl[:bs * splits * heads].view(bs, splits, heads))
 
     # -- forward -----------------------------------------------------------------------
     def _kv_scale(self, pool: MLAKVPool) -> float | torch.Tensor:
         # A device tensor keeps a captured launch reading the pool's current scale.
         return pool.scale_tensor if pool.is_fp8 else 1.0
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
-                             out: torch.Tensor) -> None:
-        splits = int(md.extras["max_splits"])
+    def _plan(self, md: ForwardMetadata[TritonPlan]) -> TritonPlan:
+        if md.plan is None:
+            self._init_metadata_impl(md)
+        assert md.plan is not None
+        return md.plan
+
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
+                             md: ForwardMetadata[TritonPlan], out: torch.Tensor) -> None:
+        plan = self._plan(md)
         with self.kernel_errors("decode inputs"):
             mla_decode(q, pool.buffer, md.page_table, md.seq_lens, out,
                        sm_scale=self.config.softmax_scale, kv_scale=self._kv_scale(pool),
-                       max_splits=splits, workspace=md.extras.get("workspace"),
-                       force_num_splits=splits if self.force_kv_splits is not None else None)
+                       max_splits=plan.splits, workspace=plan.workspace,
+                       force_num_splits=plan.splits if self.force_kv_splits is not None
+                       else None)
+        # padded sequences have length 0: the kernel writes zeros for them already
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
-                             md: ForwardMetadata, out: torch.Tensor, *,
+                             md: ForwardMetadata[TritonPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None) -> None:
         if method is ForwardMethod.MLA:
             assert pool is not None
-            splits = int(md.extras.get("extend_splits", 1))
-            workspace = md.extras.get("extend_workspace")
-            if splits > 1 and workspace is None:
+            plan = self._plan(md)
+            if plan.splits > 1 and plan.workspace is None:
                 # eager: one workspace per batch, shared by every layer's forward
-                workspace = md.extras["extend_workspace"] = mla_extend_workspace(
-                    q.shape[0], self.config.num_heads, splits, self.device)
+                plan.workspace = mla_extend_workspace(q.shape[0], self.config.num_heads,
+                                                      plan.splits, self.device)
             with self.kernel_errors("MLA extend inputs"):
                 mla_extend(q, pool.buffer, md.page_table, md.seq_lens, md.prefix_lens,
                            md.qo_indptr, out, sm_scale=self.config.softmax_scale,
                            kv_scale=self._kv_scale(pool), max_extend_len=md.max_extend_len,
-                           num_splits=splits, workspace=workspace,
+                           num_splits=plan.splits, workspace=plan.workspace,
                            min_chunk=1 if self.force_kv_splits is not None else None)
         else:
             assert k is not None and v is not None
@@ -197,3 +240,5 @@ class TritonMLABackend(AttentionBackend):
                 mha_prefill(q, k, v, md.qo_indptr, md.kv_indptr, out,
                             sm_scale=self.config.softmax_scale, causal=True,
                             max_q_len=md.max_extend_len)
+        # rows of padding tokens belong to no sequence: the kernels never write them
+        self.zero_padded_rows(out, md)

@@ -25,32 +25,61 @@ declaration).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from attnreg.graph_policy.capture import current_capture, in_eager_break, note_served_by
 from attnreg.registry import ForwardMethod, Phase, UnsupportedError
+from attnreg.runtime import (
+    PADDING_PAGE,
+    AttentionBackend,
+    ForwardBatch,
+    ForwardMetadata,
+    GraphState,
+    MLAConfig,
+    MLAKVPool,
+    device_sm,
+    torch_dtype,
+)
 
-from .base import AttentionBackend, ForwardMetadata, GraphState, MLAConfig
-from .batch import ForwardBatch
-from .declarations.trtllm_mla import BLACKWELL, WORKSPACE_BYTES
-from .flashinfer_mla import FlashInferMLAKernels, device_sm, import_flashinfer, lookup
-from .kv_pool import PADDING_PAGE, MLAKVPool, torch_dtype
+from .declarations.trtllm_mla import BLACKWELL, WORKSPACE_BYTES, decode_table_width
+from .flashinfer_mla import (
+    FlashInferGraphBuffers,
+    FlashInferMLAKernels,
+    FlashInferPlan,
+    import_flashinfer,
+    lookup,
+)
 
-__all__ = ["RAGGED_HEAD_DIMS", "TRTLLMMLABackend"]
+__all__ = ["RAGGED_HEAD_DIMS", "TRTLLMGraphBuffers", "TRTLLMMLABackend", "TRTLLMPlan"]
 
 #: (q, k, v) head dims ``trtllm_ragged_attention_deepseek`` accepts (it asserts otherwise).
 RAGGED_HEAD_DIMS = ((192, 192, 128), (128, 128, 128), (256, 256, 256))
-#: The decode kernel wants ``block_tables.shape[1] % (TABLE_ALIGN / page_size) == 0``.
-TABLE_ALIGN = 128
-
-_DECODE_EXTRA = "trtllm_decode"
-_TABLES = "trtllm_block_tables"
-_SEQ_LENS = "trtllm_seq_lens"
 
 
-class TRTLLMMLABackend(AttentionBackend):
+@dataclass
+class TRTLLMPlan:
+    """Decode: the aligned block tables and lengths the kernel reads (None until first
+    needed); prefill: the flashinfer fallback's plan."""
+
+    decode_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    fallback: FlashInferPlan = field(default_factory=FlashInferPlan)
+
+
+@dataclass
+class TRTLLMGraphBuffers:
+    """Decode block tables / clamped lengths, and the fallback's index buffers (None:
+    that phase is not captured)."""
+
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    fallback: FlashInferGraphBuffers | None = None
+
+
+class TRTLLMMLABackend(AttentionBackend[TRTLLMPlan, TRTLLMGraphBuffers]):
     """TRT-LLM-gen MLA decode and ragged prefill, with flashinfer's paged MLA for extend.
 
     Parameters
@@ -74,7 +103,6 @@ class TRTLLMMLABackend(AttentionBackend):
         # trtllm-gen keeps multi-CTA counters in its workspace: it must start zeroed.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.int8, device=self.device)
         self.device_sm = device_sm(self.device)
-        self._table_multiple = max(1, TABLE_ALIGN // config.page_size)
 
     # -- the native kernels need Blackwell -------------------------------------------------
     def _require_blackwell(self, kernel: str) -> None:
@@ -87,8 +115,7 @@ class TRTLLMMLABackend(AttentionBackend):
             "run trtllm_mla on a Blackwell GPU, or choose flashinfer_mla / triton here")
 
     def _padded_width(self, width: int) -> int:
-        m = self._table_multiple
-        return -(-width // m) * m
+        return decode_table_width(width, self.config.page_size)
 
     # -- planning ----------------------------------------------------------------------
     def _fallback_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
@@ -97,49 +124,68 @@ class TRTLLMMLABackend(AttentionBackend):
         kv_dtype = torch_dtype(self.config.kv_dtype)
         return q_dtype, (q_dtype if kv_dtype == torch.float8_e4m3fn else kv_dtype)
 
-    def _init_graph_state_impl(self, state: GraphState) -> None:
-        width = self._padded_width(state.max_pages)
-        state.extras[_TABLES] = torch.full((state.max_bs, width), PADDING_PAGE,
-                                           dtype=torch.int32, device=self.device)
-        state.extras[_SEQ_LENS] = torch.ones((state.max_bs,), dtype=torch.int32,
-                                             device=self.device)
-        self.fallback.init_graph_buffers(state)
+    def _init_metadata_impl(self, md: ForwardMetadata[TRTLLMPlan]) -> None:
+        md.plan = TRTLLMPlan()
 
-    def _init_capture_impl(self, md: ForwardMetadata) -> None:
-        state = self._require_graph_state()
+    def _init_graph_state_impl(self, state: GraphState[TRTLLMGraphBuffers]) -> None:
+        # the declaration's decode_table_width / flashinfer's graph_index_sizes size these
+        buffers = TRTLLMGraphBuffers()
+        if Phase.DECODE in state.graph_modes:
+            width = self._padded_width(state.max_pages)
+            buffers.block_tables = torch.full((state.max_bs, width), PADDING_PAGE,
+                                              dtype=torch.int32, device=self.device)
+            buffers.seq_lens = torch.ones((state.max_bs,), dtype=torch.int32,
+                                          device=self.device)
+        if Phase.PREFILL in state.graph_modes:
+            buffers.fallback = self.fallback.init_graph_buffers(state.capture_shape)
+        state.buffers = buffers
+
+    def _init_capture_impl(self, md: ForwardMetadata[TRTLLMPlan]) -> None:
+        buffers = self._require_buffers()
+        plan = md.plan = TRTLLMPlan()
         if md.phase is Phase.DECODE:
+            assert buffers.block_tables is not None and buffers.seq_lens is not None
             bs = md.batch_size
-            md.extras[_DECODE_EXTRA] = (state.extras[_TABLES][:bs], state.extras[_SEQ_LENS][:bs])
+            plan.decode_tables = buffers.block_tables[:bs]
+            plan.decode_seq_lens = buffers.seq_lens[:bs]
         else:
+            assert buffers.fallback is not None
             q_dtype, kv_dtype = self._fallback_dtypes()
-            self.fallback.plan_capture(md, state, q_dtype=q_dtype, kv_dtype=kv_dtype)
+            self.fallback.plan_capture(md, buffers.fallback, plan.fallback, q_dtype=q_dtype,
+                                       kv_dtype=kv_dtype)
 
-    def _init_replay_impl(self, md: ForwardMetadata, batch: ForwardBatch) -> None:
+    def _init_replay_impl(self, md: ForwardMetadata[TRTLLMPlan], batch: ForwardBatch) -> None:
         if md.phase is Phase.PREFILL:
-            self.fallback.plan_replay(md, batch)
+            self.fallback.plan_replay(md, md.plan.fallback if md.plan else None, batch)
 
-    def _decode_inputs(self, md: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan_of(self, md: ForwardMetadata[TRTLLMPlan]) -> TRTLLMPlan:
+        if md.plan is None:
+            md.plan = TRTLLMPlan()
+        return md.plan
+
+    def _decode_inputs(self, md: ForwardMetadata[TRTLLMPlan]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables of an aligned width, seq_lens) for the decode kernel."""
+        plan = self._plan_of(md)
         if md.is_graph:
-            tables, seq_lens = md.extras[_DECODE_EXTRA]
+            tables, seq_lens = plan.decode_tables, plan.decode_seq_lens
+            assert tables is not None and seq_lens is not None, "bound at capture"
             # Device copies, recorded into the graph: the columns past the graph's
             # page table stay the padding page; padded sequences (length 0 in the
             # graph buffers) read one padding row instead of none.
             tables[:, : md.page_table.shape[1]].copy_(md.page_table)
             torch.clamp(md.seq_lens, min=1, out=seq_lens)
             return tables, seq_lens
-        cached = md.extras.get(_DECODE_EXTRA)
-        if cached is None:
+        if plan.decode_tables is None or plan.decode_seq_lens is None:
             width = md.page_table.shape[1]
             pad = self._padded_width(width) - width
             tables = torch.nn.functional.pad(md.page_table, (0, pad), value=PADDING_PAGE)
-            cached = (tables.contiguous(), md.seq_lens)
-            md.extras[_DECODE_EXTRA] = cached
-        return cached
+            plan.decode_tables, plan.decode_seq_lens = tables.contiguous(), md.seq_lens
+        return plan.decode_tables, plan.decode_seq_lens
 
     # -- forward -----------------------------------------------------------------------
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
-                             out: torch.Tensor) -> None:
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
+                             md: ForwardMetadata[TRTLLMPlan], out: torch.Tensor) -> None:
         self._require_blackwell("trtllm_batch_decode_with_kv_cache_mla")
         cfg = self.config
         query = q.unsqueeze(1)  # [B, q_len_per_request=1, H, 576]
@@ -154,10 +200,12 @@ class TRTLLMMLABackend(AttentionBackend):
                 qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
                 max_seq_len=md.max_seq_len, out=out.unsqueeze(1),
                 bmm1_scale=cfg.softmax_scale * scale, bmm2_scale=scale)
+        # padded sequences attended over one padding row (the clamp above): zero them
+        self.zero_padded_rows(out, md)
         note_served_by(self.name, self.name, "trtllm-gen decode")
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
-                             md: ForwardMetadata, out: torch.Tensor, *,
+                             md: ForwardMetadata[TRTLLMPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None) -> None:
         if md.num_tokens == 0:
@@ -167,7 +215,10 @@ class TRTLLMMLABackend(AttentionBackend):
             # No trtllm kernel takes absorbed extend: it is flashinfer's paged MLA,
             # eagerly and under every capture mode (the declared fallback).
             assert pool is not None  # checked by the base class
-            self.fallback.run_mla(q, self._fallback_cache(pool, q.dtype), md, out)
+            self.fallback.run_mla(q, self._fallback_cache(pool, q.dtype), md,
+                                  self._plan_of(md).fallback, out)
+            # the fallback's filler request computed the padding rows: zero them
+            self.zero_padded_rows(out, md)
             # what ran is flashinfer_mla's paged MLA: the conformance suite checks
             # this against the declared FALLBACK target
             note_served_by(self.name, "flashinfer_mla", "paged MLA")
@@ -179,14 +230,19 @@ class TRTLLMMLABackend(AttentionBackend):
                 "absorbed tensors only", "call forward_extend(..., method=ForwardMethod.MLA)")
         assert k is not None and v is not None
         if md.prefix_lens_cpu is None or any(p > 0 for p in md.prefix_lens_cpu):
-            self.fallback.run_ragged(q, k, v, md, out)
+            self.fallback.run_ragged(q, k, v, md, self._plan_of(md).fallback, out)
             note_served_by(self.name, "flashinfer_mla", "ragged prefill with prefix")
         else:
             self._run_ragged_kernel(q, k, v, md, out)
             note_served_by(self.name, self.name, "trtllm ragged prefill")
 
     def _fallback_cache(self, pool: MLAKVPool, q_dtype: torch.dtype) -> torch.Tensor:
-        """The pool as flashinfer's paged MLA reads it: an FP8 pool converted in full."""
+        """The pool as flashinfer's paged MLA reads it: an FP8 pool converted in full.
+
+        Under capture the converted copy is allocated inside the graph and stays in its
+        pool: the declaration's ``fallback_capture_bytes`` counts it from
+        ``CaptureShape.kv_pool_bytes``.
+        """
         if not pool.is_fp8:
             return pool.buffer
         converted = pool.buffer.to(q_dtype)
@@ -195,7 +251,7 @@ class TRTLLMMLABackend(AttentionBackend):
         return converted
 
     def _run_ragged_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           md: ForwardMetadata, out: torch.Tensor) -> None:
+                           md: ForwardMetadata[TRTLLMPlan], out: torch.Tensor) -> None:
         dims = (q.shape[-1], k.shape[-1], v.shape[-1])
         if dims not in RAGGED_HEAD_DIMS:
             raise UnsupportedError(

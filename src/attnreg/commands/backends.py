@@ -1,14 +1,23 @@
 """``attnreg backends``: every registered backend, available here or why not.
 
-JSON schema (stable; ``schema_version`` 1)::
+JSON schema (stable; ``schema_version`` 1; keys are only ever added)::
 
     {"schema_version": 1, "platform": "cuda:sm90", "simulated": true,
      "backends": [{"name", "plugin", "distribution", "version", "summary",
-                   "available", "unavailable_reason", "capabilities"}],
-     "errors": [{"plugin", "backend", "kind", "cause"}]}
+                   "available", "unavailable_reason", "runtime",
+                   "runtime_check": {"state", "detail"}, "requires": [...],
+                   "capabilities"}],
+     "errors": [{"plugin", "distribution", "version", "backend", "kind", "cause"}],
+     "warnings": [{"plugin", "kind", "message"}]}
 
-``capabilities`` is ``Capabilities.to_dict()`` (null when the declaration
-itself is broken).
+``plugin`` is the entry-point name (what ``--disable`` takes), ``distribution``
+and ``version`` the installed package it came from.  ``runtime_check.state``
+is ``resolves``, ``missing`` (the backend is then unavailable) or
+``not_checked``.  ``capabilities`` is ``Capabilities.to_dict()`` (null when
+the declaration itself is broken).
+
+``--check`` adds a runtime column to the table and exits 1 when a plugin
+failed or a runtime does not resolve: for a plugin's CI.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from attnreg.registry import Capabilities, Phase
 
 from ._common import (
     add_json_argument,
+    add_plugin_argument,
     add_registry_arguments,
     parse_platform,
     print_json,
@@ -37,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--assume-installed", action="store_true",
                         help="ignore missing optional libraries (what would a machine with "
                              "every extra get?); implied for a simulated --platform")
+    parser.add_argument("--check", action="store_true",
+                        help="also show whether each runtime dotted path resolves (without "
+                             "importing it); exit 1 on any plugin error or unresolved runtime")
     add_registry_arguments(parser)
+    add_plugin_argument(parser)
     add_json_argument(parser)
 
 
@@ -62,7 +76,7 @@ def summarize(caps: Capabilities | None) -> str:
 
 def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Capabilities | None]]:
     """The JSON document, and each backend's declaration here (None when it is broken)."""
-    reg = registry_from(args)
+    reg = registry_from(args, report_errors=False)  # the table lists them
     platform, simulated = parse_platform(args.platform)
     assume = args.assume_installed or simulated
     rows = []
@@ -71,6 +85,7 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Capabil
         spec = reg.get(name)
         a = reg.availability(name, platform, assume_installed=assume)
         caps[name] = a.capabilities
+        check = a.runtime or reg.runtime_check(name)
         rows.append({
             "name": name,
             "plugin": spec.plugin,
@@ -79,6 +94,9 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Capabil
             "summary": spec.summary,
             "available": a.available,
             "unavailable_reason": a.reason or None,
+            "runtime": spec.runtime,
+            "runtime_check": check.to_dict(),
+            "requires": [r.to_dict() for r in spec.requires],
             "capabilities": a.capabilities.to_dict() if a.capabilities else None,
         })
     data = {
@@ -88,26 +106,48 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Capabil
         "assume_installed": assume,
         "backends": rows,
         "errors": [e.to_dict() for e in reg.errors],
+        "warnings": [w.to_dict() for w in reg.startup_warnings()],
     }
     return data, caps
 
 
+def _distribution(row: dict[str, Any], missing: str = "-") -> str:
+    return f"{row['distribution']} {row['version']}".strip() or missing
+
+
+def failed(data: dict[str, Any]) -> bool:
+    """Whether ``--check`` fails: a plugin error, or a runtime known not to resolve."""
+    return bool(data["errors"]) or any(b["runtime_check"]["state"] == "missing"
+                                       for b in data["backends"])
+
+
 def run(args: argparse.Namespace) -> int:
     data, caps = collect(args)
+    status = 1 if args.check and failed(data) else 0
     if args.json:
         print_json(data)
-        return 0
+        return status
     how = "simulated" if data["simulated"] else "detected"
     note = ", optional libraries assumed installed" if data["assume_installed"] else ""
     print(f"attention backends on {data['platform']} ({how}{note})")
+    headers = ["backend", "plugin", "distribution", "available", "declares"]
+    if args.check:
+        headers.insert(3, "runtime")
     rows = []
     for b in data["backends"]:
-        status = "yes" if b["available"] else f"no: {b['unavailable_reason']}"
-        rows.append((b["name"], f"{b['plugin']} {b['version']}".strip(), status,
-                     summarize(caps[b["name"]]) if b["available"] else ""))
-    print(table(("backend", "plugin", "available", "declares"), rows))
+        available = "yes" if b["available"] else f"no: {b['unavailable_reason']}"
+        row = [b["name"], b["plugin"], _distribution(b), available,
+               summarize(caps[b["name"]]) if b["available"] else ""]
+        if args.check:
+            check = b["runtime_check"]
+            row.insert(3, check["state"].replace("_", " ")
+                       + (f": {check['detail']}" if check["state"] == "not_checked" else ""))
+        rows.append(row)
+    print(table(headers, rows))
     for err in data["errors"]:
-        print(f"plugin error: {err['plugin']}"
-              f"{' (' + err['backend'] + ')' if err['backend'] else ''}: "
+        print(f"plugin error: {err['plugin']} ({_distribution(err, 'no distribution found')})"
+              f"{' backend ' + repr(err['backend']) if err['backend'] else ''}: "
               f"{err['kind']}: {err['cause']}")
-    return 0
+    if data["errors"]:
+        print("(`attnreg doctor` for details and how to silence a plugin)")
+    return status

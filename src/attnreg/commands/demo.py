@@ -1,8 +1,9 @@
 """``attnreg demo``: the compatibility report `make demo` prints.
 
 For this machine (detected) and the simulated H200 (``cuda:sm90``) and B200
-(``cuda:sm100``): the backends table, then the graph plan for a DeepSeek-V3
-preset with its decision trace.
+(``cuda:sm100``), named as GPUs so that the plan's default capture budget
+uses their memory: the backends table, then the graph plan for a
+DeepSeek-V3 preset with its decision trace.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import argparse
 
 from attnreg.cli import main as cli_main
 
-DEFAULT_PLATFORMS = ("detect", "cuda:sm90", "cuda:sm100")
+DEFAULT_PLATFORMS = ("detect", "h200", "b200")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="deepseek-v3", help="model preset for the plan")
     parser.add_argument("--platform", action="append", default=None,
                         help="platforms to report (repeatable; default: this machine, "
-                             "cuda:sm90, cuda:sm100)")
+                             "h200 (cuda:sm90), b200 (cuda:sm100))")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,9 +7,14 @@ implementations) and imports no torch at import time.
 * :class:`ReplayGate` + :class:`ReplayBatch`: may a batch replay a graph,
   optionally deciding prefill batches with a measured :class:`CostProfile`
   (:func:`load_profile`);
+* :class:`EngineFacts`: page size, context, pool and device memory,
+  speculative draft tokens and host graph modes, beside :class:`ModelFacts`,
+  :class:`ServerFeatures` and :class:`GraphConfig`;
 * :data:`RULES`: every rule id a decision, violation or replay reason can
   carry, with its severity, source, what it reads and what it does;
-* :func:`vote`: all data-parallel ranks agree;
+* :func:`sync` (and :func:`pack` / :func:`unpack`): all data-parallel ranks
+  agree on one replay decision, bucket and forward mode in one gather;
+  :func:`vote` is the bool-only AND it replaces;
 * :func:`capturing`, :func:`dispose_tensor`, :class:`eager_break`: the
   capture context runtime code consults.
 """
@@ -24,30 +29,47 @@ from .capture import (
     in_eager_break,
     is_capturing,
 )
-from .config import GraphConfig, default_mode
+from .config import DEFAULT_CAPTURE_BUDGET_FRACTION, DEFAULT_MAX_SEQ_LEN, GraphConfig, default_mode
 from .cost_profile import CostProfile, CostProfileError, load_profile
 from .decisions import Decision, Severity, Source
+from .engine import EngineFacts
 from .features import FEATURE_RULES, FeatureRule, ServerFeatures
 from .model import AttentionKind, ModelFacts
-from .plan import FallbackInEffect, GraphPlan, PhasePlan
+from .plan import (
+    CaptureBudget,
+    CapturedShapes,
+    FallbackInEffect,
+    GraphPlan,
+    PhasePlan,
+    SpecModePlan,
+)
 from .presets import MODEL_PRESETS, preset
 from .replay import GATE_RULES, HiddenCapture, ReplayBatch, ReplayGate, ReplayReason
 from .resolve import resolve
 from .rule_ids import RULES, RuleInfo
 from .selection import BackendChoice
+from .sync import PACKED_WIDTH, Agreed, BatchFacts, SyncError, pack, sync, unpack
 from .vote import vote
 
 __all__ = [
+    "DEFAULT_CAPTURE_BUDGET_FRACTION",
+    "DEFAULT_MAX_SEQ_LEN",
     "FEATURE_RULES",
     "GATE_RULES",
     "MODEL_PRESETS",
+    "PACKED_WIDTH",
     "RULES",
+    "Agreed",
     "AttentionKind",
     "BackendChoice",
+    "BatchFacts",
     "BreakHandler",
+    "CaptureBudget",
+    "CapturedShapes",
     "CostProfile",
     "CostProfileError",
     "Decision",
+    "EngineFacts",
     "FallbackInEffect",
     "FeatureRule",
     "GraphConfig",
@@ -62,6 +84,8 @@ __all__ = [
     "ServerFeatures",
     "Severity",
     "Source",
+    "SpecModePlan",
+    "SyncError",
     "break_handler",
     "capturing",
     "current_capture",
@@ -71,7 +95,10 @@ __all__ = [
     "in_eager_break",
     "is_capturing",
     "load_profile",
+    "pack",
     "preset",
     "resolve",
+    "sync",
+    "unpack",
     "vote",
 ]

@@ -16,6 +16,7 @@ from ..registry.capabilities import VALID_GRAPH_MODES, GraphMode, Phase
 from ..registry.platform import Platform, Vendor
 
 __all__ = [
+    "DEFAULT_CAPTURE_BUDGET_FRACTION",
     "DEFAULT_DECODE_BATCH_SIZES",
     "DEFAULT_MAX_SEQ_LEN",
     "DEFAULT_PREFILL_NUM_TOKENS",
@@ -35,6 +36,11 @@ DEFAULT_PREFILL_MAX_REQUESTS = 64
 #: Longest sequence a captured graph serves when the engine does not say
 #: (``MLAConfig.max_context_len`` uses the same default).
 DEFAULT_MAX_SEQ_LEN = 8192
+#: The default capture memory budget, as a fraction of one device's memory (a
+#: policy choice, see docs/decisions.md): an engine keeps most of the device for
+#: weights and the KV pool (sglang's static fraction is 0.8-0.9 by default), so
+#: captured graphs that need more than a tenth of it are not a default.
+DEFAULT_CAPTURE_BUDGET_FRACTION = 0.10
 
 #: Prefill default per vendor; anything not listed gets TC_PIECEWISE.
 _DEFAULT_PREFILL_BY_VENDOR: dict[Vendor, GraphMode] = {Vendor.CUDA: GraphMode.BREAKABLE}
@@ -80,7 +86,13 @@ class GraphConfig:
         whatever the user passed.
     capture_memory_budget_bytes
         soft budget for all captured phases together (backend capture
-        buffers + model capture pool); None = no budget.
+        buffers + model capture pool); None = the default budget,
+        ``capture_budget_fraction`` of the device memory.  A value given by
+        the user (locked) always replaces the default.
+    capture_budget_fraction
+        the default budget as a fraction of one device's memory
+        (:data:`DEFAULT_CAPTURE_BUDGET_FRACTION`); 0 turns the default
+        budget off.
     decode_batch_sizes, prefill_num_tokens, prefill_max_requests
         what is captured: decode request-slot buckets, prefill token buckets,
         and the largest request count of a captured prefill batch.
@@ -93,6 +105,7 @@ class GraphConfig:
     decode_mode: GraphMode | None = None
     locked: frozenset[str] = frozenset()
     capture_memory_budget_bytes: int | None = None
+    capture_budget_fraction: float = DEFAULT_CAPTURE_BUDGET_FRACTION
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
     prefill_num_tokens: tuple[int, ...] = DEFAULT_PREFILL_NUM_TOKENS
     prefill_max_requests: int = DEFAULT_PREFILL_MAX_REQUESTS
@@ -129,6 +142,9 @@ class GraphConfig:
             raise ValueError("padding_waste_factor must be >= 1.0 (1.0 = exact buckets only)")
         if self.capture_memory_budget_bytes is not None and self.capture_memory_budget_bytes < 0:
             raise ValueError("capture_memory_budget_bytes must be >= 0")
+        if not 0.0 <= self.capture_budget_fraction <= 1.0:
+            raise ValueError(f"capture_budget_fraction must be within 0..1, got "
+                             f"{self.capture_budget_fraction}")
 
     @classmethod
     def from_user(cls, *, prefill: GraphMode | str | None = None,
@@ -181,6 +197,7 @@ class GraphConfig:
             "decode_mode": self.decode_mode.value if self.decode_mode else None,
             "locked": sorted(self.locked),
             "capture_memory_budget_bytes": self.capture_memory_budget_bytes,
+            "capture_budget_fraction": self.capture_budget_fraction,
             "decode_batch_sizes": list(self.decode_batch_sizes),
             "prefill_num_tokens": list(self.prefill_num_tokens),
             "prefill_max_requests": self.prefill_max_requests,

@@ -57,10 +57,9 @@ and the two predictions are::
 A replayed graph runs its kernels back to back, so it costs its device time
 unless replaying it takes the host longer; an eager layer costs the slower of
 issuing it (host) and running it (device), since host and device overlap
-across layers.  The fit (:func:`fit_term`) is a least-squares fit of each term
-with non-negative coefficients, weighted by ``1 / measured`` (relative error,
-so a 100 us point counts as much as a 100 ms one); the coefficients are
-microseconds per feature unit.
+across layers.  The coefficients are microseconds per feature unit, fitted by
+``attnreg calibrate`` (:func:`attnreg.profiling.fit_term`: non-negative least
+squares on relative errors); this module only reads a profile and predicts.
 
 Profile JSON (``schema`` ``attnreg.cost_profile``, ``schema_version`` 1)
 -----------------------------------------------------------------------
@@ -76,12 +75,11 @@ profiles live in ``attnreg/data/profiles/*.json``.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -101,12 +99,8 @@ __all__ = [
     "CostProfile",
     "CostProfileError",
     "CostTerm",
-    "CrossoverPoint",
-    "FitResult",
     "PrefillShape",
-    "crossover_extend",
     "find_shipped_profile",
-    "fit_term",
     "load_profile",
     "shipped_profile_dir",
     "shipped_profile_paths",
@@ -525,233 +519,3 @@ def find_shipped_profile(backend: str, platform: Platform | str,
         if profile.matches(backend, platform, kv_dtype):
             return profile
     return None
-
-
-# ----------------------------------------------------------------------------------------
-# crossover
-# ----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CrossoverPoint:
-    """Where the absorbed graph stops winning at one prefix length.
-
-    ``max_graph_extend``: the largest extend length (per sequence) up to which
-    the graph is predicted faster; 0 when eager wins from the first token,
-    ``max_extend`` when the graph wins everywhere it was asked about.
-    """
-
-    prefix: int
-    batch_size: int
-    heads: int
-    max_extend: int
-    max_graph_extend: int
-
-    def describe(self) -> str:
-        where = f"at prefix {self.prefix}"
-        if self.batch_size != 1:
-            where += f", {self.batch_size} sequences"
-        if self.max_graph_extend == 0:
-            return f"eager MHA for every extend length {where}"
-        if self.max_graph_extend >= self.max_extend:
-            return f"absorbed graph for every extend <= {self.max_extend} tokens {where}"
-        return (f"absorbed graph for extend <= {self.max_graph_extend} tokens {where}, "
-                "eager MHA above")
-
-    def to_dict(self) -> dict[str, object]:
-        return {"prefix": self.prefix, "batch_size": self.batch_size, "heads": self.heads,
-                "max_extend": self.max_extend, "max_graph_extend": self.max_graph_extend,
-                "text": self.describe()}
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int | None:
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
-
-
-def crossover_extend(profile: CostProfile, *, heads: int, prefix: int, max_extend: int,
-                     buckets: Sequence[int] = (), batch_size: int = 1) -> CrossoverPoint:
-    """The largest extend length for which the absorbed graph is predicted faster.
-
-    Evaluates the comparison at powers of two, every bucket and ``max_extend``
-    (tokens padded to ``buckets`` for the graph, as the gate pads them), then
-    bisects between the last winning and the first losing length.  Assumes
-    the graph's advantage shrinks as the extend grows (true of the model's
-    terms: absorbed attention grows fastest), so the answer is exact up to
-    padding steps between sampled lengths.
-    """
-    if max_extend < 1:
-        raise ValueError(f"max_extend must be >= 1, got {max_extend}")
-    ordered = sorted({int(b) for b in buckets})
-
-    def graph_wins(extend: int) -> bool:
-        shape = PrefillShape.uniform(batch_size, prefix, extend, heads)
-        tokens = extend * batch_size
-        padded = _bucket(tokens, ordered) if ordered else tokens
-        return profile.compare(shape, graph_tokens=padded if padded is not None
-                               else tokens).graph_wins
-
-    samples = sorted({1, max_extend} | {2 ** k for k in range(max_extend.bit_length())
-                                        if 2 ** k <= max_extend}
-                     | {b // batch_size for b in ordered if 1 <= b // batch_size <= max_extend})
-    last_win = 0
-    first_loss: int | None = None
-    for e in samples:
-        if graph_wins(e):
-            last_win = e
-        else:
-            first_loss = e
-            break
-    if first_loss is None:
-        return CrossoverPoint(prefix, batch_size, heads, max_extend, max_extend)
-    lo, hi = last_win, first_loss  # graph wins at lo (or lo == 0), loses at hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if graph_wins(mid):
-            lo = mid
-        else:
-            hi = mid
-    return CrossoverPoint(prefix, batch_size, heads, max_extend, lo)
-
-
-# ----------------------------------------------------------------------------------------
-# fitting
-# ----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FitResult:
-    """A fitted term and how well it fits its measurements.
-
-    ``relative_residuals[i] = (predicted_i - measured_i) / measured_i``.
-    """
-
-    coefficients: dict[str, float]
-    predicted_us: tuple[float, ...]
-    relative_residuals: tuple[float, ...]
-
-    @property
-    def points(self) -> int:
-        return len(self.predicted_us)
-
-    @property
-    def max_abs_relative_residual(self) -> float:
-        return max((abs(r) for r in self.relative_residuals), default=0.0)
-
-    @property
-    def rms_relative_residual(self) -> float:
-        n = len(self.relative_residuals)
-        return math.sqrt(sum(r * r for r in self.relative_residuals) / n) if n else 0.0
-
-    def summary(self) -> dict[str, object]:
-        return {"points": self.points,
-                "max_abs_relative_residual": self.max_abs_relative_residual,
-                "rms_relative_residual": self.rms_relative_residual,
-                "method": "non-negative least squares, weights 1/measured"}
-
-
-#: Measured times below this (microseconds) are weighted as if they were this.
-_MIN_WEIGHT_US = 1e-3
-
-
-def fit_term(samples: Iterable[tuple[Mapping[str, float], float]],
-             features: Sequence[str]) -> FitResult:
-    """Fit ``measured_us ~ sum_f c_f * feature_f`` with every ``c_f >= 0``.
-
-    Least squares on relative errors (each row divided by its measurement).
-    The non-negativity constraint is solved exactly by trying every subset of
-    features (at most 2^4 here) and keeping the feasible least-squares
-    solution with the smallest error; ties go to fewer features, then to the
-    order of ``features``, so the fit is deterministic.
-
-    Parameters
-    ----------
-    samples
-        ``(features, measured_us)`` pairs; ``features`` maps every name in
-        ``features`` to its value for that measurement.
-    features
-        The features to fit (names from :data:`FEATURES`).
-
-    Raises
-    ------
-    ValueError
-        No samples, an unknown feature, or a negative / non-finite measurement.
-    """
-    rows = [(dict(f), float(y)) for f, y in samples]
-    if not rows:
-        raise ValueError("cannot fit a term without measurements")
-    unknown = [f for f in features if f not in FEATURES]
-    if unknown:
-        raise ValueError(f"unknown features {unknown}; known: {list(FEATURES)}")
-    for feats, y in rows:
-        if not math.isfinite(y) or y < 0:
-            raise ValueError(f"measurement {y!r} us is not a finite non-negative time")
-        missing = [f for f in features if f not in feats]
-        if missing:
-            raise ValueError(f"a sample lacks the features {missing}")
-    weights = [1.0 / max(y, _MIN_WEIGHT_US) for _, y in rows]
-    best: tuple[float, int, int, list[float]] | None = None
-    subsets = [s for k in range(1, len(features) + 1)
-               for s in itertools.combinations(range(len(features)), k)]
-    for order, subset in enumerate(subsets):
-        cols = [[feats[features[j]] * w for (feats, _), w in zip(rows, weights)] for j in subset]
-        target = [y * w for (_, y), w in zip(rows, weights)]
-        solution = _least_squares(cols, target)
-        if solution is None or any(c < 0 for c in solution):
-            continue
-        sse = sum((sum(c * col[i] for c, col in zip(solution, cols)) - target[i]) ** 2
-                  for i in range(len(rows)))
-        coefs = [0.0] * len(features)
-        for c, j in zip(solution, subset):
-            coefs[j] = c
-        # Round the error so that float noise does not decide between equal fits.
-        key = (float(f"{sse:.9g}"), len(subset), order, coefs)
-        if best is None or key[:3] < best[:3]:
-            best = key
-    if best is None:  # only possible when every feature column is zero
-        raise ValueError(f"no non-negative fit exists for features {list(features)}: every "
-                         "feature is zero on every measurement")
-    coefs = best[3]
-    coefficients = {f: c for f, c in zip(features, coefs)}
-    predicted = tuple(sum(coefficients[f] * feats[f] for f in features) for feats, _ in rows)
-    residuals = tuple((p - y) / max(y, _MIN_WEIGHT_US) for p, (_, y) in zip(predicted, rows))
-    return FitResult(coefficients, predicted, residuals)
-
-
-def _least_squares(cols: list[list[float]], target: list[float]) -> list[float] | None:
-    """Least squares by modified Gram-Schmidt QR; None when the columns are dependent.
-
-    Columns are scaled to unit max-norm first: features span ten orders of
-    magnitude (``one`` against ``head_pairs``), which would otherwise lose
-    every digit of the small ones.
-    """
-    n_rows = len(target)
-    if len(cols) > n_rows:
-        return None
-    scales = []
-    scaled = []
-    for col in cols:
-        s = max((abs(v) for v in col), default=0.0)
-        if s == 0.0:
-            return None
-        scales.append(s)
-        scaled.append([v / s for v in col])
-    q: list[list[float]] = []
-    r = [[0.0] * len(cols) for _ in cols]
-    for j, col in enumerate(scaled):
-        v = list(col)
-        norm0 = math.sqrt(sum(x * x for x in v))
-        for i, qi in enumerate(q):
-            rij = sum(a * b for a, b in zip(qi, v))
-            r[i][j] = rij
-            v = [a - rij * b for a, b in zip(v, qi)]
-        rjj = math.sqrt(sum(x * x for x in v))
-        if rjj <= 1e-10 * norm0:
-            return None  # dependent columns: another subset covers this fit
-        r[j][j] = rjj
-        q.append([x / rjj for x in v])
-    qty = [sum(a * b for a, b in zip(qi, target)) for qi in q]
-    x = [0.0] * len(cols)
-    for i in range(len(cols) - 1, -1, -1):
-        x[i] = (qty[i] - sum(r[i][k] * x[k] for k in range(i + 1, len(cols)))) / r[i][i]
-    return [xi / s for xi, s in zip(x, scales)]

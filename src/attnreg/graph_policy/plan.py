@@ -3,21 +3,107 @@
 Frozen and JSON-ready (:meth:`GraphPlan.to_dict`).  Per phase: the mode, the
 backend serving it, the forward method that backend pins under the mode, the
 capture fallbacks in effect with their cost, the split-KV policy under
-capture and the capture memory estimate; plus the ordered decision trace.
+capture, the capture memory estimate and the captured shapes (per forward
+mode: batch buckets, token buckets, query tokens per sequence, longest
+sequence); how speculative batches run; the capture budget; plus the
+ordered decision trace.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..registry.capabilities import Cost, ForwardMethod, GraphMode, Phase, SplitKV
+from ..registry.capabilities import Cost, ForwardMethod, ForwardMode, GraphMode, Phase, SplitKV
 from ..registry.platform import Platform
 from .config import GraphConfig
 from .decisions import Decision
+from .engine import EngineFacts
 from .features import ServerFeatures
 from .model import ModelFacts
 
-__all__ = ["FallbackInEffect", "GraphPlan", "PhasePlan"]
+__all__ = ["CaptureBudget", "CapturedShapes", "FallbackInEffect", "GraphPlan", "PhasePlan",
+           "SpecModePlan"]
+
+
+@dataclass(frozen=True)
+class CapturedShapes:
+    """The graphs captured for one forward mode of a phase.
+
+    ``batch_sizes`` are the request-slot buckets (decode-phase graphs are
+    keyed by them); ``num_tokens`` the query-row buckets (prefill graphs are
+    keyed by them; for decode-phase graphs, ``batch_size x query_len``).
+    ``query_len`` is the query tokens per sequence a decode-phase graph is
+    captured for (1 for decode, the draft tokens for verify / draft extend),
+    None for ragged prefill.  ``max_seq_len`` is the longest sequence a
+    replay may carry.
+    """
+
+    forward_mode: ForwardMode
+    batch_sizes: tuple[int, ...]
+    num_tokens: tuple[int, ...]
+    max_requests: int
+    query_len: int | None
+    max_seq_len: int
+
+    @property
+    def keyed_by_tokens(self) -> bool:
+        """Prefill graphs are looked up by token count, decode-phase graphs by batch size."""
+        return self.forward_mode is ForwardMode.EXTEND
+
+    def buckets(self) -> tuple[int, ...]:
+        """The keys graphs are captured for (tokens or batch sizes, see above)."""
+        return self.num_tokens if self.keyed_by_tokens else self.batch_sizes
+
+    def to_dict(self) -> dict[str, object]:
+        return {"forward_mode": self.forward_mode.value,
+                "batch_sizes": list(self.batch_sizes), "num_tokens": list(self.num_tokens),
+                "max_requests": self.max_requests, "query_len": self.query_len,
+                "max_seq_len": self.max_seq_len}
+
+
+@dataclass(frozen=True)
+class SpecModePlan:
+    """How batches of one speculative forward mode run.
+
+    ``how`` is ``"graph"`` (replayed from the decode graphs of ``backend``),
+    ``"eager"`` (``backend`` serves them eagerly) or ``"unserved"`` (the
+    decode backend does not declare them at all: the engine must run them
+    some other way); ``message`` says why.
+    """
+
+    forward_mode: ForwardMode
+    how: str
+    backend: str
+    query_len: int
+    message: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"forward_mode": self.forward_mode.value, "how": self.how,
+                "backend": self.backend, "query_len": self.query_len,
+                "message": self.message}
+
+
+@dataclass(frozen=True)
+class CaptureBudget:
+    """The capture memory budget the plan was checked against.
+
+    ``source`` is ``"user"`` (``capture_memory_budget_bytes`` given),
+    ``"engine"`` (a fraction of the device memory the engine passed),
+    ``"platform"`` (a fraction of the known device memory of the platform),
+    or ``"none"`` (no budget: device memory unknown, or the fraction is 0);
+    ``note`` says it in words.
+    """
+
+    bytes: int | None
+    source: str
+    device_memory_bytes: int | None
+    fraction: float
+    note: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"bytes": self.bytes, "source": self.source,
+                "device_memory_bytes": self.device_memory_bytes, "fraction": self.fraction,
+                "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -40,7 +126,9 @@ class PhasePlan:
     the phase runs eagerly), so an MLA model's MHA companion may run.
     ``split_kv`` is None when nothing is captured.  ``capture_memory_bytes`` is
     the backend's capture buffers for the largest captured batch plus the
-    model's capture pool for this phase (0 when DISABLED).
+    model's capture pool for this phase (0 when DISABLED).  ``captured``
+    lists the graphs captured, one entry per forward mode they serve (empty
+    when DISABLED).
     """
 
     phase: Phase
@@ -53,10 +141,16 @@ class PhasePlan:
     fallbacks: tuple[FallbackInEffect, ...]
     split_kv: SplitKV | None
     capture_memory_bytes: int
+    captured: tuple[CapturedShapes, ...] = ()
 
     @property
-    def captured(self) -> bool:
+    def is_captured(self) -> bool:
         return self.mode is not GraphMode.DISABLED
+
+    def shapes_for(self, mode: ForwardMode | str) -> CapturedShapes | None:
+        """The graphs captured for forward mode ``mode``, or None when none serve it."""
+        wanted = ForwardMode.parse(mode)
+        return next((c for c in self.captured if c.forward_mode is wanted), None)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -69,6 +163,7 @@ class PhasePlan:
             "fallbacks": [f.to_dict() for f in self.fallbacks],
             "split_kv": self.split_kv.value if self.split_kv else None,
             "capture_memory_bytes": self.capture_memory_bytes,
+            "captured": [c.to_dict() for c in self.captured],
         }
 
 
@@ -87,6 +182,9 @@ class GraphPlan:
     prefill: PhasePlan
     decode: PhasePlan
     decisions: tuple[Decision, ...]
+    engine: EngineFacts = EngineFacts()
+    speculative: tuple[SpecModePlan, ...] = ()
+    capture_budget: CaptureBudget | None = None
 
     def phase(self, phase: Phase | str) -> PhasePlan:
         return self.prefill if Phase.parse(phase) is Phase.PREFILL else self.decode
@@ -99,6 +197,12 @@ class GraphPlan:
         ph = Phase.parse(phase)
         return tuple(d for d in self.decisions if d.phase is ph)
 
+    def speculative_for(self, mode: ForwardMode | str) -> SpecModePlan | None:
+        """How batches of speculative forward mode ``mode`` run (None: speculative
+        decoding is off)."""
+        wanted = ForwardMode.parse(mode)
+        return next((s for s in self.speculative if s.forward_mode is wanted), None)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "schema_version": 1,
@@ -106,10 +210,13 @@ class GraphPlan:
             "model": self.model.to_dict(),
             "features": [name for name in self.features.enabled()],
             "config": self.config.to_dict(),
+            "engine": self.engine.to_dict(),
             "phases": {
                 Phase.PREFILL.value: self.prefill.to_dict(),
                 Phase.DECODE.value: self.decode.to_dict(),
             },
             "capture_memory_bytes": self.capture_memory_bytes,
+            "capture_budget": self.capture_budget.to_dict() if self.capture_budget else None,
+            "speculative": [s.to_dict() for s in self.speculative],
             "decisions": [d.to_dict() for d in self.decisions],
         }

@@ -1,10 +1,13 @@
 """ReplayGate: may this batch replay a captured graph, or must it run eagerly?
 
 The single source of truth for both forward-time ("can this batch run the
-graph?") and schedule-time (the data-parallel vote, :func:`vote`) decisions:
-every data-parallel rank must reach the same answer or their collectives
-mismatch, so the gate is a pure, deterministic function of the plan and a
-small torch-free batch description.
+graph?") and schedule-time (the data-parallel exchange, :func:`sync`)
+decisions: every data-parallel rank must reach the same answer or their
+collectives mismatch, so the gate is a pure, deterministic function of the
+plan and a small torch-free batch description.  It never answers from a fact
+it was not given when the answer depends on it: such a call raises
+``ValueError`` naming the missing field, so an answer at schedule time and one
+at forward time can differ only if they were given different facts.
 
 Mapping an engine batch onto :class:`ReplayBatch` (sglang names):
 
@@ -12,11 +15,16 @@ Mapping an engine batch onto :class:`ReplayBatch` (sglang names):
 ReplayBatch          engine batch
 ===================  =========================================================
 forward_mode         ``forward_mode`` (DECODE, EXTEND, TARGET_VERIFY, DRAFT_EXTEND)
-batch_size           number of requests (``batch_size``)
-num_tokens           tokens in the forward (``extend_num_tokens`` / sum of extend
-                     lengths); None at schedule time if unknown (skips token checks)
-prefix_lens          ``extend_prefix_lens_cpu`` (host ints, never a device tensor)
-extend_lens          ``extend_seq_lens_cpu`` (host ints; read only by the cost model)
+batch_size           number of requests (``batch_size``; 0 for an idle DP rank)
+num_tokens           tokens in the forward (``extend_num_tokens``; verify:
+                     batch x draft tokens); required for EXTEND and speculative
+                     batches unless ``extend_lens`` are given
+prefix_lens          ``extend_prefix_lens_cpu`` (host ints, never a device tensor);
+                     cached tokens per request
+extend_lens          ``extend_seq_lens_cpu`` (host ints): new tokens per request;
+                     required by the cost model and by draft-extend batches
+seq_lens             ``seq_lens_cpu``: tokens per request after this forward
+                     (cached + new); or give ``prefix_lens`` and the new tokens
 lora                 the batch uses LoRA adapters
 has_input_embeds     ``input_embeds is not None``
 has_replace_embeds   ``replace_embeds is not None`` (multimodal embeds spliced in)
@@ -42,8 +50,9 @@ from .cost_profile import (
     find_shipped_profile,
     load_profile,
 )
-from .plan import GraphPlan
+from .plan import CapturedShapes, GraphPlan, PhasePlan
 from .rule_ids import RULES, check_rule_id
+from .sync import BatchFacts
 
 __all__ = ["GATE_RULES", "CostProfileArg", "HiddenCapture", "ReplayBatch", "ReplayGate",
            "ReplayReason"]
@@ -53,6 +62,10 @@ logger = logging.getLogger("attnreg.graph_policy")
 #: What ``ReplayGate(cost_profile=...)`` accepts: a profile, a path to one,
 #: ``"auto"`` (the shipped profile for the plan, if any) or None (no cost model).
 CostProfileArg = Union[CostProfile, str, "os.PathLike[str]", None]
+
+_SPEC_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+_PHASE_OF_MODE = {ForwardMode.DECODE: Phase.DECODE, ForwardMode.TARGET_VERIFY: Phase.DECODE,
+                  ForwardMode.DRAFT_EXTEND: Phase.DECODE, ForwardMode.EXTEND: Phase.PREFILL}
 
 
 class HiddenCapture(enum.IntEnum):
@@ -66,7 +79,13 @@ class HiddenCapture(enum.IntEnum):
 
 @dataclass(frozen=True)
 class ReplayBatch:
-    """What the gate needs to know about a batch; plain Python values only."""
+    """What the gate needs to know about a batch; plain Python values only.
+
+    Empty length sequences mean "not given".  Lengths that are given must
+    agree with each other (one entry per request; ``sum(extend_lens) ==
+    num_tokens``; ``seq_lens == prefix_lens + new tokens``), else
+    ``ValueError``.
+    """
 
     forward_mode: ForwardMode
     batch_size: int
@@ -78,25 +97,40 @@ class ReplayBatch:
     capture_hidden: HiddenCapture = HiddenCapture.NULL
     return_logprob: bool = False
     extend_lens: Sequence[int] = ()
+    seq_lens: Sequence[int] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "forward_mode", ForwardMode.parse(self.forward_mode))
         # Host ints only (a device tensor here would sync); a tuple keeps it hashable.
-        object.__setattr__(self, "prefix_lens", tuple(int(n) for n in self.prefix_lens))
-        object.__setattr__(self, "extend_lens", tuple(int(n) for n in self.extend_lens))
-        if self.extend_lens:
-            problems = []
-            if len(self.extend_lens) != self.batch_size:
-                problems.append(f"{len(self.extend_lens)} extend_lens for batch_size "
-                                f"{self.batch_size}")
-            if self.prefix_lens and len(self.prefix_lens) != len(self.extend_lens):
-                problems.append(f"{len(self.prefix_lens)} prefix_lens and "
-                                f"{len(self.extend_lens)} extend_lens")
-            if self.num_tokens is not None and self.num_tokens != sum(self.extend_lens):
-                problems.append(f"num_tokens {self.num_tokens} != sum(extend_lens) "
-                                f"{sum(self.extend_lens)}")
-            if problems:
-                raise ValueError("inconsistent ReplayBatch: " + "; ".join(problems)
-                                 + " (one extend length per request, summing to num_tokens)")
+        for name in ("prefix_lens", "extend_lens", "seq_lens"):
+            object.__setattr__(self, name, tuple(int(n) for n in getattr(self, name)))
+        problems = []
+        if self.batch_size < 0:
+            problems.append(f"batch_size {self.batch_size} < 0")
+        for name in ("prefix_lens", "extend_lens", "seq_lens"):
+            values = getattr(self, name)
+            if values and len(values) != self.batch_size:
+                problems.append(f"{len(values)} {name} for batch_size {self.batch_size}")
+            if any(n < 0 for n in values):
+                problems.append(f"negative {name}")
+        if self.extend_lens and self.num_tokens is not None \
+                and self.num_tokens != sum(self.extend_lens):
+            problems.append(f"num_tokens {self.num_tokens} != sum(extend_lens) "
+                            f"{sum(self.extend_lens)}")
+        if self.forward_mode is ForwardMode.DECODE:
+            if self.num_tokens is not None and self.num_tokens != self.batch_size:
+                problems.append(f"a decode batch has one token per request: num_tokens "
+                                f"{self.num_tokens} != batch_size {self.batch_size}")
+            if any(n != 1 for n in self.extend_lens):
+                problems.append("a decode batch has one new token per request")
+        if not problems and self.seq_lens and self.prefix_lens:
+            query = self.query_lens
+            if query is not None and any(s != p + q for s, p, q in
+                                         zip(self.seq_lens, self.prefix_lens, query)):
+                problems.append("seq_lens != prefix_lens + new tokens per request")
+        if problems:
+            raise ValueError("inconsistent ReplayBatch: " + "; ".join(problems)
+                             + " (give one length per request; they must agree)")
 
     @property
     def has_prefix(self) -> bool:
@@ -104,10 +138,44 @@ class ReplayBatch:
 
     @property
     def tokens(self) -> int | None:
-        """``num_tokens``, else the sum of ``extend_lens`` when given, else None."""
+        """Query tokens of the forward: ``num_tokens``, else the sum of ``extend_lens``,
+        else ``batch_size`` for a decode batch, else None (not given)."""
         if self.num_tokens is not None:
             return self.num_tokens
-        return sum(self.extend_lens) if self.extend_lens else None
+        if self.extend_lens:
+            return sum(self.extend_lens)
+        if self.forward_mode is ForwardMode.DECODE or self.batch_size == 0:
+            return self.batch_size
+        return None
+
+    @property
+    def query_lens(self) -> tuple[int, ...] | None:
+        """New tokens per request, when the batch says them (decode: 1 each; a verify
+        batch's ``num_tokens`` split evenly, which verify batches are by definition; a
+        single request's ``num_tokens``)."""
+        if self.extend_lens or self.batch_size == 0:
+            return tuple(self.extend_lens)
+        if self.forward_mode is ForwardMode.DECODE:
+            return (1,) * self.batch_size
+        if self.forward_mode is ForwardMode.TARGET_VERIFY and self.num_tokens is not None \
+                and self.num_tokens % self.batch_size == 0:
+            return (self.num_tokens // self.batch_size,) * self.batch_size
+        if self.batch_size == 1 and self.num_tokens is not None:
+            return (self.num_tokens,)
+        return None
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest sequence after this forward: from ``seq_lens``, else from
+        ``prefix_lens`` and the new tokens; None when not given."""
+        if self.seq_lens:
+            return max(self.seq_lens)
+        if self.batch_size == 0:
+            return 0
+        query = self.query_lens
+        if self.prefix_lens and query is not None:
+            return max(p + q for p, q in zip(self.prefix_lens, query))
+        return None
 
 
 @dataclass(frozen=True)
@@ -132,8 +200,6 @@ class ReplayReason:
 #: Every rule id the gate can return, in evaluation order (from :data:`RULES`).
 GATE_RULES: tuple[str, ...] = tuple(r.id for r in RULES.values() if r.kind == "gate")
 
-_PHASE_OF_MODE = {ForwardMode.DECODE: Phase.DECODE, ForwardMode.EXTEND: Phase.PREFILL}
-
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
     for b in buckets:
@@ -142,13 +208,19 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
+def _missing(field: str, why: str) -> ValueError:
+    return ValueError(f"ReplayBatch.{field} is required here: {why}. The gate never "
+                      "answers from a fact it was not given, so that schedule time and "
+                      "forward time (and every data-parallel rank) reach the same answer")
+
+
 class ReplayGate:
     """Replay eligibility for the graphs a :class:`GraphPlan` describes.
 
     Parameters
     ----------
     plan
-        the resolved plan: modes, pinned methods, capture sizes, model facts.
+        the resolved plan: modes, pinned methods, captured shapes, model facts.
     captured_hidden
         the hidden-state mode the graphs were captured with.
     eager_logprob_tail
@@ -169,15 +241,18 @@ class ReplayGate:
     otherwise the MHA companion's prefix path could be captured, and it is
     not capturable: the batch runs eagerly (``gate.mha_companion_prefix``).
     This replaces the engine-wide "is this CUDA?" proxy.  TARGET_VERIFY and
-    DRAFT_EXTEND batches never replay these graphs (they are captured as
-    DECODE/EXTEND without speculative state).
+    DRAFT_EXTEND batches replay the decode graphs only where the plan captured
+    them (speculative decoding with a known draft length and a decode backend
+    that declares them); otherwise ``gate.spec_forward_mode`` says why not.
 
     With a cost profile, a prefill batch that passed every other rule under
     a BREAKABLE graph that runs absorbed MLA (MLA pinned, a model with an MHA
     companion) replays only if the profile predicts the graph strictly faster
     per layer than the eager MHA companion; otherwise it runs eagerly
-    (``gate.cost_model``).  Both predictions are in the reason's message and
-    in ``reason.cost``.  The prediction is arithmetic on host ints, so every
+    (``gate.cost_model``).  The prediction reads every request's
+    ``prefix_lens`` and ``extend_lens``, which are then required (never
+    estimated from ``num_tokens``).  Both predictions are in the reason's
+    message and in ``reason.cost``.  It is arithmetic on host ints, so every
     rank agrees.
     """
 
@@ -187,7 +262,6 @@ class ReplayGate:
         self.plan = plan
         self.captured_hidden = HiddenCapture(captured_hidden)
         self.eager_logprob_tail = eager_logprob_tail
-        cfg = plan.config
         # LoRA prefill replay needs static LoRA metadata the prefill graphs only
         # have when LoRA was on at capture, and stays eager under DP attention
         # (seed 000); decode graphs capture LoRA batch info when LoRA is on.
@@ -195,7 +269,6 @@ class ReplayGate:
             Phase.DECODE: plan.features.lora,
             Phase.PREFILL: plan.features.lora and not plan.features.dp_attention,
         }
-        self._max_slots = {p: cfg.max_slots(p) for p in Phase}
         self.cost_profile, self.cost_model_note = _select_profile(plan, cost_profile)
         logger.info("replay gate: %s", self.cost_model_note)
 
@@ -208,7 +281,8 @@ class ReplayGate:
         """``(True, gate.ok)`` or ``(False, reason)``; first failing rule wins.
 
         Deterministic: the same plan and batch give the same answer on every
-        rank.
+        rank.  Raises ``ValueError`` when a rule that decides this batch needs
+        a fact the batch does not carry (see :class:`ReplayBatch`).
         """
         reason = self._first_blocker(batch)
         if reason is not None:
@@ -218,21 +292,70 @@ class ReplayGate:
             return cost.rule == "gate.ok", cost
         return True, ReplayReason("gate.ok", "the batch replays a captured graph")
 
+    def shapes_for(self, mode: ForwardMode | str) -> CapturedShapes | None:
+        """The graphs captured for forward mode ``mode`` (None: nothing serves it)."""
+        fm = ForwardMode.parse(mode)
+        pp = self.plan.phase(_PHASE_OF_MODE[fm])
+        return None if pp.mode is GraphMode.DISABLED else pp.shapes_for(fm)
+
+    def bucket_for(self, batch: ReplayBatch) -> int | None:
+        """The captured bucket the batch pads to, None when no captured graph holds it.
+
+        The unit is the graphs' key: tokens for EXTEND (prefill graphs are
+        captured per token count), requests for DECODE, TARGET_VERIFY and
+        DRAFT_EXTEND (decode-phase graphs are captured per batch size, each
+        sequence with the captured query tokens).  This is the padding rule
+        the gate itself applies; it does not say whether the batch is eligible
+        (:meth:`can_replay` does).
+        """
+        shapes = self.shapes_for(batch.forward_mode)
+        if shapes is None:
+            return None
+        return self._bucket_in(shapes, batch)
+
+    def facts(self, batch: ReplayBatch) -> BatchFacts:
+        """This rank's facts for :func:`~attnreg.graph_policy.sync`: eligibility (with
+        its reason), forward mode, size, padded bucket and longest sequence."""
+        ok, reason = self.can_replay(batch)
+        return BatchFacts(eligible=ok, forward_mode=batch.forward_mode,
+                          batch_size=batch.batch_size, num_tokens=batch.tokens,
+                          bucket=self.bucket_for(batch) if ok else None,
+                          max_seq_len=batch.max_seq_len, reason=reason)
+
+    @staticmethod
+    def _bucket_in(shapes: CapturedShapes, batch: ReplayBatch) -> int | None:
+        if shapes.keyed_by_tokens:
+            tokens = batch.tokens
+            if tokens is None:
+                raise _missing("num_tokens", "prefill graphs are chosen by token count (give "
+                               "num_tokens or extend_lens)")
+            return _bucket(tokens, shapes.buckets())
+        return _bucket(batch.batch_size, shapes.buckets())
+
     def _first_blocker(self, batch: ReplayBatch) -> ReplayReason | None:
-        phase = _PHASE_OF_MODE.get(cast(ForwardMode, ForwardMode.parse(batch.forward_mode)))
-        if phase is None:
-            return ReplayReason("gate.spec_forward_mode",
-                                f"{batch.forward_mode} batches are not captured by these "
-                                "graphs (captured as decode/extend without speculative "
-                                "state)")
+        mode = batch.forward_mode
+        phase = _PHASE_OF_MODE[mode]
         pp = self.plan.phase(phase)
-        if pp.mode is GraphMode.DISABLED:
-            return ReplayReason("gate.phase_disabled", f"{phase} graphs are disabled in the "
-                                "plan")
-        if batch.batch_size > self._max_slots[phase]:
+        shapes = self.shapes_for(mode)
+        if mode in _SPEC_MODES and shapes is None:
+            spec = self.plan.speculative_for(mode)
+            why = spec.message if spec is not None else (
+                "speculative decoding is off in this plan (ServerFeatures."
+                "speculative_decoding, EngineFacts.num_draft_tokens)")
+            return ReplayReason("gate.spec_forward_mode",
+                                f"no captured graph serves {mode} batches: {why}")
+        if shapes is None:
+            why = (f"{phase} graphs are disabled in the plan" if pp.mode is GraphMode.DISABLED
+                   else f"the {phase} graphs of {pp.backend} serve no {mode} batches")
+            return ReplayReason("gate.phase_disabled", why)
+        if batch.batch_size > shapes.max_requests:
             return ReplayReason("gate.batch_slots",
                                 f"{batch.batch_size} requests exceed the "
-                                f"{self._max_slots[phase]} captured {phase} slots")
+                                f"{shapes.max_requests} captured {mode} slots")
+        if mode in _SPEC_MODES and batch.batch_size > 0:
+            reason = self._spec_query_reason(batch, shapes)
+            if reason is not None:
+                return reason
         if batch.lora and not self._lora_replays[phase]:
             why = ("LoRA was not enabled when the graphs were captured" if
                    not self.plan.features.lora else
@@ -245,12 +368,16 @@ class ReplayGate:
             return ReplayReason("gate.replace_embeds", "replaced (multimodal) embeddings are "
                                 "not part of the captured graph")
         if (phase is Phase.PREFILL and pp.mode is GraphMode.BREAKABLE
-                and self.plan.model.has_mha_companion and batch.has_prefix
-                and pp.pinned_method is not ForwardMethod.MLA):
-            return ReplayReason("gate.mha_companion_prefix",
-                                f"{pp.backend} does not pin mla under breakable on "
-                                f"{self.plan.platform}, so the MHA companion's prefix path "
-                                "would be captured, and it is not capturable")
+                and self.plan.model.has_mha_companion
+                and pp.pinned_method is not ForwardMethod.MLA and batch.batch_size > 0):
+            if not batch.prefix_lens:
+                raise _missing("prefix_lens", f"{pp.backend} does not pin mla under breakable, "
+                               "so a batch with a cached prefix must run eagerly")
+            if batch.has_prefix:
+                return ReplayReason("gate.mha_companion_prefix",
+                                    f"{pp.backend} does not pin mla under breakable on "
+                                    f"{self.plan.platform}, so the MHA companion's prefix "
+                                    "path would be captured, and it is not capturable")
         if batch.capture_hidden > self.captured_hidden:
             return ReplayReason("gate.hidden_capture",
                                 f"the batch wants {batch.capture_hidden.name} hidden states; "
@@ -259,14 +386,21 @@ class ReplayGate:
             return ReplayReason("gate.logprob_without_eager_tail",
                                 "prefill logprobs need an eager tail after replay, which this "
                                 "engine does not run")
-        tokens = batch.tokens
-        if phase is Phase.PREFILL and tokens is not None:
-            buckets = self.plan.config.prefill_num_tokens
-            padded = _bucket(tokens, buckets)
+        padded: int | None = None
+        if phase is Phase.PREFILL and batch.batch_size > 0:
+            padded = self._bucket_in(shapes, batch)
             if padded is None:
                 return ReplayReason("gate.num_tokens_above_max",
-                                    f"{tokens} tokens exceed the largest captured "
-                                    f"bucket ({buckets[-1]})")
+                                    f"{batch.tokens} tokens exceed the largest captured "
+                                    f"bucket ({shapes.buckets()[-1]})")
+        longest = batch.max_seq_len
+        if longest is not None and longest > shapes.max_seq_len:
+            return ReplayReason("gate.seq_len_above_max",
+                                f"a sequence of {longest} tokens exceeds the {shapes.max_seq_len} "
+                                f"the {mode} graphs were captured for (the engine's max context)")
+        if padded is not None:
+            tokens = batch.tokens
+            assert tokens is not None  # _bucket_in raised otherwise
             factor = self.plan.config.padding_waste_factor
             if padded > tokens * factor:
                 return ReplayReason("gate.padding_waste",
@@ -274,26 +408,54 @@ class ReplayGate:
                                     f"{factor:g}x")
         return None
 
+    @staticmethod
+    def _spec_query_reason(batch: ReplayBatch, shapes: CapturedShapes) -> ReplayReason | None:
+        q = shapes.query_len or 1
+        mode = batch.forward_mode
+        if mode is ForwardMode.TARGET_VERIFY:
+            query = batch.query_lens
+            if query is None:
+                raise _missing("num_tokens", "a verify batch replays only with the captured "
+                               "draft tokens per sequence (give num_tokens or extend_lens)")
+            if any(n != q for n in query):
+                return ReplayReason("gate.spec_query_len",
+                                    f"verify graphs are captured for {q} tokens per sequence; "
+                                    f"this batch has {sorted(set(query))}")
+            return None
+        if not batch.extend_lens:
+            raise _missing("extend_lens", "a draft-extend batch replays only when no sequence "
+                           "has more than the captured draft tokens")
+        longest = max(batch.extend_lens)
+        if longest > q or min(batch.extend_lens) < 1:
+            return ReplayReason("gate.spec_query_len",
+                                f"draft-extend graphs are captured for 1..{q} tokens per "
+                                f"sequence; this batch has up to {longest}")
+        return None
+
     def _cost_decision(self, batch: ReplayBatch) -> ReplayReason | None:
         """The cost model's verdict on an otherwise eligible batch, or None if it does not apply.
 
-        Applies to prefill batches under a BREAKABLE graph that runs absorbed
-        MLA for a model that has an MHA companion, when the batch's lengths
-        are known (``extend_lens``, or ``num_tokens`` split evenly).
+        Applies to non-empty prefill batches under a BREAKABLE graph that runs
+        absorbed MLA for a model that has an MHA companion; it reads every
+        request's ``prefix_lens`` and ``extend_lens`` (required).
         """
         profile = self.cost_profile
         if profile is None or not self.uses_cost_model:
             return None
-        if ForwardMode.parse(batch.forward_mode) is not ForwardMode.EXTEND:
+        if batch.forward_mode is not ForwardMode.EXTEND or batch.batch_size == 0:
             return None
-        shape, estimated = _prefill_shape(batch, self.plan.model.num_heads)
-        if shape is None:
-            return None  # schedule time without lengths: the other rules decided
+        if not batch.extend_lens:
+            raise _missing("extend_lens", "the cost model predicts from every request's new "
+                           "tokens (num_tokens alone would be a guess)")
+        if not batch.prefix_lens:
+            raise _missing("prefix_lens", "the cost model predicts from every request's cached "
+                           "tokens")
+        shape = PrefillShape(tuple(batch.prefix_lens), tuple(batch.extend_lens),
+                             self.plan.model.num_heads)
         tokens = shape.q_tokens
         padded = _bucket(tokens, self.plan.config.prefill_num_tokens) or tokens
         cmp = profile.compare(shape, graph_tokens=padded)
-        what = (f"{shape.describe()}" + (f", padded to {padded}" if padded != tokens else "")
-                + (" (extend lengths estimated: num_tokens split evenly)" if estimated else ""))
+        what = f"{shape.describe()}" + (f", padded to {padded}" if padded != tokens else "")
         if cmp.graph_wins:
             return ReplayReason("gate.ok",
                                 f"the batch replays a captured graph: the cost model predicts "
@@ -307,23 +469,9 @@ class ReplayGate:
 
 
 def _cost_model_applies(plan: GraphPlan) -> bool:
-    pp = plan.prefill
+    pp: PhasePlan = plan.prefill
     return (pp.mode is GraphMode.BREAKABLE and pp.pinned_method is ForwardMethod.MLA
             and plan.model.has_mha_companion)
-
-
-def _prefill_shape(batch: ReplayBatch, heads: int) -> tuple[PrefillShape | None, bool]:
-    """The batch's lengths for the cost model, and whether they were estimated."""
-    prefix = list(batch.prefix_lens)
-    if batch.extend_lens:
-        extend = list(batch.extend_lens)
-        return PrefillShape(tuple(prefix or [0] * len(extend)), tuple(extend), heads), False
-    if batch.num_tokens is None:
-        return None, False
-    n = len(prefix) if prefix else max(batch.batch_size, 1)
-    share, extra = divmod(batch.num_tokens, n)
-    extend = [share + (1 if i < extra else 0) for i in range(n)]
-    return PrefillShape(tuple(prefix or [0] * n), tuple(extend), heads), True
 
 
 def _select_profile(plan: GraphPlan, arg: CostProfileArg) -> tuple[CostProfile | None, str]:
@@ -342,7 +490,7 @@ def _select_profile(plan: GraphPlan, arg: CostProfileArg) -> tuple[CostProfile |
                           "always replay (calibrate one with `attnreg calibrate`)")
         profile = found
     else:
-        profile = load_profile(arg)
+        profile = load_profile(cast("str | os.PathLike[str]", arg))
     if not profile.matches(pp.backend, plan.platform, kv):
         return None, (f"cost profile {profile.source} ({profile.label}) ignored: the plan "
                       f"runs prefill with {want}")

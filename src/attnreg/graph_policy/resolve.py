@@ -1,19 +1,31 @@
-"""resolve(): platform + model facts + backends + config + features -> GraphPlan.
+"""resolve(): platform + model, engine facts + backends + config + features -> GraphPlan.
 
-Precedence, per phase:
+Order of work:
 
-1. hard rules always hold (a mode the backend declares UNSUPPORTED or whose
-   pinned kernels reject the model, a platform without device graphs, a
-   feature that cannot be captured).  A LOCKED mode that breaks one fails
-   startup with :class:`GraphPolicyError` listing every reason; an unlocked
-   one falls to DISABLED with one decision per reason.
-2. the user's locks beat soft rules (a soft rule that would have changed a
-   locked mode is recorded as an INFO decision and logged as a warning).
-3. soft rules adjust defaults: the validated breakable -> tc_piecewise
-   upgrade (only where the backend captures tc_piecewise natively), no
-   default into a HIGH-cost capture fallback, unvalidated combinations,
-   and the capture memory budget.
-4. defaults: decode FULL; prefill BREAKABLE on CUDA, TC_PIECEWISE elsewhere.
+0. the platform must be specific enough: a vendor whose backends gate
+   kernels on the architecture (cuda, rocm) needs one (``platform.arch_required``);
+1. per phase, the backend: the user's, or the best one for the need
+   (:mod:`~attnreg.graph_policy.selection`);
+2. per phase, the mode, by precedence:
+
+   a. hard rules always hold (a platform without device graphs, a mode the
+      host engine lacks, a mode the backend declares UNSUPPORTED, whose
+      fallback target cannot serve it, or whose pinned kernels reject the
+      model, a feature that cannot be captured).  A LOCKED mode that breaks
+      one fails startup with :class:`GraphPolicyError` listing every
+      reason; an unlocked one falls to DISABLED with one decision per reason;
+   b. the user's locks beat soft rules (a soft rule that would have changed
+      a locked mode is recorded as an INFO decision and logged as a warning);
+   c. soft rules adjust defaults: the validated breakable -> tc_piecewise
+      upgrade (only where the backend captures tc_piecewise natively), no
+      default into a HIGH-cost capture fallback, unvalidated combinations;
+   d. defaults: decode FULL; prefill BREAKABLE on CUDA, TC_PIECEWISE elsewhere;
+
+3. the capture memory budget (soft, across phases, prefill dropped first):
+   the user's, else a fraction of the device memory;
+4. speculative batches: replayed from the decode graphs where the decode
+   backend declares them, else eager, with the reason;
+5. the captured shapes per phase and forward mode.
 
 A default that a rule rejects falls to DISABLED (eager): the policy never
 invents a capture mode the defaults did not ask for, except the upgrade.
@@ -22,33 +34,54 @@ invents a capture mode the defaults did not ask for, except the upgrade.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..registry.capabilities import (
     Capabilities,
     CaptureShape,
     ForwardMethod,
+    ForwardMode,
     GraphMode,
     Phase,
     SplitKV,
 )
 from ..registry.errors import GraphPolicyError
 from ..registry.manager import BackendRegistry, get_registry
-from ..registry.platform import Platform
-from .config import DEFAULT_MAX_SEQ_LEN, GraphConfig, default_mode
+from ..registry.platform import KNOWN_DEVICES, DeviceInfo, Platform, known_device
+from .config import GraphConfig, default_mode
 from .decisions import Decision, Severity, Source, Violation
+from .engine import EngineFacts
 from .features import ServerFeatures
 from .model import ModelFacts
-from .plan import FallbackInEffect, GraphPlan, PhasePlan
+from .plan import (
+    CaptureBudget,
+    CapturedShapes,
+    FallbackInEffect,
+    GraphPlan,
+    PhasePlan,
+    SpecModePlan,
+)
 from .presets import preset
+from .rule_ids import tagged
 from .rules import RuleContext, hard_violations, piecewise_upgrade_blockers, soft_violations
-from .selection import BackendsArg, SelectedBackend, normalize_backends, select_backend
+from .selection import (
+    BackendsArg,
+    SelectedBackend,
+    SelectionTiers,
+    normalize_backends,
+    select_backend,
+)
+from .targets import TargetLookup
 
-__all__ = ["resolve"]
+__all__ = ["capture_shape", "resolve"]
 
 logger = logging.getLogger("attnreg.graph_policy")
 
 _PHASES = (Phase.PREFILL, Phase.DECODE)
+_SPEC_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+#: A KV pool size far above any real one: a capture estimate that changes between
+#: pool size 0 and this one grows with the pool (a fallback converting it in-graph).
+_PROBE_POOL_BYTES = 1 << 50
 
 
 def _fmt_bytes(n: int) -> str:
@@ -120,66 +153,239 @@ def _resolve_unlocked(ctx: RuleContext, mode: GraphMode, trace: _Trace) -> Graph
     return GraphMode.DISABLED if soft else mode
 
 
-def _capture_bytes(ctx: RuleContext, mode: GraphMode, config: GraphConfig) -> int:
+# -- speculative decoding --------------------------------------------------------
+
+def _spec_draft_tokens(features: ServerFeatures, engine: EngineFacts) -> int | None:
+    """Draft tokens per verify batch; 0 when speculative decoding is on with an unknown
+    count; None when it is off."""
+    if engine.num_draft_tokens > 0:
+        return engine.num_draft_tokens
+    return 0 if features.speculative_decoding else None
+
+
+def _spec_graph_problem(caps: Capabilities, mode: ForwardMode, n: int) -> str:
+    """Why ``caps``'s full decode graphs cannot serve ``mode`` batches of ``n`` tokens per
+    sequence ('' = they can)."""
+    support = caps.graph_support(Phase.DECODE, GraphMode.FULL)
+    if support.capture.is_unsupported:
+        return f"{caps.backend} captures no full decode graphs"
+    entry = support.serving(mode)
+    if entry is None:
+        served = ", ".join(f.describe() for f in support.forward_modes) or "nothing"
+        return (f"{caps.backend}'s full decode graphs do not serve {mode} batches (they "
+                f"serve {served})")
+    if n < 1:
+        return "the number of draft tokens is unknown"
+    if not entry.serves_query_len(n):
+        return (f"{caps.backend}'s full decode graphs serve {entry.describe()}, not {n} "
+                "tokens per sequence")
+    return ""
+
+
+def _spec_plans(caps: Capabilities, decode_mode: GraphMode, n: int,
+                trace: _Trace) -> tuple[SpecModePlan, ...]:
+    """How target-verify and draft-extend batches run, with one decision each."""
+    out = []
+    for mode in _SPEC_MODES:
+        eager = caps.eager_serving(mode)
+        eager_ok = eager is not None and (n < 1 or eager.serves_query_len(n))
+        tokens = f"{n} tokens per sequence" if n > 0 else "an unknown number of draft tokens"
+        if n < 1:
+            why_not = ("speculative decoding is on but the number of draft tokens is unknown "
+                       "(pass EngineFacts.num_draft_tokens / --speculative-decoding N), so no "
+                       "graph can be captured for it")
+        elif decode_mode is GraphMode.DISABLED:
+            why_not = "decode graphs are disabled in this plan"
+        else:
+            why_not = _spec_graph_problem(caps, mode, n)
+        if not why_not:
+            entry = caps.graph_support(Phase.DECODE, GraphMode.FULL).serving(mode)
+            assert entry is not None
+            how = "graph"
+            msg = (f"{mode} batches ({tokens}) replay {caps.backend}'s full decode graphs, "
+                   f"captured for {n} query tokens per sequence ({caps.backend} declares "
+                   f"{entry.describe()} under full)")
+        elif eager_ok:
+            how = "eager"
+            msg = f"{mode} batches ({tokens}) run eagerly on {caps.backend}: {why_not}"
+        else:
+            how = "unserved"
+            have = ", ".join(f.describe() for f in caps.eager_forward_modes)
+            limit = f" ({eager.describe()})" if eager is not None else ""
+            msg = (f"{caps.backend} does not declare {mode} batches of {tokens}, eagerly or "
+                   f"in graphs{limit}: it serves {have}; the engine must run them another way "
+                   "(e.g. as extend batches of the prefill backend) or choose a decode backend "
+                   f"that declares {mode}")
+        trace.add(Decision("spec.graph" if how == "graph" else "spec.eager", Severity.INFO,
+                           Source.BACKEND, Phase.DECODE, decode_mode, decode_mode, msg))
+        out.append(SpecModePlan(mode, how, caps.backend, n, msg))
+    return tuple(out)
+
+
+# -- captured shapes and capture memory ------------------------------------------
+
+def _decode_batch_sizes(config: GraphConfig, engine: EngineFacts) -> tuple[int, ...]:
+    """Decode buckets up to the first that holds the engine's max running requests."""
+    sizes = config.decode_batch_sizes
+    limit = engine.max_running_requests
+    if limit is None:
+        return sizes
+    kept = tuple(b for b in sizes if b < limit)
+    above = [b for b in sizes if b >= limit]
+    return kept + (above[0],) if above else kept
+
+
+def _captured_shapes(ctx: RuleContext, mode: GraphMode, config: GraphConfig,
+                     spec: Sequence[SpecModePlan]) -> tuple[CapturedShapes, ...]:
+    if mode is GraphMode.DISABLED:
+        return ()
+    eng = ctx.engine
+    support = ctx.support(mode)
+    if ctx.phase is Phase.PREFILL:
+        max_requests = config.prefill_max_requests
+        if eng.max_running_requests is not None:
+            max_requests = min(max_requests, eng.max_running_requests)
+        return (CapturedShapes(ForwardMode.EXTEND, (), config.prefill_num_tokens, max_requests,
+                               None, eng.max_context_len),)
+    sizes = _decode_batch_sizes(config, eng)
+    query = {ForwardMode.DECODE: 1}
+    query.update({s.forward_mode: s.query_len for s in spec if s.how == "graph"})
+    out = []
+    for entry in support.forward_modes:
+        q = query.get(entry.mode)
+        if q is None:
+            continue
+        out.append(CapturedShapes(entry.mode, sizes, tuple(b * q for b in sizes), sizes[-1], q,
+                                  eng.max_context_len))
+    return tuple(out)
+
+
+def capture_shape(ctx: RuleContext, shapes: Sequence[CapturedShapes],
+                  kv_pool_bytes: int | None = None) -> CaptureShape:
+    """The bounds capture memory is estimated for: the largest captured batch and query
+    rows of the phase's graphs, the engine's context, page size and pool, the model's
+    heads and KV dtype."""
+    eng = ctx.engine
+    return CaptureShape(
+        max_batch_size=max((s.max_requests for s in shapes), default=1),
+        max_num_tokens=max((s.num_tokens[-1] for s in shapes if s.num_tokens), default=1),
+        max_seq_len=eng.max_context_len, num_heads=ctx.model.num_heads,
+        page_size=eng.page_size or 1, kv_dtype=ctx.model.kv_dtype,
+        kv_pool_bytes=eng.kv_pool_bytes if kv_pool_bytes is None else kv_pool_bytes)
+
+
+def _capture_bytes(ctx: RuleContext, mode: GraphMode,
+                   shapes: Sequence[CapturedShapes]) -> int:
     if mode is GraphMode.DISABLED:
         return 0
     pool = (ctx.model.prefill_capture_pool_bytes if ctx.phase is Phase.PREFILL
             else ctx.model.decode_capture_pool_bytes)
-    return ctx.support(mode).capture_memory.estimate(capture_shape(ctx, config)) + pool
+    return ctx.support(mode).capture_memory.estimate(capture_shape(ctx, shapes)) + pool
 
 
-def capture_shape(ctx: RuleContext, config: GraphConfig) -> CaptureShape:
-    """The shape the policy estimates capture memory for: the config's largest
-    bucket of the phase, the model's heads and KV dtype."""
-    return CaptureShape(max_batch_size=config.max_slots(ctx.phase),
-                        max_num_tokens=config.max_tokens(ctx.phase),
-                        max_seq_len=DEFAULT_MAX_SEQ_LEN, num_heads=ctx.model.num_heads,
-                        kv_dtype=ctx.model.kv_dtype)
+def _grows_with_pool(ctx: RuleContext, mode: GraphMode, shapes: Sequence[CapturedShapes]) -> bool:
+    memory = ctx.support(mode).capture_memory
+    return memory.estimate(capture_shape(ctx, shapes, 0)) != \
+        memory.estimate(capture_shape(ctx, shapes, _PROBE_POOL_BYTES))
+
+
+def _budget(config: GraphConfig, engine: EngineFacts, platform: Platform,
+            device: DeviceInfo | None) -> CaptureBudget:
+    fraction = config.capture_budget_fraction
+    if config.capture_memory_budget_bytes is not None:
+        return CaptureBudget(config.capture_memory_budget_bytes, Source.USER.value,
+                             engine.device_memory_bytes, fraction, "the budget set by the user")
+    memory: int | None = None
+    source, what = "none", ""
+    if engine.device_memory_bytes is not None:
+        memory, source = engine.device_memory_bytes, Source.ENGINE.value
+        what = f"{_fmt_bytes(memory)}, the device memory the engine passed"
+    elif device is not None:
+        memory, source = device.memory_bytes, Source.PLATFORM.value
+        what = f"{device.memory_bytes / 1e9:g} GB, the memory of one {device.label}"
+    else:
+        fallback = platform.default_device()
+        if fallback is not None:
+            memory, source = fallback.memory_bytes, Source.PLATFORM.value
+            what = (f"{fallback.memory_bytes / 1e9:g} GB, the smallest known {platform} device "
+                    f"({fallback.label})")
+    if memory is None:
+        return CaptureBudget(None, "none", None, fraction,
+                             f"no default capture budget: the device memory of {platform} is "
+                             "unknown (pass EngineFacts.device_memory_bytes / --device-memory)")
+    if fraction == 0:
+        return CaptureBudget(None, "none", memory, fraction,
+                             "no default capture budget (capture_budget_fraction is 0)")
+    return CaptureBudget(int(memory * fraction), source, memory, fraction,
+                         f"default: {fraction:g} of {what}")
 
 
 def _apply_budget(ctxs: dict[Phase, RuleContext], modes: dict[Phase, GraphMode],
-                  config: GraphConfig, trace: _Trace) -> None:
+                  shapes: dict[Phase, tuple[CapturedShapes, ...]], config: GraphConfig,
+                  budget: CaptureBudget, trace: _Trace) -> None:
     """Soft: drop unlocked captures (prefill first) until the estimate fits the budget.
 
     Prefill goes first because decode graphs carry the per-token latency.
     """
-    budget = config.capture_memory_budget_bytes
-    if budget is None:
+    if budget.bytes is None:
         return
-    est = {p: _capture_bytes(ctxs[p], modes[p], config) for p in _PHASES}
+    limit = budget.bytes
+    source = Source(budget.source)
+    label = (f"the budget of {_fmt_bytes(limit)}" if source is Source.USER else
+             f"the default budget of {_fmt_bytes(limit)} ({budget.note}; set a budget or the "
+             "device memory to change it)")
+    est = {p: _capture_bytes(ctxs[p], modes[p], shapes[p]) for p in _PHASES}
     total = sum(est.values())
-    if total <= budget:
+    if total <= limit:
         return
     for phase in _PHASES:
-        if total <= budget:
+        if total <= limit:
             break
         if modes[phase] is GraphMode.DISABLED or est[phase] == 0:
             continue
         if config.is_locked(phase):
             continue
-        trace.add(Decision("budget.capture_memory", Severity.SOFT, Source.USER, phase,
+        trace.add(Decision("budget.capture_memory", Severity.SOFT, source, phase,
                            modes[phase], GraphMode.DISABLED,
                            f"captured phases need about {_fmt_bytes(total)} (backend capture "
-                           f"buffers + model capture pool), over the budget of "
-                           f"{_fmt_bytes(budget)}; not capturing {phase} frees "
-                           f"{_fmt_bytes(est[phase])}"))
+                           f"buffers + model capture pool), over {label}; not capturing "
+                           f"{phase} frees {_fmt_bytes(est[phase])}"))
         modes[phase] = GraphMode.DISABLED
         total -= est[phase]
-    if total > budget:
+    if total > limit:
         for phase in _PHASES:
             if modes[phase] is not GraphMode.DISABLED and config.is_locked(phase):
-                trace.add(Decision("budget.capture_memory", Severity.INFO, Source.USER, phase,
+                trace.add(Decision("budget.capture_memory", Severity.INFO, source, phase,
                                    modes[phase], modes[phase],
                                    f"soft rule yields to the user's lock: captured phases "
-                                   f"need about {_fmt_bytes(total)}, over the budget of "
-                                   f"{_fmt_bytes(budget)}"), warn=True)
+                                   f"need about {_fmt_bytes(total)}, over {label}"), warn=True)
+
+
+def _describe_shapes(shapes: Sequence[CapturedShapes], engine: EngineFacts) -> str:
+    parts = []
+    for s in shapes:
+        buckets = s.buckets()
+        unit = "tokens" if s.keyed_by_tokens else "requests"
+        span = f"{buckets[0]}..{buckets[-1]}" if len(buckets) > 1 else f"{buckets[0]}"
+        query = "" if s.query_len in (None, 1) else f", {s.query_len} tokens per sequence"
+        cap = f" (up to {s.max_requests} requests)" if s.keyed_by_tokens else ""
+        parts.append(f"{s.forward_mode} at {span} {unit} ({len(buckets)} buckets{query}){cap}")
+    page = f", page size {engine.page_size}" if engine.page_size is not None else ""
+    trim = ("" if engine.max_running_requests is None else
+            f"; the engine runs at most {engine.max_running_requests} requests")
+    return ("graphs captured for " + "; ".join(parts)
+            + f"; sequences up to {engine.max_context_len} tokens{page}{trim}")
 
 
 def _phase_plan(ctx: RuleContext, mode: GraphMode, config: GraphConfig,
-                selected: SelectedBackend, trace: _Trace) -> PhasePlan:
+                selected: SelectedBackend, shapes: tuple[CapturedShapes, ...],
+                trace: _Trace) -> PhasePlan:
     captured = mode is not GraphMode.DISABLED
     support = ctx.support(mode)
     fallbacks: tuple[FallbackInEffect, ...] = ()
+    if captured:
+        trace.add(Decision("engine.captured_shapes", Severity.INFO, Source.ENGINE, ctx.phase,
+                           mode, mode, _describe_shapes(shapes, ctx.engine)))
     if captured and support.capture.is_fallback:
         cost = support.capture.cost_for(ctx.model.kv_dtype)
         fallbacks = (FallbackInEffect(support.capture.fallback_to or "?", cost,
@@ -189,6 +395,13 @@ def _phase_plan(ctx: RuleContext, mode: GraphMode, config: GraphConfig,
                            f"{ctx.caps.backend} runs {support.capture.fallback_to} under "
                            f"{mode} (cost {cost} for a {ctx.model.kv_dtype} KV pool): "
                            f"{support.capture.reason}"))
+    if captured and ctx.engine.kv_pool_bytes == 0 and _grows_with_pool(ctx, mode, shapes):
+        trace.add(Decision("budget.pool_size_unknown", Severity.INFO, Source.ENGINE, ctx.phase,
+                           mode, mode,
+                           f"{ctx.caps.backend}'s capture memory under {mode} grows with the KV "
+                           "pool (it converts or copies the pool inside the graph), and the "
+                           "engine did not pass the pool size (EngineFacts.kv_pool_bytes, "
+                           "--kv-pool-size): the estimate leaves that part out"))
     if captured and mode is GraphMode.BREAKABLE and ctx.model.has_mha_companion:
         # Mirrors gate.mha_companion_prefix: only an MLA pin keeps prefix batches on the graph.
         if support.pinned_method is ForwardMethod.MLA:
@@ -219,32 +432,71 @@ def _phase_plan(ctx: RuleContext, mode: GraphMode, config: GraphConfig,
         pinned_method=support.pinned_method if captured else None,
         fallbacks=fallbacks,
         split_kv=support.split_kv if captured else None,
-        capture_memory_bytes=_capture_bytes(ctx, mode, config),
+        capture_memory_bytes=_capture_bytes(ctx, mode, shapes),
+        captured=shapes,
     )
+
+
+def _arch_error(plat: Platform) -> GraphPolicyError:
+    names = sorted(d.name for d in KNOWN_DEVICES.values() if d.vendor is plat.vendor)
+    devices = f", or a GPU name ({', '.join(names)})" if names else ""
+    return GraphPolicyError(
+        [tagged("platform.arch_required",
+                f"{plat} names no architecture, and which {plat} kernels exist depends on it "
+                f"(e.g. Blackwell-only kernels): a plan for '{plat}' would hold for no "
+                "particular GPU")],
+        hint=f"To fix: give the architecture: one of {', '.join(plat.known_archs())}{devices}.")
+
+
+def _selection_tiers(phase: Phase, platform: Platform, model: ModelFacts,
+                features: ServerFeatures, engine: EngineFacts, targets: TargetLookup,
+                requested: GraphMode, spec_tokens: int | None) -> SelectionTiers:
+    """Selection tiers for ``phase``: backends whose declaration lets the requested mode run
+    for this model first (hard, backend-declared rules only: platform, engine and feature
+    rules are the same for every backend, and soft rules are cost advice that the declared
+    priority already weighs), then, for decode with speculative decoding, those whose full
+    graphs serve target-verify batches."""
+    def prefer(caps: Capabilities) -> list[tuple[str, Sequence[str]]]:
+        ctx = RuleContext(platform, model, features, phase, caps, engine, targets)
+        blocking = [f"{v.rule}: {v.message}" for v in hard_violations(ctx, requested)
+                    if v.source is Source.BACKEND]
+        tiers: list[tuple[str, Sequence[str]]] = [(f"{phase} {requested}", blocking)]
+        if phase is Phase.DECODE and spec_tokens and requested is GraphMode.FULL:
+            problem = _spec_graph_problem(caps, ForwardMode.TARGET_VERIFY, spec_tokens)
+            tiers.append((f"{ForwardMode.TARGET_VERIFY} graphs", [problem] if problem else []))
+        return tiers
+    return prefer
 
 
 def resolve(platform: Platform | str, model: ModelFacts | str,
             backends: BackendsArg = None, config: GraphConfig | None = None,
-            features: ServerFeatures | None = None, *,
+            features: ServerFeatures | None = None, engine: EngineFacts | None = None, *,
             registry: BackendRegistry | None = None,
             assume_installed: bool = False,
-            versions: Mapping[str, str | None] | None = None) -> GraphPlan:
+            versions: Mapping[str, str | None] | None = None,
+            extra_declarations: Iterable[Capabilities] = ()) -> GraphPlan:
     """Decide each phase's graph mode from declarations, with a reason for every step.
 
     Parameters
     ----------
     platform
-        where the server runs (``Platform`` or ``"cuda:sm100"``).
+        where the server runs: a ``Platform``, ``"cuda:sm100"``, or a known GPU
+        name such as ``"h200"`` (which also gives the device memory).  cuda and
+        rocm need an architecture.
     model
         :class:`ModelFacts`, or the name of a preset (``attnreg.graph_policy.presets``).
     backends
         per phase, a backend name or a :class:`Capabilities` declaration; None
-        for the default (highest declared priority among available backends
-        whose kernels accept the model).  One value applies to both phases.
+        for the default (the best declared backend for the need, see
+        :mod:`attnreg.graph_policy.selection`).  One value applies to both phases.
     config
-        graph modes, locks and capture sizes; default :class:`GraphConfig()`.
+        graph modes, locks, capture sizes and budget; default :class:`GraphConfig()`.
     features
         engine features that constrain capture; default all off.
+    engine
+        :class:`EngineFacts`: page size, max context, max running requests, KV
+        pool and device memory, speculative draft tokens, the host engine's
+        graph modes; default :class:`EngineFacts()`.
     registry
         where names are looked up (default: :func:`get_registry`).
     assume_installed
@@ -254,6 +506,9 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
         installed library versions to evaluate declarations with
         (distribution -> version, None = not installed); default: this
         environment's.  Makes a simulated plan independent of the machine.
+    extra_declarations
+        declarations consulted by name before the registry when checking
+        fallback targets (for declarations built outside the registry).
 
     Returns
     -------
@@ -262,8 +517,10 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
     Raises
     ------
     GraphPolicyError
-        a locked mode breaks a hard rule, or no backend can serve a phase;
-        every reason is listed.
+        a locked mode breaks a hard rule, a named backend cannot serve the
+        model (including one whose plugin failed to load), no backend can
+        serve a phase, or the platform lacks a required architecture; every
+        reason is listed.  Plugin errors never escape: they become reasons.
     UnknownBackendError
         a backend name no plugin registered (with did-you-mean suggestions).
 
@@ -277,20 +534,31 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
     ('disabled', ['backend.high_cost_fallback'])
     """
     plat = Platform.parse(platform)
+    device = known_device(platform) if isinstance(platform, str) else None
     facts = preset(model) if isinstance(model, str) else model
     cfg = config if config is not None else GraphConfig()
     feats = features if features is not None else ServerFeatures()
+    eng = engine if engine is not None else EngineFacts()
+    if plat.arch_missing:
+        raise _arch_error(plat)
     choice = normalize_backends(backends)
     needs_registry = any(not isinstance(choice.for_phase(p), Capabilities) for p in _PHASES)
     reg = registry if registry is not None else (get_registry() if needs_registry else None)
+    known = [c for c in (choice.prefill, choice.decode) if isinstance(c, Capabilities)]
+    targets = TargetLookup.build(plat, reg, assume_installed, versions,
+                                 [*known, *extra_declarations],
+                                 registry_loader=get_registry if registry is None else None)
+    spec_tokens = _spec_draft_tokens(feats, eng)
 
     trace = _Trace()
     errors: list[str] = []
     hints: list[str] = []
     selected: dict[Phase, SelectedBackend] = {}
     for phase in _PHASES:
+        prefer = _selection_tiers(phase, plat, facts, feats, eng, targets,
+                             cfg.requested_mode(plat, phase), spec_tokens)
         sel, errs = select_backend(phase, choice.for_phase(phase), plat, facts, reg,
-                                   assume_installed, versions)
+                                   assume_installed, versions, engine=eng, prefer=prefer)
         errors.extend(f"{phase}: {e}" for e in errs)
         if errs:
             hints.append(f"choose a {phase} backend that runs this model on {plat}")
@@ -303,7 +571,7 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
     ctxs: dict[Phase, RuleContext] = {}
     modes: dict[Phase, GraphMode] = {}
     for phase, sel in selected.items():
-        ctx = RuleContext(plat, facts, feats, phase, sel.caps)
+        ctx = RuleContext(plat, facts, feats, phase, sel.caps, eng, targets)
         ctxs[phase] = ctx
         requested = cfg.requested_mode(plat, phase)
         platform_default = default_mode(plat, phase)
@@ -328,8 +596,24 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
         raise GraphPolicyError(errors, hint=f"To fix: {'; '.join(hints)} (`attnreg backends "
                                f"--platform {plat}` lists what each backend declares).")
 
-    _apply_budget(ctxs, modes, cfg, trace)
-    plans = {p: _phase_plan(ctxs[p], modes[p], cfg, selected[p], trace) for p in _PHASES}
+    budget = _budget(cfg, eng, plat, device)
+    decode_caps = ctxs[Phase.DECODE].caps
+
+    def shapes_now() -> dict[Phase, tuple[CapturedShapes, ...]]:
+        spec = () if spec_tokens is None else tuple(
+            SpecModePlan(m, "graph", decode_caps.backend, spec_tokens, "")
+            for m in _SPEC_MODES
+            if modes[Phase.DECODE] is not GraphMode.DISABLED and spec_tokens > 0
+            and not _spec_graph_problem(decode_caps, m, spec_tokens))
+        return {p: _captured_shapes(ctxs[p], modes[p], cfg, spec) for p in _PHASES}
+
+    _apply_budget(ctxs, modes, shapes_now(), cfg, budget, trace)
+    speculative = () if spec_tokens is None else \
+        _spec_plans(decode_caps, modes[Phase.DECODE], spec_tokens, trace)
+    shapes = {p: _captured_shapes(ctxs[p], modes[p], cfg, speculative) for p in _PHASES}
+    plans = {p: _phase_plan(ctxs[p], modes[p], cfg, selected[p], shapes[p], trace)
+             for p in _PHASES}
     return GraphPlan(platform=plat, model=facts, features=feats, config=cfg,
                      prefill=plans[Phase.PREFILL], decode=plans[Phase.DECODE],
-                     decisions=tuple(trace.decisions))
+                     decisions=tuple(trace.decisions), engine=eng, speculative=speculative,
+                     capture_budget=budget)

@@ -95,16 +95,28 @@ _PLAN_RULES = (
     _rule("user.backend", PLAN, _I, Source.USER, "the backend named for the phase",
           "the user chose the phase's backend"),
     _rule("backend.selected", PLAN, _I, Source.BACKEND,
-          "declared `priority`, availability, kernel acceptance (`check_request`)",
-          "the default backend: highest declared priority among the available ones whose "
-          "kernels accept the model; the message lists the skipped ones and why"),
+          "availability, kernel acceptance (`check_request`: methods, KV dtype, heads, page "
+          "size, context), the requested mode's hard rules, verify graphs, declared `priority`",
+          "the default backend, chosen by need: among the available ones whose kernels accept "
+          "the model and engine, those whose declaration lets the requested mode run (and, "
+          "with speculative decoding, whose full graphs serve target-verify batches) first, "
+          "then the highest declared priority; the message names each higher-priority backend "
+          "passed over and why"),
     _rule("platform.no_device_graphs", PLAN, _H, Source.PLATFORM,
-          "`Platform.has_device_graphs`",
-          "`full` and `breakable` need device graphs (cpu, npu, xpu have none); "
-          "`tc_piecewise` is not ruled out by the platform"),
+          "`Platform.has_device_graphs` (the platform table, `PLATFORM_TRAITS`)",
+          "every capture mode (`full`, `breakable`, `tc_piecewise`) needs device graphs; cpu "
+          "has none (npu and xpu have them: there each backend's declaration decides)"),
+    _rule("engine.mode_unsupported", PLAN, _H, Source.ENGINE,
+          "`EngineFacts.prefill_graph_modes` / `decode_graph_modes`",
+          "a mode the host engine does not have is never planned; a lock on it fails startup"),
     _rule("backend.capture_unsupported", PLAN, _H, Source.BACKEND,
           "`graph_support(phase, mode).capture`",
           "a mode the backend declares UNSUPPORTED (or does not declare) is impossible"),
+    _rule("backend.fallback_target_invalid", PLAN, _H, Source.BACKEND,
+          "`capture.fallback_to` and the target's availability and declaration",
+          "a FALLBACK whose target is unknown, unavailable on the platform, or does not "
+          "declare that (phase, mode) NATIVE itself (a chain or a cycle) makes the mode "
+          "impossible for the falling-back backend"),
     _rule("backend.pinned_kernel_rejects_model", PLAN, _H, Source.BACKEND,
           "`pinned_method` and that method's kernels",
           "a mode that pins a method whose kernels reject the model is impossible (e.g. an "
@@ -120,11 +132,29 @@ _PLAN_RULES = (
     _rule("backend.high_cost_fallback", PLAN, _S, Source.BACKEND,
           "`capture.is_fallback`, `capture.cost_for(kv_dtype)`",
           "no default into a capture FALLBACK whose cost for this KV dtype is HIGH"),
-    _rule("budget.capture_memory", PLAN, _S, Source.USER,
+    _rule("budget.capture_memory", PLAN, _S, (Source.USER, Source.PLATFORM, Source.ENGINE),
           "`CaptureMemory.estimate(CaptureShape)` + model capture pool vs "
-          "`capture_memory_budget_bytes`",
-          "over budget: drop unlocked captures, prefill first (decode graphs carry the "
-          "per-token latency)"),
+          "`capture_memory_budget_bytes`, else `capture_budget_fraction` x device memory",
+          "over budget (the user's, else the default: a fraction of the device memory): drop "
+          "unlocked captures, prefill first (decode graphs carry the per-token latency)"),
+    _rule("budget.pool_size_unknown", PLAN, _I, Source.ENGINE,
+          "`CaptureMemory.estimate` at two pool sizes, `EngineFacts.kv_pool_bytes`",
+          "the captured mode's memory grows with the KV pool (a fallback converts or copies it "
+          "in the graph) and the engine did not pass the pool size: the estimate leaves it "
+          "out"),
+    _rule("engine.captured_shapes", PLAN, _I, Source.ENGINE,
+          "`GraphConfig` buckets, `EngineFacts` (context, page size, max running requests, "
+          "draft tokens)",
+          "the shapes the phase's graphs are captured for, per forward mode"),
+    _rule("spec.graph", PLAN, _I, Source.BACKEND,
+          "`EngineFacts.num_draft_tokens`, the decode backend's `full` `forward_modes`",
+          "target-verify / draft-extend batches replay the decode graphs, captured for the "
+          "draft tokens per sequence"),
+    _rule("spec.eager", PLAN, _I, Source.BACKEND,
+          "speculative decoding, `num_draft_tokens`, the decode mode, the decode backend's "
+          "`forward_modes` and `eager_forward_modes`",
+          "target-verify / draft-extend batches run eagerly (or are not declared by the decode "
+          "backend at all), and why"),
     _rule("backend.fallback_in_effect", PLAN, _I, Source.BACKEND,
           "`capture.fallback_to`, `capture.cost_for(kv_dtype)`",
           "the planned mode runs another backend's implementation, at this cost"),
@@ -137,27 +167,40 @@ _PLAN_RULES = (
 )
 
 _ERROR_RULES = (
+    _rule("platform.arch_required", ERROR, _H, Source.PLATFORM,
+          "`PLATFORM_TRAITS[vendor].arch_required`, the platform's arch",
+          "a cuda or rocm platform without an architecture: no plan (kernels depend on it); "
+          "the reason lists the known architectures and GPU names"),
     _rule("backend.unavailable", ERROR, _H, Source.BACKEND,
-          "availability: platform, optional libraries",
-          "the backend named for a phase cannot run on the platform: no plan"),
+          "availability: platform, optional libraries, plugin errors",
+          "the backend named for a phase cannot run on the platform (or its plugin failed): "
+          "no plan"),
     _rule("backend.phase_unserved", ERROR, _H, Source.BACKEND, "`Capabilities.serves(phase)`",
           "the backend named for a phase has no kernel for that phase: no plan"),
     _rule("backend.model_unsupported", ERROR, _H, Source.BACKEND, "`check_request`",
-          "the backend named for a phase has no kernel that accepts the model: no plan"),
+          "the backend named for a phase has no kernel that accepts the model and engine "
+          "(forward method, e.g. absorbed-only prefill of a DSA model; KV dtype; heads; page "
+          "size; context): no plan"),
     _rule("backend.none_fits", ERROR, _H, Source.BACKEND,
           "availability and `check_request` of every backend",
           "no available backend can serve the phase of this model: no plan"),
 )
 
 _GATE_RULES = (  # in evaluation order: the first that fails is the reason
-    _rule("gate.spec_forward_mode", GATE, _H, Source.BATCH, "`forward_mode`",
-          "TARGET_VERIFY or DRAFT_EXTEND (graphs are captured as DECODE/EXTEND without "
-          "speculative state)"),
+    _rule("gate.spec_forward_mode", GATE, _H, Source.BATCH,
+          "`forward_mode`, the plan's captured forward modes",
+          "TARGET_VERIFY or DRAFT_EXTEND and no captured graph serves it (speculative decoding "
+          "off or its draft tokens unknown, decode graphs disabled, or the decode backend "
+          "declares no graph for it; the message says which)"),
     _rule("gate.phase_disabled", GATE, _H, Source.BATCH, "`forward_mode`, the plan's mode",
           "the phase's mode is `disabled`"),
     _rule("gate.batch_slots", GATE, _H, Source.BATCH, "`batch_size`",
-          "more requests than captured slots (decode: largest batch size; prefill: "
-          "`prefill_max_requests`)"),
+          "more requests than captured slots (decode-phase graphs: the largest batch "
+          "bucket; prefill: `prefill_max_requests`, capped by the engine's max running "
+          "requests)"),
+    _rule("gate.spec_query_len", GATE, _H, Source.BATCH, "`num_tokens` / `extend_lens`",
+          "a target-verify batch whose tokens per sequence are not the captured draft tokens, "
+          "or a draft-extend batch with a sequence above them"),
     _rule("gate.lora", GATE, _H, Source.BATCH, "`lora`, features `lora`, `dp_attention`",
           "a LoRA batch and LoRA was off at capture, or prefill under DP attention"),
     _rule("gate.input_embeds", GATE, _H, Source.BATCH, "`has_input_embeds`",
@@ -175,10 +218,13 @@ _GATE_RULES = (  # in evaluation order: the first that fails is the reason
           "a prefill batch wants logprobs and the engine runs no eager tail"),
     _rule("gate.num_tokens_above_max", GATE, _H, Source.BATCH, "`num_tokens` / `extend_lens`",
           "prefill tokens above the largest captured bucket"),
+    _rule("gate.seq_len_above_max", GATE, _H, Source.BATCH,
+          "`seq_lens` (or `prefix_lens` + the query lengths)",
+          "a sequence longer than the graphs were captured for (the engine's max context)"),
     _rule("gate.padding_waste", GATE, _S, Source.BATCH, "`num_tokens` / `extend_lens`",
           "the prefill bucket exceeds the tokens by more than `padding_waste_factor` (2x)"),
     _rule("gate.cost_model", GATE, _S, Source.BATCH,
-          "`prefix_lens`, `extend_lens` (or `num_tokens`), the cost profile",
+          "`prefix_lens`, `extend_lens` (both required then), the cost profile",
           "only with a cost profile: a prefill batch under a `breakable` graph that runs "
           "absorbed MLA, and the profile predicts eager MHA no slower (ties run eagerly)"),
     _rule("gate.ok", GATE, _I, Source.BATCH, "everything above",

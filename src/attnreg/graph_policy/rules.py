@@ -1,21 +1,31 @@
 """The rules: pure functions from declared facts to violations.
 
-Every rule reads declarations (platform, backend capabilities, model facts,
-feature rules), never a backend or architecture name.  Hard rules always
-hold; soft rules adjust defaults and yield to user locks.  Rule ids are
-stable strings, each listed in :data:`~attnreg.graph_policy.RULES`.
+Every rule reads declarations (the platform table, backend capabilities,
+model, engine and feature facts), never a backend or architecture name.
+Hard rules always hold; soft rules adjust defaults and yield to user locks.
+Rule ids are stable strings, each listed in
+:data:`~attnreg.graph_policy.RULES`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..registry.capabilities import Capabilities, Cost, GraphMode, GraphModeSupport, Phase
+from ..registry.capabilities import (
+    CAPTURE_GRAPH_MODES,
+    Capabilities,
+    Cost,
+    GraphMode,
+    GraphModeSupport,
+    Phase,
+)
 from ..registry.platform import Platform
+from .acceptance import pinned_method_rejections
 from .decisions import Severity, Source, Violation
+from .engine import EngineFacts
 from .features import FEATURE_RULES, ServerFeatures
 from .model import ModelFacts
-from .selection import pinned_method_rejections
+from .targets import TargetLookup
 
 __all__ = [
     "RuleContext",
@@ -24,9 +34,9 @@ __all__ = [
     "soft_violations",
 ]
 
-#: Modes that need the platform's device graphs (TC_PIECEWISE compiles pieces
-#: with torch.compile and is not ruled out by the platform alone).
-_NEEDS_DEVICE_GRAPHS = frozenset({GraphMode.FULL, GraphMode.BREAKABLE})
+#: Every capture mode needs the platform's device graphs: full and breakable
+#: record attention, and tc_piecewise records each torch.compile piece.
+_NEEDS_DEVICE_GRAPHS = frozenset(CAPTURE_GRAPH_MODES)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,9 @@ class RuleContext:
     features: ServerFeatures
     phase: Phase
     caps: Capabilities
+    engine: EngineFacts = field(default_factory=EngineFacts)
+    #: fallback targets; None = not checked (a declaration evaluated on its own)
+    targets: TargetLookup | None = field(default=None, compare=False)
 
     def support(self, mode: GraphMode) -> GraphModeSupport:
         return self.caps.graph_support(self.phase, mode)
@@ -63,22 +76,33 @@ def hard_violations(ctx: RuleContext, mode: GraphMode) -> list[Violation]:
     out: list[Violation] = []
     if mode in _NEEDS_DEVICE_GRAPHS and not ctx.platform.has_device_graphs:
         out.append(Violation("platform.no_device_graphs", Severity.HARD, Source.PLATFORM,
-                             f"{ctx.platform} cannot capture device graphs, which {mode} "
-                             "needs"))
+                             f"{ctx.platform} has no device graphs, which {mode} needs (every "
+                             "capture mode records device graphs; tc_piecewise one per "
+                             "torch.compile piece)"))
+    if not ctx.engine.supports_mode(ctx.phase, mode):
+        host = sorted(m.value for m in ctx.engine.graph_modes(ctx.phase) or ())
+        out.append(Violation("engine.mode_unsupported", Severity.HARD, Source.ENGINE,
+                             f"the host engine has no {ctx.phase} {mode} graphs (it runs "
+                             f"{', '.join(host)})"))
     support = ctx.support(mode)
     if support.capture.is_unsupported:
         out.append(Violation("backend.capture_unsupported", Severity.HARD, Source.BACKEND,
                              f"{ctx.caps.backend} declares {ctx.phase} under {mode} "
                              f"UNSUPPORTED: {support.capture.reason}"))
-    elif support.pinned_method is not None:
-        rejected = pinned_method_rejections(ctx.caps, ctx.phase, support.pinned_method,
-                                            ctx.model)
-        if rejected:
-            out.append(Violation("backend.pinned_kernel_rejects_model", Severity.HARD,
-                                 Source.BACKEND,
-                                 f"{ctx.caps.backend} pins {support.pinned_method} under "
-                                 f"{mode}, but its {support.pinned_method} kernels reject the "
-                                 "model: " + "; ".join(rejected)))
+    else:
+        problem = ctx.targets.problem(ctx.caps, ctx.phase, mode) if ctx.targets else ""
+        if problem:
+            out.append(Violation("backend.fallback_target_invalid", Severity.HARD,
+                                 Source.BACKEND, problem))
+        if support.pinned_method is not None:
+            rejected = pinned_method_rejections(ctx.caps, ctx.phase, support.pinned_method,
+                                                ctx.model, ctx.engine)
+            if rejected:
+                out.append(Violation("backend.pinned_kernel_rejects_model", Severity.HARD,
+                                     Source.BACKEND,
+                                     f"{ctx.caps.backend} pins {support.pinned_method} under "
+                                     f"{mode}, but its {support.pinned_method} kernels reject "
+                                     "the model: " + "; ".join(rejected)))
     out.extend(_feature_violations(ctx, mode, Severity.HARD))
     return out
 
@@ -109,7 +133,8 @@ def piecewise_upgrade_blockers(ctx: RuleContext) -> list[str]:
 
     The upgrade needs a model whose piecewise prefill is validated, a backend
     that captures TC_PIECEWISE NATIVELY (a fallback, even a cheap one, is not
-    an upgrade: seed 002), and no hard or soft rule against TC_PIECEWISE.
+    an upgrade: seed 002), and no hard or soft rule against TC_PIECEWISE
+    (among them: a host engine without tc_piecewise graphs).
     """
     if ctx.phase is not Phase.PREFILL:
         return ["only prefill has a tc_piecewise mode"]

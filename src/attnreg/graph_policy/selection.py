@@ -1,30 +1,45 @@
-"""Which backend serves each phase: the user's choice or the best declared one.
+"""Which backend serves each phase: the user's choice or the best one for the need.
 
 Backends are given by name (resolved through the registry to declarations)
 or directly as :class:`Capabilities` (property tests, engines that build
-declarations themselves).  The default is the available backend with the
-highest declared ``priority`` whose kernels accept the model (KV dtype, head
-count, head dims); ties go to the alphabetically first name.
+declarations themselves).
+
+The default is chosen by need, then priority: among the available backends
+whose kernels accept what the model and engine need
+(:mod:`~attnreg.graph_policy.acceptance`: forward methods, KV dtype, heads,
+page size, context), those whose declaration lets the phase's requested
+graph mode run (and, with speculative decoding, its verify graphs) come
+first; then the highest declared ``priority``; ties go to the alphabetically
+first name.  The decision names every higher-priority backend passed over
+and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
-from ..registry.capabilities import METHOD_HEAD_DIMS, Capabilities, DType, ForwardMethod, Phase
+from ..registry.capabilities import Capabilities, Phase
+from ..registry.errors import AttnregError, UnknownBackendError
 from ..registry.manager import BackendRegistry
 from ..registry.platform import Platform
-from .model import AttentionKind, ModelFacts
+from .acceptance import method_attempts, model_rejections, pinned_method_rejections
+from .engine import EngineFacts
+from .model import ModelFacts
 from .rule_ids import tagged
 
-__all__ = ["BackendChoice", "BackendsArg", "SelectedBackend", "model_rejections",
-           "normalize_backends", "pinned_method_rejections", "select_backend"]
+__all__ = ["BackendChoice", "BackendsArg", "SelectedBackend", "SelectionTiers", "method_attempts",
+           "model_rejections", "normalize_backends", "pinned_method_rejections",
+           "select_backend"]
 
 BackendRef: TypeAlias = "str | Capabilities | None"
 BackendsArg: TypeAlias = ("BackendChoice | Mapping[Any, BackendRef] | "
                           "tuple[BackendRef, BackendRef] | str | Capabilities | None")
+#: For a candidate declaration: per tier (most important first), what it
+#: would fail to run (a short goal such as "prefill breakable") and why; no reasons
+#: means the candidate meets that tier.
+SelectionTiers: TypeAlias = Callable[[Capabilities], Sequence[tuple[str, Sequence[str]]]]
 
 
 @dataclass(frozen=True)
@@ -67,61 +82,6 @@ class SelectedBackend:
     how: str
 
 
-def _method_attempts(model: ModelFacts,
-                     phase: Phase) -> list[tuple[ForwardMethod, tuple[int, int], DType]]:
-    """(method, head dims, dtype of the K/V the kernel reads) a phase may run.
-
-    Kernels that read the paged pool (absorbed MLA, MHA decode) see the KV
-    dtype; a ragged MHA prefill reads K/V materialised in the activation dtype.
-    """
-    if model.attention is AttentionKind.MLA:
-        mla = (ForwardMethod.MLA, METHOD_HEAD_DIMS[ForwardMethod.MLA], model.kv_dtype)
-        if phase is Phase.DECODE:
-            return [mla]
-        mha_dims = METHOD_HEAD_DIMS[ForwardMethod.MHA]
-        return [mla, (ForwardMethod.MHA, mha_dims, model.act_dtype),
-                (ForwardMethod.MHA_CHUNKED_KV, mha_dims, model.act_dtype)]
-    if phase is Phase.DECODE:
-        return [(ForwardMethod.MHA, model.mha_head_dims, model.kv_dtype)]
-    return [(ForwardMethod.MHA, model.mha_head_dims, model.act_dtype),
-            (ForwardMethod.MHA_CHUNKED_KV, model.mha_head_dims, model.act_dtype)]
-
-
-def _check(caps: Capabilities, method: ForwardMethod, phase: Phase, dims: tuple[int, int],
-           kv: DType, model: ModelFacts) -> list[str]:
-    return caps.check_request(method, phase, head_dims=dims, q_dtype=model.act_dtype,
-                              kv_dtype=kv, num_heads=model.num_heads)
-
-
-def model_rejections(caps: Capabilities, phase: Phase, model: ModelFacts) -> list[str]:
-    """Why no kernel of ``caps`` can run ``phase`` of ``model`` (empty = accepted)."""
-    reasons: list[str] = []
-    tried = False
-    for method, dims, kv in _method_attempts(model, phase):
-        if not caps.kernels_for(method, phase):
-            continue
-        tried = True
-        found = _check(caps, method, phase, dims, kv, model)
-        if not found:
-            return []
-        reasons.extend(found)
-    if not tried:
-        have = ", ".join(m.value for m in caps.methods(phase)) or "none"
-        reasons.append(f"{caps.backend} has no kernel for {phase} of a {model.attention} model "
-                       f"on {caps.platform} (methods it has for {phase}: {have})")
-    return reasons
-
-
-def pinned_method_rejections(caps: Capabilities, phase: Phase, method: ForwardMethod,
-                             model: ModelFacts) -> list[str]:
-    """Why the kernels of a pinned ``method`` cannot run ``model`` (empty = they can)."""
-    for m, dims, kv in _method_attempts(model, phase):
-        if m is method:
-            return _check(caps, m, phase, dims, kv, model)
-    return [(f"{caps.backend} pins {method}, which a {model.attention} model does not run in "
-            f"{phase}")]
-
-
 def _unavailable_reason(caps: Capabilities) -> str:
     if caps.platform_reason:
         return caps.platform_reason
@@ -136,54 +96,110 @@ def _need(registry: BackendRegistry | None) -> BackendRegistry:
     return registry
 
 
+def _named(ref: str, platform: Platform, registry: BackendRegistry, assume_installed: bool,
+           versions: Mapping[str, str | None] | None) -> tuple[Capabilities | None, str]:
+    """A named backend's declaration here and why it cannot run ('' = it can).
+
+    Raises :class:`UnknownBackendError` for a name nobody registered; any other
+    registry error (a plugin that failed to load, a declaration that raises on
+    this platform) is a reason, so that resolving never raises a plugin's error.
+    """
+    try:
+        avail = registry.availability(ref, platform, versions,
+                                      assume_installed=assume_installed)
+    except UnknownBackendError:
+        raise
+    except AttnregError as exc:
+        return None, str(exc)
+    if avail.capabilities is None:
+        return None, avail.reason or f"{ref} has no declaration on {platform}"
+    return avail.capabilities, "" if avail.available else avail.reason
+
+
+def _user_choice(phase: Phase, ref: str | Capabilities, platform: Platform, model: ModelFacts,
+                 engine: EngineFacts, registry: BackendRegistry | None, assume_installed: bool,
+                 versions: Mapping[str, str | None] | None,
+                 ) -> tuple[SelectedBackend | None, list[str]]:
+    if isinstance(ref, Capabilities):
+        caps: Capabilities | None = ref
+        unavailable = _unavailable_reason(ref)
+        name = ref.backend
+    else:
+        caps, unavailable = _named(ref, platform, _need(registry), assume_installed, versions)
+        name = ref
+    if unavailable or caps is None:
+        return None, [tagged("backend.unavailable", f"{name} cannot run on {platform}: "
+                             f"{unavailable}")]
+    if not caps.serves(phase):
+        return None, [tagged("backend.phase_unserved",
+                             f"{name} has no {phase} kernel on {platform}; choose another "
+                             f"{phase} backend")]
+    rejected = model_rejections(caps, phase, model, engine)
+    if rejected:
+        return None, [tagged("backend.model_unsupported",
+                             f"{name} cannot serve {phase} of this model on this engine: "
+                             + "; ".join(rejected))]
+    return SelectedBackend(caps, True, f"{name} chosen by the user for {phase}"), []
+
+
 def select_backend(phase: Phase, ref: BackendRef, platform: Platform, model: ModelFacts,
                    registry: BackendRegistry | None, assume_installed: bool,
-                   versions: Mapping[str, str | None] | None = None,
+                   versions: Mapping[str, str | None] | None = None, *,
+                   engine: EngineFacts | None = None,
+                   prefer: SelectionTiers | None = None,
                    ) -> tuple[SelectedBackend | None, list[str]]:
     """The backend for ``phase``, or None and the reasons nothing fits.
 
-    Raises :class:`~attnreg.registry.UnknownBackendError` for an unknown name.
+    ``prefer`` ranks the default candidates that serve the model (see
+    :data:`SelectionTiers`); without it, priority alone decides.  Raises
+    :class:`~attnreg.registry.UnknownBackendError` for an unknown name.
     """
+    eng = engine if engine is not None else EngineFacts()
     if ref is not None:
-        if isinstance(ref, Capabilities):
-            caps = ref
-            unavailable = _unavailable_reason(caps)
-        else:
-            reg = _need(registry)
-            avail = reg.availability(ref, platform, versions, assume_installed=assume_installed)
-            caps = avail.capabilities if avail.capabilities is not None \
-                else reg.declaration(ref, platform, versions)
-            unavailable = avail.reason if not avail.available else ""
-        name = caps.backend
-        if unavailable:
-            return None, [tagged("backend.unavailable",
-                                 f"{name} cannot run on {platform}: {unavailable}")]
-        if not caps.serves(phase):
-            return None, [tagged("backend.phase_unserved",
-                                 f"{name} has no {phase} kernel on {platform}; choose another "
-                                 f"{phase} backend")]
-        rejected = model_rejections(caps, phase, model)
-        if rejected:
-            return None, [tagged("backend.model_unsupported",
-                                 f"{name} cannot serve {phase} of this model: "
-                                 + "; ".join(rejected))]
-        return SelectedBackend(caps, True, f"{name} chosen by the user for {phase}"), []
+        return _user_choice(phase, ref, platform, model, eng, registry, assume_installed,
+                            versions)
 
-    skipped: list[str] = []
-    for avail in _need(registry).available(platform, phase, versions,
-                                           assume_installed=assume_installed):
-        caps = cast(Capabilities, avail.capabilities)
-        rejected = model_rejections(caps, phase, model)
-        if rejected:
-            skipped.append(f"{avail.name} ({'; '.join(rejected)})")
-            continue
-        how = (f"{avail.name} chosen for {phase}: highest declared priority ({caps.priority}) "
-               f"among backends available on {platform} whose kernels accept the model")
-        if skipped:
-            how += "; skipped: " + ", ".join(skipped)
-        return SelectedBackend(caps, False, how), []
-    detail = "; ".join(skipped) if skipped else "no backend serving it is available"
-    return None, [tagged("backend.none_fits",
-                         f"no backend can serve {phase} of this {model.attention} model "
-                         f"({model.kv_dtype} KV, {model.num_heads} heads) on {platform}: "
-                         f"{detail}")]
+    # Available backends serving the phase, best priority first.
+    ordered = [cast(Capabilities, a.capabilities) for a in
+               _need(registry).available(platform, phase, versions,
+                                         assume_installed=assume_installed)]
+    fits: list[tuple[Capabilities, list[tuple[str, Sequence[str]]]]] = []
+    rejected: dict[str, list[str]] = {}
+    for caps in ordered:
+        reasons = model_rejections(caps, phase, model, eng)
+        if reasons:
+            rejected[caps.backend] = reasons
+        else:
+            fits.append((caps, list(prefer(caps)) if prefer else []))
+    if not fits:
+        detail = "; ".join(f"{n} ({'; '.join(r)})" for n, r in rejected.items()) \
+            or "no backend serving it is available"
+        page = f", page size {eng.page_size}" if eng.page_size is not None else ""
+        return None, [tagged("backend.none_fits",
+                             f"no backend can serve {phase} of this {model.attention} model "
+                             f"({model.kv_dtype} KV, {model.num_heads} heads{page}, context "
+                             f"{eng.max_context_len}) on {platform}: {detail}")]
+
+    def rank(item: tuple[Capabilities, list[tuple[str, Sequence[str]]]]) -> tuple[Any, ...]:
+        caps, tiers = item
+        return (*(bool(reasons) for _, reasons in tiers), -caps.priority, caps.backend)
+
+    chosen, tiers = min(fits, key=rank)
+    position = ordered.index(chosen)
+    passed_over = []
+    for caps in ordered[:position]:
+        if caps.backend in rejected:
+            why = "its kernels reject the model: " + "; ".join(rejected[caps.backend])
+        else:
+            their = dict(next(t for c, t in fits if c is caps))
+            why = "; ".join(f"{goal} would not run: {'; '.join(reasons)}"
+                            for goal, reasons in their.items() if reasons)
+        passed_over.append(f"{caps.backend} (priority {caps.priority}: {why})")
+    met = [goal for goal, reasons in tiers if not reasons]
+    how = (f"{chosen.backend} chosen for {phase}: declared priority {chosen.priority}, the best "
+           f"among backends available on {platform} whose kernels accept the model")
+    if passed_over:
+        if met:
+            how += " and that let " + " and ".join(met) + " run"
+        how += "; passed over: " + ", ".join(passed_over)
+    return SelectedBackend(chosen, False, how), []

@@ -29,6 +29,8 @@ class Source(StrEnum):
     PLATFORM = "platform"
     FEATURE = "feature"
     MODEL = "model"
+    #: what the engine passes about itself (EngineFacts: page size, context, modes, memory)
+    ENGINE = "engine"
     #: the batch being scheduled (replay-gate rules only)
     BATCH = "batch"
 

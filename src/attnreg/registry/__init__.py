@@ -16,6 +16,7 @@ from .capabilities import (
     DType,
     ForwardMethod,
     ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -34,22 +35,29 @@ from .errors import (
     UnsupportedError,
 )
 from .hookspecs import hookimpl, hookspec
+from .loading import StartupLimits
 from .manager import (
     ENTRY_POINT_GROUP,
+    VALIDATION_PLATFORMS,
     Availability,
     BackendRegistry,
     PluginInfo,
+    StartupWarning,
     get_registry,
     load_registry,
 )
-from .platform import Platform, Vendor
+from .platform import KNOWN_DEVICES, PLATFORM_TRAITS, Platform, Vendor
+from .resolution import RuntimeCheck, RuntimeState
 from .spec import BackendSpec, DeclarationContext
-from .validation import validate_capabilities, validate_spec
+from .validation import validate_capabilities, validate_fallback_targets, validate_spec
 
 __all__ = [
     "CAPTURE_GRAPH_MODES",
     "ENTRY_POINT_GROUP",
+    "KNOWN_DEVICES",
     "METHOD_HEAD_DIMS",
+    "PLATFORM_TRAITS",
+    "VALIDATION_PLATFORMS",
     "VALID_GRAPH_MODES",
     "AttnregError",
     "Availability",
@@ -66,6 +74,7 @@ __all__ = [
     "DuplicateBackendError",
     "ForwardMethod",
     "ForwardMode",
+    "ForwardModeSupport",
     "GraphMode",
     "GraphModeSupport",
     "GraphPolicyError",
@@ -75,7 +84,11 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Requirement",
+    "RuntimeCheck",
+    "RuntimeState",
     "SplitKV",
+    "StartupLimits",
+    "StartupWarning",
     "SupportKind",
     "UnknownBackendError",
     "UnsupportedError",
@@ -85,5 +98,6 @@ __all__ = [
     "hookspec",
     "load_registry",
     "validate_capabilities",
+    "validate_fallback_targets",
     "validate_spec",
 ]

@@ -17,6 +17,7 @@ Vocabulary (see docs/concepts.md):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -36,8 +37,10 @@ __all__ = [
     "DType",
     "ForwardMethod",
     "ForwardMode",
+    "ForwardModeSupport",
     "GraphMode",
     "GraphModeSupport",
+    "PHASE_FORWARD_MODES",
     "KernelConstraints",
     "Phase",
     "Requirement",
@@ -134,6 +137,15 @@ CAPTURE_GRAPH_MODES: tuple[GraphMode, ...] = (
 VALID_GRAPH_MODES: Mapping[Phase, tuple[GraphMode, ...]] = {
     Phase.DECODE: (GraphMode.FULL,),
     Phase.PREFILL: (GraphMode.BREAKABLE, GraphMode.TC_PIECEWISE),
+}
+
+#: The forward modes a phase's graphs may serve.  Speculative batches belong to
+#: the decode phase: engines capture target-verify and draft-extend batches with
+#: their decode graph runners (sglang), as a uniform batch of a few query tokens
+#: per sequence (vLLM's ``UNIFORM_BATCH``).
+PHASE_FORWARD_MODES: Mapping[Phase, tuple[ForwardMode, ...]] = {
+    Phase.DECODE: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
+    Phase.PREFILL: (ForwardMode.EXTEND,),
 }
 
 #: The (head_dim_qk, head_dim_v) each forward method uses for DeepSeek-style MLA.
@@ -248,6 +260,14 @@ class CaptureShape:
         Size of the engine's whole KV pool; a fallback that converts or copies
         the pool inside the graph (trtllm_mla's FP8 path) scales with it.  0 when
         the engine did not say.
+    num_graphs
+        Graphs captured within these bounds (one per bucket); a backend that
+        allocates per captured graph scales with it.  0: unknown, assume one
+        per batch size up to ``max_batch_size`` (the upper bound; see :attr:`graphs`).
+    num_sms
+        Multiprocessors of the device; a backend whose split-KV workspace
+        fills one wave of them scales with it.  0: unknown (startup queries run
+        without torch), each such backend assumes its declared upper bound.
     """
 
     max_batch_size: int
@@ -257,6 +277,18 @@ class CaptureShape:
     page_size: int = 1
     kv_dtype: DType = DType.BF16
     kv_pool_bytes: int = 0
+    num_graphs: int = 0
+    num_sms: int = 0
+
+    @property
+    def graphs(self) -> int:
+        """``num_graphs``, or ``max_batch_size`` (one graph per batch size) when unknown."""
+        return self.num_graphs or self.max_batch_size
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of the longest sequence: ``ceil(max_seq_len / page_size)``."""
+        return -(-self.max_seq_len // max(1, self.page_size))
 
 
 #: A pure function from a declaration module: bytes a backend allocates for graph
@@ -268,13 +300,21 @@ CaptureBytesFn = Callable[[CaptureShape], int]
 class CaptureMemory:
     """Device memory a backend allocates for graph capture, as a formula of the shape.
 
-    ``fixed_bytes`` once per backend instance (workspaces), plus
-    ``per_batch_slot_bytes`` for each request slot of the largest captured
-    batch, plus ``bytes_fn(shape)`` when a backend's buffers depend on more
-    than the batch (heads, tokens, sequence length, the pool).  A backend's
-    runtime must size its graph buffers from the same constants or function
-    (see docs/decisions.md, "capture memory has one formula"); the
-    conformance suite measures the allocation against :meth:`estimate`.
+    Capture memory is what exists because graphs are captured: the buffers
+    ``init_cuda_graph_state`` and ``init_forward_metadata_capture`` allocate
+    and what the captured graphs keep in their memory pool (tensors created
+    inside the graph, a pool converted inside the graph).  Workspaces a
+    backend allocates when it is created serve eager runs too and are not
+    counted; neither are the runtime's own index buffers (lengths, page table).
+
+    ``fixed_bytes`` once per backend instance, plus ``per_batch_slot_bytes``
+    for each request slot of the largest captured batch, plus
+    ``bytes_fn(shape)`` when a backend's buffers depend on more than the batch
+    (heads, tokens, sequence length, captured graphs, the pool).  A backend's
+    runtime sizes its graph buffers from the same constants or function (see
+    docs/decisions.md, "capture memory has one formula"); the conformance
+    suite's ``capture_memory`` claim measures the allocation against
+    :meth:`estimate`.
     """
 
     fixed_bytes: int = 0
@@ -297,12 +337,60 @@ class CaptureMemory:
 
 
 @dataclass(frozen=True)
+class ForwardModeSupport:
+    """One forward mode a backend serves, eagerly or in a captured graph.
+
+    ``max_query_len`` is the largest number of query (new) tokens per
+    sequence served: 1 for DECODE, the draft tokens for TARGET_VERIFY /
+    DRAFT_EXTEND (a verify batch carries that many tokens per sequence,
+    causal among themselves, attending the whole prefix), None for no bound
+    (EXTEND: ragged prefill).  ``uniform`` says every sequence of a batch
+    must have the same query length (vLLM's ``UNIFORM_BATCH``); when False,
+    shorter sequences are served too (a draft-extend batch of accepted
+    lengths 1..max_query_len).
+    """
+
+    mode: ForwardMode
+    max_query_len: int | None = 1
+    uniform: bool = True
+
+    def serves_query_len(self, query_len: int) -> bool:
+        """Whether a sequence of ``query_len`` new tokens is served."""
+        return self.max_query_len is None or 1 <= query_len <= self.max_query_len
+
+    def describe(self) -> str:
+        if self.max_query_len is None:
+            return f"{self.mode} (any length)"
+        if self.max_query_len == 1:
+            return f"{self.mode} (1 token per sequence)"
+        shape = "uniform" if self.uniform else "ragged"
+        return f"{self.mode} (<= {self.max_query_len} tokens per sequence, {shape})"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mode": self.mode.value, "max_query_len": self.max_query_len,
+                "uniform": self.uniform}
+
+
+#: What a phase's graphs and eager path serve when a declaration does not say:
+#: decode one token per sequence, prefill ragged extend.  Speculative forward
+#: modes are served only where a declaration lists them.
+DEFAULT_FORWARD_MODES: Mapping[Phase, tuple[ForwardModeSupport, ...]] = {
+    Phase.DECODE: (ForwardModeSupport(ForwardMode.DECODE, 1, True),),
+    Phase.PREFILL: (ForwardModeSupport(ForwardMode.EXTEND, None, False),),
+}
+
+
+@dataclass(frozen=True)
 class GraphModeSupport:
     """A backend's declaration for one (phase, graph mode).
 
     ``pinned_method`` is the forward method the backend forces under this mode
     (None = no pinning: the MHA companion may be captured).  ``split_kv`` says
-    whether split-KV parallelism survives capture.
+    whether split-KV parallelism survives capture.  ``forward_modes`` lists
+    the forward modes a graph captured under this mode serves, each with the
+    largest query tokens per sequence; empty means the phase's plain mode
+    (decode: DECODE, one token; prefill: EXTEND), which keeps declarations
+    written before speculative decoding truthful.
     """
 
     phase: Phase
@@ -311,6 +399,16 @@ class GraphModeSupport:
     pinned_method: ForwardMethod | None = None
     split_kv: SplitKV = SplitKV.NONE
     capture_memory: CaptureMemory = field(default_factory=CaptureMemory)
+    forward_modes: tuple[ForwardModeSupport, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.forward_modes:
+            object.__setattr__(self, "forward_modes", DEFAULT_FORWARD_MODES[self.phase])
+
+    def serving(self, mode: ForwardMode | str) -> ForwardModeSupport | None:
+        """The entry for forward mode ``mode``, or None when these graphs do not serve it."""
+        wanted = ForwardMode.parse(mode)
+        return next((f for f in self.forward_modes if f.mode is wanted), None)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -320,6 +418,7 @@ class GraphModeSupport:
             "pinned_method": self.pinned_method.value if self.pinned_method else None,
             "split_kv": self.split_kv.value,
             "capture_memory": self.capture_memory.to_dict(),
+            "forward_modes": [f.to_dict() for f in self.forward_modes],
         }
 
 
@@ -329,11 +428,12 @@ class KernelConstraints:
 
     ``page_sizes`` is empty for kernels that read no paged cache (ragged MHA
     over materialised K/V).  ``head_counts`` empty means any count from 1 to
-    ``max_heads``.
+    ``max_heads``.  ``max_seq_len`` is the longest sequence (cached + new
+    tokens) the kernel serves, None for no declared limit.
 
     ``q_compute_dtype`` is set when the kernel takes q in one of ``q_dtypes``
-    but computes with it rounded to another dtype: FlashMLA's FP8 decode
-    quantises a bf16 q to fp8 e4m3 because its kernel multiplies fp8 by fp8.
+    but computes with it rounded to another dtype, e.g. an FP8-KV decode
+    kernel that multiplies fp8 by fp8 and so quantises a bf16 q to fp8 e4m3.
     The rounding is attnreg's convention for it: one power-of-two scale per
     batch, the smallest with ``max|q| / scale <= 448`` over the batch's real
     query rows, then one round-to-nearest to fp8.  The conformance oracle
@@ -352,6 +452,7 @@ class KernelConstraints:
     causal: bool = True
     kernel: str = ""
     split_kv: SplitKV = SplitKV.NONE
+    max_seq_len: int | None = None
     q_compute_dtype: DType | None = None
 
     def accepts_heads(self, num_heads: int) -> bool:
@@ -372,28 +473,73 @@ class KernelConstraints:
             "causal": self.causal,
             "kernel": self.kernel,
             "split_kv": self.split_kv.value,
+            "max_seq_len": self.max_seq_len,
             "q_compute_dtype": self.q_compute_dtype.value if self.q_compute_dtype else None,
         }
 
 
+#: What a ``min_version`` must look like: dotted numbers, optionally a suffix (``2.4``, ``0.6.13``, ``1.0rc1``).
+_VERSION_RE = re.compile(r"^\d+(\.\d+)*([.+-]?[0-9A-Za-z]+)*$")
+
+
 @dataclass(frozen=True)
 class Requirement:
-    """An optional dependency: import name, distribution, and the extra that brings it.
+    """A library a backend needs at run time; missing, the backend is *unavailable*.
 
-    A plugin's own dependency has no attnreg extra: leave ``extra`` empty and
-    the install hint names the distribution.
+    Declared once per backend, in ``BackendSpec(requires=...)``.
+
+    Parameters
+    ----------
+    import_name
+        The module it provides (``"acme_kernels"``), used when the
+        distribution has no metadata (a source checkout on ``PYTHONPATH``).
+    distribution
+        The installable distribution (``"acme-kernels"``), whose installed
+        version decides.
+    min_version
+        Oldest version that works (``"1.2"``), or None for any.
+    extra
+        The *attnreg* extra that brings it (``"flashinfer"`` for
+        ``attnreg[flashinfer]``); only for attnreg's own backends.  A third
+        party leaves it None and the hint names the distribution.
+    install
+        A custom install hint, when ``pip install <distribution>`` is not how
+        it is installed (``"conda install -c acme acme-kernels"``).
     """
 
     import_name: str
     distribution: str
-    extra: str
     min_version: str | None = None
+    extra: str | None = None
+    install: str | None = None
+
+    def __post_init__(self) -> None:
+        # Before attnreg 0.2 the third positional argument was the extra; a
+        # name there now would silently become a "version".  Say so instead.
+        if self.min_version is not None and not _VERSION_RE.match(self.min_version):
+            raise ValueError(
+                f"Requirement({self.import_name!r}, {self.distribution!r}, ...): min_version "
+                f"{self.min_version!r} is not a version such as '1.2'; the signature is "
+                "Requirement(import_name, distribution, min_version=None, extra=None, "
+                "install=None) (attnreg extras go in extra=)")
 
     def install_hint(self) -> str:
-        # An empty extra marks a plugin's own dependency, which no attnreg extra brings.
-        if not self.extra:
-            return f"install {self.distribution}"
-        return f"install attnreg[{self.extra}]"
+        """What to run to install it: the custom hint, the attnreg extra, or pip."""
+        if self.install:
+            return self.install
+        if self.extra:
+            return f"install attnreg[{self.extra}]"
+        wanted = self.distribution + (f">={self.min_version}" if self.min_version else "")
+        return f"pip install '{wanted}'"
+
+    def describe(self) -> str:
+        """``acme-kernels >= 1.2``."""
+        return self.distribution + (f" >= {self.min_version}" if self.min_version else "")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"import_name": self.import_name, "distribution": self.distribution,
+                "min_version": self.min_version, "extra": self.extra,
+                "install": self.install, "install_hint": self.install_hint()}
 
 
 @dataclass(frozen=True)
@@ -405,6 +551,13 @@ class Capabilities:
     this platform; ``unavailable_kernels`` lists (kernel, reason) for what the
     backend has elsewhere but not here, so reports can say why.
     ``platform_reason`` is non-empty when nothing of the backend runs here.
+
+    ``requires`` is deprecated and must stay empty: requirements are declared
+    once, in ``BackendSpec(requires=...)`` (a non-empty value is refused at
+    registration as an invalid declaration saying so).
+    ``eager_forward_modes`` lists the forward modes the backend serves
+    eagerly, with the largest query tokens per sequence; empty means the
+    plain ones (DECODE, one token; EXTEND, ragged).
     """
 
     backend: str
@@ -417,6 +570,13 @@ class Capabilities:
     platform_reason: str = ""
     priority: int = 0
     notes: tuple[str, ...] = ()
+    eager_forward_modes: tuple[ForwardModeSupport, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.eager_forward_modes:
+            object.__setattr__(self, "eager_forward_modes",
+                               DEFAULT_FORWARD_MODES[Phase.DECODE]
+                               + DEFAULT_FORWARD_MODES[Phase.PREFILL])
 
     # -- queries -----------------------------------------------------------
     def graph_support(self, phase: Phase | str, mode: GraphMode | str) -> GraphModeSupport:
@@ -424,7 +584,10 @@ class Capabilities:
         phase = Phase.parse(phase)
         mode = GraphMode.parse(mode)
         if mode is GraphMode.DISABLED:
-            return GraphModeSupport(phase, mode, CaptureSupport.native("eager"))
+            eager = tuple(f for f in self.eager_forward_modes
+                          if f.mode in PHASE_FORWARD_MODES[phase])
+            return GraphModeSupport(phase, mode, CaptureSupport.native("eager"),
+                                    forward_modes=eager)
         for entry in self.graph_modes:
             if entry.phase is phase and entry.mode is mode:
                 return entry
@@ -450,6 +613,11 @@ class Capabilities:
     def serves(self, phase: Phase | str) -> bool:
         return bool(self.methods(phase))
 
+    def eager_serving(self, mode: ForwardMode | str) -> ForwardModeSupport | None:
+        """The eager entry for forward mode ``mode``, or None when it is not served."""
+        wanted = ForwardMode.parse(mode)
+        return next((f for f in self.eager_forward_modes if f.mode is wanted), None)
+
     def check_request(
         self,
         method: ForwardMethod | str,
@@ -460,8 +628,13 @@ class Capabilities:
         kv_dtype: DType | str | None = None,
         page_size: int | None = None,
         num_heads: int | None = None,
+        max_seq_len: int | None = None,
     ) -> list[str]:
-        """Reasons a request falls outside every kernel's declaration (empty = accepted)."""
+        """Reasons a request falls outside every kernel's declaration (empty = accepted).
+
+        ``max_seq_len`` is the longest sequence the engine serves (its max
+        context); a kernel declaring a shorter ``max_seq_len`` rejects it.
+        """
         method = ForwardMethod.parse(method)
         phase = Phase.parse(phase)
         candidates = self.kernels_for(method, phase)
@@ -487,6 +660,10 @@ class Capabilities:
             if num_heads is not None and not k.accepts_heads(num_heads):
                 allowed = list(k.head_counts) if k.head_counts else f"1..{k.max_heads}"
                 reasons.append(f"{num_heads} heads not in {allowed}")
+            if max_seq_len is not None and k.max_seq_len is not None \
+                    and max_seq_len > k.max_seq_len:
+                reasons.append(f"max context {max_seq_len} above the kernel's "
+                               f"{k.max_seq_len} tokens")
             if not reasons:
                 return []
             if best is None or len(reasons) < len(best):
@@ -500,15 +677,11 @@ class Capabilities:
             "vendors": sorted(v.value for v in self.vendors),
             "priority": self.priority,
             "platform_reason": self.platform_reason,
-            "requires": [
-                {"import_name": r.import_name, "distribution": r.distribution,
-                 "extra": r.extra, "min_version": r.min_version}
-                for r in self.requires
-            ],
             "kernels": [k.to_dict() for k in self.kernels],
             "unavailable_kernels": [{"kernel": n, "reason": r}
                                     for n, r in self.unavailable_kernels],
             "graph_modes": [g.to_dict() for g in self.graph_modes],
+            "eager_forward_modes": [f.to_dict() for f in self.eager_forward_modes],
             "notes": list(self.notes),
         }
 

@@ -14,6 +14,7 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedError",
     "closest_names",
+    "origin_label",
 ]
 
 
@@ -41,40 +42,70 @@ class UnknownBackendError(AttnregError, KeyError):
                 "Run `attnreg backends` to list them, or `attnreg doctor` for plugin errors.")
 
 
+def origin_label(plugin: str, distribution: str = "", version: str = "") -> str:
+    """``plugin 'demo' (attnreg-demo 1.2.3)``: a plugin and the distribution it came from."""
+    if distribution:
+        dist = f"{distribution} {version}".strip()
+    else:
+        dist = "no distribution found"
+    return f"plugin {plugin!r} ({dist})"
+
+
 class PluginError(AttnregError):
-    """A plugin failed to import, raised in its hook, or declared something invalid."""
+    """A plugin failed to import, raised in its hook, or declared something invalid.
+
+    ``plugin`` is the entry-point name (what ``--disable`` takes);
+    ``distribution`` and ``version`` name the installed package it came from
+    (empty when none is known: a plugin given as an object or by ``--plugin``
+    whose package is not installed under its own name).
+    """
 
     def __init__(self, plugin: str, cause: str, *, backend: str | None = None,
-                 kind: str = "error", traceback_text: str = ""):
+                 kind: str = "error", traceback_text: str = "", distribution: str = "",
+                 version: str = ""):
         self.plugin = plugin
         self.cause = cause
         self.backend = backend
         self.kind = kind
         self.traceback_text = traceback_text
+        self.distribution = distribution
+        self.version = version
         super().__init__(str(self))
 
+    @property
+    def origin(self) -> str:
+        """``plugin 'demo' (attnreg-demo 1.2.3)``."""
+        return origin_label(self.plugin, self.distribution, self.version)
+
+    @property
+    def silence_hint(self) -> str:
+        """How to skip the plugin: the ``--disable`` flag and the environment variable."""
+        return f"`--disable {self.plugin}` / ATTNREG_DISABLE={self.plugin}"
+
     def __str__(self) -> str:
-        what = f"backend {self.backend!r} from plugin {self.plugin!r}" if self.backend \
-            else f"plugin {self.plugin!r}"
+        what = f"backend {self.backend!r} from {self.origin}" if self.backend else self.origin
         return (f"{what}: {self.kind}: {self.cause}. Fix or upgrade the plugin, or skip it with "
-                f"`--disable {self.plugin}` / ATTNREG_DISABLE={self.plugin}.")
+                f"{self.silence_hint}.")
 
     def to_dict(self) -> dict[str, object]:
-        return {"plugin": self.plugin, "backend": self.backend, "kind": self.kind,
+        return {"plugin": self.plugin, "distribution": self.distribution,
+                "version": self.version, "backend": self.backend, "kind": self.kind,
                 "cause": self.cause}
 
 
 class DuplicateBackendError(PluginError):
     """Two plugins registered the same backend name."""
 
-    def __init__(self, name: str, first_plugin: str, second_plugin: str):
+    def __init__(self, name: str, first_plugin: str, second_plugin: str, *,
+                 first_origin: str = "", distribution: str = "", version: str = ""):
         self.first_plugin = first_plugin
+        first = first_origin or f"plugin {first_plugin!r}"
         super().__init__(
             second_plugin,
-            f"backend name {name!r} is already registered by plugin {first_plugin!r}; "
+            f"backend name {name!r} is already registered by {first}; "
             f"names must be unique (rename one, or disable one of {first_plugin!r} and "
             f"{second_plugin!r})",
-            backend=name, kind="duplicate",
+            backend=name, kind="duplicate", distribution=distribution, version=version,
         )
 
 

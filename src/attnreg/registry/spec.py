@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from .capabilities import Capabilities, Requirement
 from .platform import Platform
 
-__all__ = ["NAME_RE", "BackendSpec", "DeclarationContext", "installed_version"]
+__all__ = ["NAME_RE", "BackendSpec", "DeclarationContext", "installed_version",
+           "unmet_requirement"]
 
 #: Backend names: lower-case identifiers, so they work as CLI values and in env vars.
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -73,17 +74,26 @@ def _importable(import_name: str) -> bool:
         return False
 
 
-def _satisfied(req: Requirement, ctx: DeclarationContext | None) -> bool:
-    """Whether ``req`` is installed at a new enough version (see ``missing_requirements``)."""
+def unmet_requirement(req: Requirement, ctx: DeclarationContext | None) -> str:
+    """Why ``req`` is not met ("" when it is): not installed, or older than ``min_version``.
+
+    A version given in ``ctx.versions`` is taken as is (None = not installed),
+    so a simulated environment does not depend on this machine.  Otherwise a
+    distribution without metadata still counts as installed when its module
+    can be found (e.g. a source checkout on ``PYTHONPATH``).
+    """
     if ctx is not None and req.distribution in ctx.versions:
         have = ctx.versions[req.distribution]
-        if have is None:
-            return False
     else:
         have = installed_version(req.distribution)
-        if have is None:
-            return _importable(req.import_name)
-    return not req.min_version or _version_tuple(have) >= _version_tuple(req.min_version)
+        if have is None and _importable(req.import_name):
+            return ""
+    if have is None:
+        return f"{req.distribution} not installed: {req.install_hint()}"
+    if req.min_version and _version_tuple(have) < _version_tuple(req.min_version):
+        return (f"{req.distribution} {have} is older than the {req.min_version} it needs: "
+                f"{req.install_hint()}")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,10 @@ class BackendSpec:
         ``"package.module:ClassName"`` of the runtime class, imported only
         by :meth:`load_runtime`.
     requires:
-        optional dependencies; a missing one makes the backend unavailable
-        with an install hint instead of an error.
+        every library the runtime needs (:class:`Requirement`); one that is
+        missing or too old makes the backend unavailable with an install hint
+        instead of an error.  The one place requirements are declared
+        (``Capabilities.requires`` is refused).
     plugin, distribution, distribution_version:
         stamped by the host at registration; plugins leave them empty.
     """
@@ -122,15 +134,13 @@ class BackendSpec:
                        distribution_version=version)
 
     def missing_requirements(self, ctx: DeclarationContext | None = None) -> list[Requirement]:
-        """The requirements not installed (or older than their ``min_version``).
+        """The requirements not installed, or older than their ``min_version``
+        (see :func:`unmet_requirement`)."""
+        return [req for req in self.requires if unmet_requirement(req, ctx)]
 
-        A version given in ``ctx.versions`` is taken as is (None = not
-        installed), so a simulated environment does not depend on this
-        machine.  Otherwise a distribution without metadata still counts as
-        installed when its module can be found (e.g. a source checkout on
-        ``PYTHONPATH``).
-        """
-        return [req for req in self.requires if not _satisfied(req, ctx)]
+    def unmet_requirements(self, ctx: DeclarationContext | None = None) -> list[str]:
+        """One reason per unmet requirement, with its install hint."""
+        return [why for why in (unmet_requirement(r, ctx) for r in self.requires) if why]
 
     def load_runtime(self) -> type:
         """Import and return the runtime class named by ``runtime``."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .capabilities import (
+    PHASE_FORWARD_MODES,
     VALID_GRAPH_MODES,
     Capabilities,
     CaptureSupport,
     ForwardMethod,
+    ForwardMode,
+    ForwardModeSupport,
     GraphModeSupport,
     KernelConstraints,
     Phase,
@@ -16,7 +20,7 @@ from .capabilities import (
 )
 from .spec import NAME_RE, BackendSpec
 
-__all__ = ["validate_capabilities", "validate_spec"]
+__all__ = ["validate_capabilities", "validate_fallback_targets", "validate_spec"]
 
 
 def validate_spec(spec: Any) -> list[str]:
@@ -54,6 +58,37 @@ def _validate_capture(entry: GraphModeSupport, backend: str) -> list[str]:
     return reasons
 
 
+def _validate_forward_modes(served: tuple[ForwardModeSupport, ...], where: str,
+                            allowed: tuple[ForwardMode, ...]) -> list[str]:
+    """Reasons a list of served forward modes is malformed.
+
+    Each mode must belong to ``allowed`` (the phase's modes for a graph
+    entry), appear once, and bound its query length sensibly: DECODE serves
+    one token per sequence, a speculative mode at least one, EXTEND may be
+    unbounded (None).
+    """
+    reasons = []
+    seen: set[ForwardMode] = set()
+    for f in served:
+        if f.mode not in allowed:
+            reasons.append(f"{where}: serves forward mode {f.mode}, which is not one of "
+                           f"{[m.value for m in allowed]}")
+        if f.mode in seen:
+            reasons.append(f"{where}: forward mode {f.mode} listed twice")
+        seen.add(f.mode)
+        if f.max_query_len is not None and f.max_query_len < 1:
+            reasons.append(f"{where}: {f.mode} max_query_len must be >= 1 or None, got "
+                           f"{f.max_query_len}")
+        elif f.mode is ForwardMode.DECODE and f.max_query_len != 1:
+            reasons.append(f"{where}: DECODE serves exactly one query token per sequence, got "
+                           f"max_query_len={f.max_query_len}")
+        elif f.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) \
+                and f.max_query_len is None:
+            reasons.append(f"{where}: {f.mode} needs a bound on the draft tokens per sequence "
+                           "(max_query_len)")
+    return reasons
+
+
 def _validate_kernel(k: KernelConstraints) -> list[str]:
     where = f"kernel {k.kernel or k.method}"
     reasons = []
@@ -85,6 +120,10 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
     if not isinstance(caps, Capabilities):
         return [f"capability function must return Capabilities, got {type(caps).__name__}"]
     reasons: list[str] = []
+    if caps.requires:
+        reasons.append("Capabilities.requires is no longer read: declare requirements once, in "
+                       "BackendSpec(requires=...), and drop requires= from the capability "
+                       "function")
     if expected_name is not None and caps.backend != expected_name:
         reasons.append(f"declaration names backend {caps.backend!r}, spec says {expected_name!r}")
     if not caps.kernels and not caps.platform_reason:
@@ -101,8 +140,14 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
             reasons.append(f"{entry.phase}/{entry.mode} declared twice")
         seen.add(key)
         reasons.extend(_validate_capture(entry, caps.backend))
-        if entry.capture.is_native and entry.pinned_method is not None and caps.kernels \
-                and not caps.kernels_for(entry.pinned_method, entry.phase):
+        if not entry.capture.is_unsupported:
+            reasons.extend(_validate_forward_modes(entry.forward_modes,
+                                                   f"{entry.phase}/{entry.mode}",
+                                                   PHASE_FORWARD_MODES[entry.phase]))
+        # A FALLBACK pins too: the backend still decides which method runs
+        # (and e.g. refuses the other), so the pin must name a kernel it has.
+        if not entry.capture.is_unsupported and entry.pinned_method is not None \
+                and caps.kernels and not caps.kernels_for(entry.pinned_method, entry.phase):
             reasons.append(f"{entry.phase}/{entry.mode} pins {entry.pinned_method} but no "
                            f"{entry.pinned_method} kernel serves {entry.phase}")
         if entry.capture.is_native and entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED) \
@@ -111,6 +156,8 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
                         if entry.phase in k.phases):
             reasons.append(f"{entry.phase}/{entry.mode} claims dynamic split-KV under capture "
                            "but no kernel of that phase declares split-KV")
+    reasons.extend(_validate_forward_modes(caps.eager_forward_modes, "eager forward modes",
+                                           tuple(ForwardMode)))
     if caps.kernels:
         for phase, modes in VALID_GRAPH_MODES.items():
             if not caps.serves(phase):
@@ -119,4 +166,45 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
                 if (phase, mode) not in seen:
                     reasons.append(f"{phase}/{mode} is not declared (say NATIVE, FALLBACK or "
                                    "UNSUPPORTED with a reason)")
+    return reasons
+
+
+def validate_fallback_targets(caps: Capabilities,
+                              target_of: Callable[[str], Capabilities | None],
+                              skip: Collection[str] = ()) -> list[str]:
+    """Reasons the FALLBACK entries of ``caps`` name targets that cannot take over.
+
+    ``target_of(name)`` is the target's declaration on the same platform, or
+    None when no loaded plugin registered that name.  A target must exist
+    and, where it has kernels, declare the (phase, mode) it is asked to run
+    NATIVE (so there are no chains and no cycles) with a kernel for the
+    method the fallback pins.  Whether the target is *available* on a
+    platform is the graph policy's question, not a declaration error; so is
+    a target in ``skip`` (names the user disabled).
+    """
+    reasons: list[str] = []
+    for entry in caps.graph_modes:
+        cap = entry.capture
+        if not cap.is_fallback or not cap.fallback_to or not caps.serves(entry.phase) \
+                or cap.fallback_to in skip:
+            continue
+        where = f"{entry.phase}/{entry.mode}"
+        target = target_of(cap.fallback_to)
+        if target is None:
+            reasons.append(f"{where} falls back to {cap.fallback_to!r}, which no loaded plugin "
+                           "registers; name a registered backend, or install the plugin "
+                           "that provides it")
+            continue
+        if not target.kernels:
+            continue  # unavailable here: the policy's hard rule, not a declaration error
+        support = target.graph_support(entry.phase, entry.mode).capture
+        if not support.is_native:
+            reasons.append(f"{where} falls back to {cap.fallback_to!r}, which declares "
+                           f"{entry.phase}/{entry.mode} {support.kind.value.upper()}, not NATIVE "
+                           "(a fallback target must run the mode itself: no chains, no cycles)")
+        elif entry.pinned_method is not None and \
+                not target.kernels_for(entry.pinned_method, entry.phase):
+            reasons.append(f"{where} falls back to {cap.fallback_to!r} pinning "
+                           f"{entry.pinned_method}, but {cap.fallback_to!r} has no "
+                           f"{entry.pinned_method} kernel for {entry.phase}")
     return reasons

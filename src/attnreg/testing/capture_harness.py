@@ -1,61 +1,70 @@
-"""Capture and replay of one backend's forward, as an engine's graph runner does it.
+"""Capture and replay of one backend's forward through :class:`~attnreg.runtime.GraphRunner`.
 
 :class:`CapturedForward` drives the runtime lifecycle of ``docs/runtime.md``
 for one (phase, graph mode): ``init_cuda_graph_state`` ->
 ``init_forward_metadata_capture`` -> warm-up + capture of the forward over
 static buffers -> for each batch ``init_forward_metadata_replay`` + replay.
+Capture and replay are the runner's, the one engines and the benchmarks use.
 
-* FULL: one ``torch.cuda.CUDAGraph`` around the forward.
-* BREAKABLE: the forward is captured in a first segment, then an
-  :func:`~attnreg.graph_policy.capture.eager_break` owned by the harness ends
-  it (the break handler closes the segment), eager code runs (and runs again
-  at every replay, reading a host value that changes per replay), and a second
-  segment is captured after it, as a breakable-graph runner does.  Breaks the
-  backend takes itself inside attention split the capture the same way; the
-  replay callable they hand the handler (decorator or ``eager_break.run``
-  form) runs between the same segments at every replay.  A ``with``-form
-  break cannot be re-run: such a backend is a harness limitation (a skip).
-* ``real_graphs=False`` (cpu): no device graph exists; "capture" runs the
-  forward once under ``capturing(mode)`` with the graph metadata, and each
-  "replay" runs it again after ``init_forward_metadata_replay``.  This checks
-  the capture-mode *code path* (pinning, fallbacks, refusals, what is planned
-  at capture versus replay), not what a recorded graph would do.
+* FULL: the runner records one graph around the forward.
+* BREAKABLE: the captured function is the forward, then an eager break of the
+  harness (``eager_break.run``: it scales the output by a host value that
+  changes per replay), then a copy after it; the runner splits the capture at
+  that break and at any break the backend takes inside attention, and re-runs
+  each break's callable between the replayed segments.  A ``with``-form break
+  cannot be re-run: such a backend is a harness limitation (a skip).
+* ``real_graphs=False`` (cpu): the runner records no device graph; capture runs
+  the forward once under ``capturing(mode)`` with the graph metadata, and each
+  replay runs it again after ``init_forward_metadata_replay``.  This checks the
+  capture-mode *code path* (pinning, fallbacks, refusals, what is planned at
+  capture versus replay, padding), not what a recorded graph would do.
 
 :class:`AllocatorChurn` fills the allocator's cached free memory with
-patterned tensors between replays: storage the graph recorded but that was
-freed during capture gets handed to them, so a replay that writes into it
-changes a pattern, and one that reads it reads garbage.
+patterned tensors between capture and replay (the runner's ``before_replay``
+hook): storage the graph recorded but that was freed during capture gets
+handed to them, so a replay that writes into it changes a pattern, and one
+that reads it reads garbage.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from attnreg.backends.base import AttentionBackend, MLAConfig
-from attnreg.backends.kv_pool import MLAKVPool
 from attnreg.graph_policy.capture import (
-    EagerReplay,
     ServedForward,
-    break_handler,
     capturing,
     eager_break,
     recording_served,
 )
 from attnreg.registry import ForwardMethod, ForwardMode, GraphMode, Phase
+from attnreg.runtime import (
+    AttentionBackend,
+    CapturedGraph,
+    GraphRunner,
+    MLAConfig,
+    MLAKVPool,
+    UnreplayableBreakError,
+    torch_dtype,
+)
 
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import Workload
 
-__all__ = ["HARNESS_BREAK", "AllocatorChurn", "CapturedForward", "MemoryDelta", "Served"]
+__all__ = ["CAPTURE_MEMORY_SLACK", "CAPTURE_MEMORY_TOLERANCE", "HARNESS_BREAK",
+           "AllocatorChurn", "CaptureMemoryCheck", "CapturedForward", "MemoryDelta", "Served"]
 
 #: Label of the harness's own eager break in BREAKABLE capture.
 HARNESS_BREAK = "attnreg.conformance.harness"
+
+#: A declared capture memory within this factor of the measured one (either way) holds.
+CAPTURE_MEMORY_TOLERANCE = 1.25
+#: ...and so does one within this many bytes: allocator rounding, the KV write's
+#: temporaries inside the graph and torch's own per-capture state are not declared.
+CAPTURE_MEMORY_SLACK = 1 << 20
 
 #: What :func:`~attnreg.graph_policy.capture.note_served_by` reported per forward the
 #: harness drove: (when, e.g. "warm-up" or "replay of long_kv", the records).
@@ -87,108 +96,39 @@ class MemoryDelta:
         return out
 
 
-class _CudaSegments:
-    """Opens and closes CUDA-graph segments (what :class:`_Segments` records into)."""
+@dataclass(frozen=True)
+class CaptureMemoryCheck:
+    """What one capture allocated, against what the declaration says it allocates.
 
-    def __init__(self, mempool: Any) -> None:
-        self.mempool = mempool
-
-    def begin(self) -> tuple[Any, Any]:
-        graph = torch.cuda.CUDAGraph()
-        ctx = torch.cuda.graph(graph, pool=self.mempool)
-        ctx.__enter__()
-        return graph, ctx
-
-    @staticmethod
-    def end(handle: tuple[Any, Any], exc: BaseException | None = None) -> Any:
-        graph, ctx = handle
-        if exc is None:
-            ctx.__exit__(None, None, None)
-        else:
-            ctx.__exit__(type(exc), exc, None)
-        return graph
-
-    @staticmethod
-    @contextlib.contextmanager
-    def eager() -> Iterator[None]:
-        """Eager regions may synchronise: lift a sync guard set around the capture."""
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-
-
-class _Segments:
-    """Breakable capture: consecutive graphs separated by eager regions.
-
-    Installed with ``break_handler(seg.handler, with_replay=True)``.  Each
-    break ends the current segment, adds an eager step to the replay plan and
-    begins the next segment when the region is left.  The harness's own break
-    replays ``eager_fn``; a backend's break replays the callable it handed
-    over; a ``with``-form break of the backend has none and is listed in
-    :attr:`unreplayable` (:meth:`check_replayable` then raises).
-
-    ``segments`` opens and closes segments (CUDA graphs by default; the cpu
-    tests pass a fake one to check the plan).
+    ``measured``: on CUDA the allocator's peak from ``init_cuda_graph_state``
+    to the end of the capture, less what was allocated before and the
+    runtime's own index buffers; on cpu the bytes of the tensors the backend
+    holds for graphs (its typed buffers and captured plans).  ``declared``:
+    ``CaptureMemory.estimate`` of the backend's declaration at the capture's
+    shape (one graph, the pool's bytes).
     """
 
-    def __init__(self, mempool: Any, eager_fn: Callable[[], None], *,
-                 segments: Any = None) -> None:
-        self.segments = segments if segments is not None else _CudaSegments(mempool)
-        self.eager_fn = eager_fn
-        self.plan: list[tuple[str, Any]] = []
-        self.unreplayable: list[str] = []
-        self.backend_breaks: list[str] = []
-        self._current: Any = None
+    measured: int
+    declared: int
+    how: str
 
-    def begin(self) -> None:
-        self._current = self.segments.begin()
+    def problem(self) -> str | None:
+        """Why the declaration is off (None when within the tolerance)."""
+        lo, hi = sorted((self.measured, self.declared))
+        if hi - lo <= CAPTURE_MEMORY_SLACK or hi <= CAPTURE_MEMORY_TOLERANCE * lo:
+            return None
+        ratio = hi / lo if lo else float("inf")
+        more = "more" if self.measured > self.declared else "less"
+        return (f"init_cuda_graph_state + capture allocated {_mib(self.measured)} ({self.how}), "
+                f"the declaration's CaptureMemory.estimate says {_mib(self.declared)}: "
+                f"{ratio:.2f}x {more} than declared (tolerance {CAPTURE_MEMORY_TOLERANCE}x or "
+                f"{_mib(CAPTURE_MEMORY_SLACK)}); the graph policy budgets capture memory by the "
+                "declaration, so size the graph buffers with the declaration module's own "
+                "capture-bytes function, or declare what is allocated")
 
-    def end(self) -> None:
-        assert self._current is not None
-        handle, self._current = self._current, None
-        self.plan.append(("graph", self.segments.end(handle)))
 
-    def abort(self) -> None:
-        if self._current is not None:
-            handle, self._current = self._current, None
-            with contextlib.suppress(Exception):
-                self.segments.end(handle, RuntimeError("aborted"))
-
-    def handler(self, label: str, replay: EagerReplay | None
-                ) -> contextlib.AbstractContextManager[None]:
-        @contextlib.contextmanager
-        def split() -> Iterator[None]:
-            self.end()
-            if label == HARNESS_BREAK:
-                self.plan.append(("eager", self.eager_fn))
-            elif replay is not None:
-                self.backend_breaks.append(label)
-                self.plan.append(("eager", replay))
-            else:
-                self.unreplayable.append(label)
-            with self.segments.eager():
-                yield
-            self.begin()
-        return split()
-
-    def check_replayable(self) -> None:
-        """Raise HarnessLimitation when the backend took a break no runner can re-run."""
-        if self.unreplayable:
-            raise HarnessLimitation(
-                f"the backend entered eager_break({self.unreplayable[0]!r}) as a `with` block "
-                "inside attention: a breakable-graph runner cannot re-run that code at replay "
-                "(the handler gets no callable); use the decorator form or "
-                "eager_break.run(label, fn, *args) so the region can be replayed")
-
-    def replay(self) -> None:
-        for kind, step in self.plan:
-            if kind == "graph":
-                step.replay()
-            else:
-                step()
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 class CapturedForward:
@@ -207,10 +147,10 @@ class CapturedForward:
     real_graphs
         False on cpu: the capture-mode code path is driven without a graph.
     sync_check
-        Capture with ``torch.cuda.set_sync_debug_mode("error")`` (an operation
-        that synchronises with the host inside the captured region raises) and
-        account the allocator's bytes around it (:attr:`memory`), net of what
-        torch itself keeps per capture.
+        Capture with ``forbid_sync`` (an operation that synchronises with the
+        host inside the captured region raises) and account the allocator's
+        bytes around it (:attr:`memory`), net of what torch itself keeps per
+        capture.
     """
 
     def __init__(self, backend: AttentionBackend, config: MLAConfig, pool: MLAKVPool, *,
@@ -229,9 +169,10 @@ class CapturedForward:
         self.num_tokens = max_bs if phase is Phase.DECODE else max_tokens
         self.max_seq_len = max_seq_len
         self.memory: MemoryDelta | None = None
+        self.capture_memory: CaptureMemoryCheck | None = None
         self.host_scale = 1.0
         dev = pool.device
-        qdt = _torch_q_dtype(config)
+        qdt = torch_dtype(config.q_dtype)
         heads = config.num_heads
         rows = self.num_tokens
         qk = config.kv_row_dim if method is ForwardMethod.MLA else config.mha_head_dims[0]
@@ -250,11 +191,13 @@ class CapturedForward:
         # into ``mid``; the second segment copies ``mid`` into ``final``.
         self.mid = torch.zeros_like(self.out)
         self.final = torch.zeros_like(self.out)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._segments: _Segments | None = None
-        self._empty_graphs: list[torch.cuda.CUDAGraph] = []
-        self._mempool = torch.cuda.graph_pool_handle() if real_graphs else None
+        self.runner = GraphRunner(dev, device_graphs=real_graphs, warmup=0,
+                                  forbid_sync=self.sync_check)
+        self.graph: CapturedGraph | None = None
+        self._empty_graphs: list[CapturedGraph] = []
         self._storage = {name: _storage_of(t) for name, t in self._statics().items()}
+        self._window_start: int | None = None
+        self._when = "capture"
         #: note_served_by reports per forward driven here (see :data:`Served`).
         self.served: Served = []
 
@@ -277,10 +220,22 @@ class CapturedForward:
                     "replay then overwrites (seed 000 defect 3); free nothing under any capture "
                     "mode (attnreg.graph_policy.dispose_tensor skips under all of them)")
 
+    @property
+    def on_cuda(self) -> bool:
+        return self.real_graphs and self.pool.device.type == "cuda"
+
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self, capture_work: Workload) -> None:
-        """``init_cuda_graph_state`` + ``init_forward_metadata_capture`` for the capture batch."""
+        """``init_cuda_graph_state`` + ``init_forward_metadata_capture`` for the capture batch.
+
+        Starts the capture-memory window (see :class:`CaptureMemoryCheck`).
+        """
         fmode = ForwardMode.DECODE if self.phase is Phase.DECODE else ForwardMode.EXTEND
+        if self.on_cuda:
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._window_start = torch.cuda.memory_allocated()
         with capturing(self.mode):
             self.backend.init_cuda_graph_state(self.bs, max(self.num_tokens, self.bs),
                                                max_seq_len=self.max_seq_len,
@@ -290,117 +245,118 @@ class CapturedForward:
                                                    forward_mode=fmode)
 
     def warm_up(self, capture_work: Workload) -> torch.Tensor:
-        """Run the capture-mode path once eagerly on the capture batch (compiles kernels)."""
+        """Run the captured function once eagerly on the capture batch (compiles kernels).
+
+        Through the runner: on CUDA on a side stream, under ``capturing(mode)``.
+        """
         self._fill(capture_work)
+        self._when = "warm-up"
         # not under the sync guard: first launches compile kernels and may set up state
-        with capturing(self.mode):
-            self._forward("warm-up")
+        self.runner.warm_up(self._step, self.mode)
         self.check_storage("warm-up")
-        if self.real_graphs:
-            torch.cuda.synchronize()
         return self.out[:capture_work.rows]
 
     def capture(self) -> None:
-        """Record the forward (nothing to do without device graphs)."""
-        if not self.real_graphs:
-            return
+        """Record the function (without device graphs: run it once under ``capturing``)."""
         overhead = self._capture_overhead() if self.sync_check else 0
-        # torch.cuda.graph collects garbage on entry: do it first, so tensors that were
-        # already dead do not count as freed by the captured region
-        gc.collect()
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_stats()
-        if self.mode is GraphMode.BREAKABLE:
-            seg = _Segments(self._mempool, self._eager_region)
-            try:
-                with capturing(self.mode), break_handler(seg.handler, with_replay=True):
-                    seg.begin()
-                    with self._sync_guard():
-                        self._forward("capture")
-                    with eager_break(HARNESS_BREAK):
-                        self._eager_region()
-                    self.final.copy_(self.mid)
-                    seg.end()
-            except BaseException:
-                seg.abort()
-                raise
-            seg.check_replayable()
-            self._segments = seg
-        else:
-            graph = torch.cuda.CUDAGraph()
-            capture = torch.cuda.graph(graph, pool=self._mempool)
-            with capturing(self.mode), capture, self._sync_guard():
-                self._forward("capture")
-            self._graph = graph
+        self._when = "capture"
+        try:
+            self.graph = self.runner.capture(self._step, self.mode, warmup=0)
+        except UnreplayableBreakError as exc:
+            raise HarnessLimitation(
+                f"the backend entered eager_break({exc.labels[0]!r}) as a `with` block inside "
+                "attention: a breakable-graph runner cannot re-run that code at replay (the "
+                "handler gets no callable); use the decorator form or "
+                "eager_break.run(label, fn, *args) so the region can be replayed") from exc
         self.check_storage("capture")
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_stats()
-        self.memory = MemoryDelta(
-            bytes_delta=int(after.get("allocated_bytes.all.current", 0)
-                            - before.get("allocated_bytes.all.current", 0)) - overhead,
-            allocations=int(after.get("allocation.all.allocated", 0)
-                            - before.get("allocation.all.allocated", 0)),
-            frees=int(after.get("allocation.all.freed", 0)
-                      - before.get("allocation.all.freed", 0)))
+        stats = self.graph.stats
+        if stats is not None:
+            self.memory = MemoryDelta(bytes_delta=stats.bytes_held - overhead,
+                                      allocations=stats.allocations, frees=stats.frees)
+        self.capture_memory = self._measure_capture_memory()
 
-    def _empty_captures(self) -> list[torch.cuda.CUDAGraph]:
-        """As many graphs as the real capture makes, each around one tiny kernel."""
-        graphs = []
-        for _ in range(2 if self.mode is GraphMode.BREAKABLE else 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                self.mid.zero_()
-            graphs.append(graph)
-        return graphs
+    def _measure_capture_memory(self) -> CaptureMemoryCheck:
+        state = self.backend.graph_state
+        assert state is not None
+        declared_shape = replace(state.capture_shape, kv_pool_bytes=self.pool.buffer.nbytes,
+                                 num_graphs=1)
+        support = self.backend.capabilities.graph_support(self.phase, self.mode)
+        declared = support.capture_memory.estimate(declared_shape)
+        if self.on_cuda and self._window_start is not None:
+            torch.cuda.synchronize()
+            measured = torch.cuda.max_memory_allocated() - self._window_start - state.base_bytes
+            how = "peak of the device allocator, less the runtime's index buffers"
+        else:
+            measured = self.backend.graph_buffer_bytes()
+            how = "bytes of the backend's graph buffers and captured plans"
+        return CaptureMemoryCheck(measured=max(0, int(measured)), declared=int(declared), how=how)
 
     def _capture_overhead(self) -> int:
         """Bytes torch itself keeps allocated per capture of this shape (not the backend's).
 
         The first capture while no other graph exists registers the RNG state
         (two small tensors, held while any graph lives); later ones may hold
-        nothing.  An empty capture absorbs one-time costs, a second one measures
-        the steady cost, and both stay alive until this object goes away.
+        nothing.  Empty captures absorb one-time costs, a second round measures
+        the steady cost, and all stay alive until this object goes away.
         """
-        self._empty_graphs = self._empty_captures()
-        gc.collect()
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        self._empty_graphs += self._empty_captures()
-        torch.cuda.synchronize()
-        return int(torch.cuda.memory_allocated() - start)
+        segments = 2 if self.mode is GraphMode.BREAKABLE else 1
+
+        def empty_round() -> int:
+            held = 0
+            for _ in range(segments):
+                graph = self.runner.capture(self.mid.zero_, GraphMode.FULL, warmup=0)
+                self._empty_graphs.append(graph)
+                held += graph.stats.bytes_held if graph.stats is not None else 0
+            return held
+
+        empty_round()
+        return empty_round()
 
     def replay(self, work: Workload, host_scale: float = 1.0,
                between: Callable[[], None] | None = None) -> torch.Tensor:
         """Copy ``work`` in, re-plan its metadata, replay; the output rows of ``work``.
 
         ``between`` runs after the metadata replay and right before the graph
-        replay (allocator churn goes there).
+        replay (the runner's ``before_replay`` hook: allocator churn goes there).
         """
+        assert self.graph is not None, "capture() first"
         self._fill(work)
         fmode = ForwardMode.DECODE if self.phase is Phase.DECODE else ForwardMode.EXTEND
         self.backend.init_forward_metadata_replay(self.bs, self.num_tokens, work.batch,
                                                   forward_mode=fmode)
         self.host_scale = host_scale
-        if between is not None:
-            between()
-        if not self.real_graphs:
-            with capturing(self.mode):
-                self._forward(f"replay of {work.spec.name}")
-            self.check_storage(f"replay of {work.spec.name}")
-            if self.mode is GraphMode.BREAKABLE:
-                self._eager_region()
-                self.final.copy_(self.mid)
-        elif self._segments is not None:
-            self._segments.replay()
-        else:
-            assert self._graph is not None, "capture() first"
-            self._graph.replay()
-        if self.real_graphs:
+        self._when = f"replay of {work.spec.name}"
+        self.runner.before_replay = between
+        try:
+            self.graph.replay()
+        finally:
+            self.runner.before_replay = None
+        if self.on_cuda:
             torch.cuda.synchronize()
+        if not self.real_graphs:
+            self.check_storage(f"replay of {work.spec.name}")
         if self.mode is GraphMode.BREAKABLE:
             # undo the eager region's exact power-of-two scaling
             return self.final[:work.rows] / host_scale
         return self.out[:work.rows]
+
+    def padding_problems(self, work: Workload) -> list[str]:
+        """Rows of the attention output beyond ``work``'s that are not exactly zero."""
+        rest = self.out[work.rows:]
+        if rest.numel() == 0:
+            return []
+        bad = ~(rest == 0).flatten(1).all(dim=1)
+        if not bool(bad.any()):
+            return []
+        rows = [work.rows + int(i) for i in torch.nonzero(bad).flatten().tolist()]
+        nonfinite = int((~torch.isfinite(rest.float())).flatten(1).any(dim=1).sum())
+        return [f"{work.spec.describe()} replayed through a graph captured for "
+                f"bs={self.bs}, num_tokens={self.num_tokens}: {len(rows)} of "
+                f"{self.out.shape[0] - work.rows} padding output rows are not zero (rows "
+                f"{rows[:6]}{'...' if len(rows) > 6 else ''}"
+                + (f", {nonfinite} with non-finite values" if nonfinite else "")
+                + "); docs/runtime.md promises zero output for the missing sequences: zero "
+                "them inside the graph (AttentionBackend.zero_padded_rows)"]
 
     # -- pieces ------------------------------------------------------------------------
     def _fill(self, work: Workload) -> None:
@@ -417,6 +373,13 @@ class CapturedForward:
             self.k[t:].zero_()
             self.v[t:].zero_()
 
+    def _step(self) -> None:
+        """The captured function: the forward, then (BREAKABLE) the harness's break."""
+        self._forward(self._when)
+        if self.mode is GraphMode.BREAKABLE:
+            eager_break.run(HARNESS_BREAK, self._eager_region)
+            self.final.copy_(self.mid)
+
     def _forward(self, when: str) -> None:
         """One forward over the static buffers; what served it goes to :attr:`served`."""
         with recording_served() as records:
@@ -432,27 +395,9 @@ class CapturedForward:
     def _eager_region(self) -> None:
         torch.mul(self.out, self.host_scale, out=self.mid)
 
-    @contextlib.contextmanager
-    def _sync_guard(self) -> Iterator[None]:
-        if not self.sync_check:
-            yield
-            return
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-
 
 def _storage_of(t: torch.Tensor) -> tuple[int, int]:
     return t.untyped_storage().data_ptr(), t.numel()
-
-
-def _torch_q_dtype(config: MLAConfig) -> torch.dtype:
-    from attnreg.backends.kv_pool import torch_dtype
-
-    return torch_dtype(config.q_dtype)
 
 
 class AllocatorChurn:
@@ -473,6 +418,11 @@ class AllocatorChurn:
         self.device = device
         self.max_tensors = max_tensors
         self.tensors: list[torch.Tensor] = []
+
+    def churn(self) -> None:
+        """:meth:`scramble` then :meth:`fill`: what runs between capture and a replay."""
+        self.scramble()
+        self.fill()
 
     def scramble(self) -> None:
         junk = self._take(self.JUNK)

@@ -14,7 +14,9 @@ pytest plugin turns each claim into one test item.  Three kinds:
 * ``capture`` - each declared (phase, graph mode): NATIVE and FALLBACK modes
   run correctly through capture and replay (several batches, allocator churn,
   KV canaries, no sync or allocation while capturing, pinned forward method,
-  split-KV surviving capture); FALLBACK modes are served by the declared
+  split-KV surviving capture, zero output rows for the padding of a smaller
+  batch, capture memory within the declared estimate); FALLBACK modes are
+  served by the declared
   ``fallback_to`` (as the backend reports through
   :func:`~attnreg.graph_policy.capture.note_served_by`); UNSUPPORTED modes are
   refused.
@@ -94,16 +96,20 @@ class Check(StrEnum):
     ALLOCATOR_CHURN = "allocator_churn"
     NO_SYNC_ALLOC = "no_sync_alloc"
     SPLIT_KV = "split_kv"
+    PADDED_ROWS = "padded_rows"
+    CAPTURE_MEMORY = "capture_memory"
     PIECEWISE = "piecewise"
     # availability
     AVAILABLE = "available"
 
 
 
-#: Capture checks that are logic only (no CUDA graph object is needed): they
-#: run on cpu under ``capturing(mode)`` with the capture calls emulated.
+#: Capture checks that also run without a CUDA graph: on cpu under
+#: ``capturing(mode)`` with capture and replay emulated by the graph runner
+#: (capture memory is then read from the backend's typed graph state).
 CPU_RUNNABLE_CAPTURE_CHECKS = frozenset({Check.REFUSES_CAPTURE, Check.CAPTURE_PATH,
-                                         Check.FALLBACK_SERVED, Check.PINNING})
+                                         Check.FALLBACK_SERVED, Check.PINNING,
+                                         Check.PADDED_ROWS, Check.CAPTURE_MEMORY})
 
 #: DeepSeek-style MLA: (head_dim_qk, head_dim_v) -> the MLAConfig fields that give it.
 #: MLA: q/k = kv_lora_rank + rope, v = kv_lora_rank.  MHA: q/k = nope + rope, v = v_head_dim.
@@ -518,6 +524,15 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
                     f"{where}, {method} captured once replays {', '.join(replay_specs)} "
                     "(new lengths and contents each time) and matches the oracle, leaving "
                     "every KV slot outside the written ones untouched", combo=combo)
+            for combo in kv_variants:
+                add(Check.CAPTURE_MEMORY,
+                    f"{where}, what init_cuda_graph_state and the capture allocate is within "
+                    "1.25x (or 1 MiB) of the declared CaptureMemory.estimate for the captured "
+                    "shape", combo=combo, needs_graphs=False, batches=replay_specs)
+            add(Check.PADDED_ROWS,
+                f"{where}, a graph captured for the largest of {', '.join(replay_specs)} "
+                "replays the smaller ones with every output row of the padding exactly zero",
+                needs_graphs=False)
             add(Check.ALLOCATOR_CHURN,
                 f"{where}, replays stay correct after large tensors are allocated and "
                 "freed between them (storage the graph recorded was not freed)")

@@ -8,13 +8,12 @@ Every check drives the backend only through the public runtime interface of
 from __future__ import annotations
 
 import contextlib
+import gc
 import traceback
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from attnreg.backends.base import AttentionBackend, MLAConfig
-from attnreg.backends.kv_pool import MLAKVPool
 from attnreg.graph_policy.capture import capturing, recording_served
 from attnreg.registry import (
     BackendRegistry,
@@ -25,6 +24,7 @@ from attnreg.registry import (
     SupportKind,
     UnsupportedError,
 )
+from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig, MLAKVPool
 
 from .batches import BatchSpec, batch_spec
 from .capture_harness import AllocatorChurn, CapturedForward, Served
@@ -331,7 +331,8 @@ class Harness:
         }
 
     def _run_capture_path(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
-                          specs: Sequence[BatchSpec], method: ForwardMethod) -> Served:
+                          specs: Sequence[BatchSpec], method: ForwardMethod, *,
+                          padded: bool = False) -> Served:
         """Drive the capture-mode path without a device graph; refute on any wrong batch.
 
         Returns what the backend reported served each forward (``note_served_by``).
@@ -344,15 +345,19 @@ class Harness:
                                    method=method, real_graphs=False,
                                    **self._bounds(specs))  # type: ignore[arg-type]
         problems = self._drive(captured, config, pool, specs, method, _combo(claim),
-                               label=f"{mode} capture path (no device graph)")
+                               label=f"{mode} capture path (no device graph)", padded=padded)
         if problems:
             raise ClaimRefuted("; ".join(problems))
         return captured.served
 
     def _drive(self, captured: CapturedForward, config: MLAConfig, pool: MLAKVPool,
                specs: Sequence[BatchSpec], method: ForwardMethod, combo: Combo, *, label: str,
-               churn: AllocatorChurn | None = None) -> list[str]:
-        """prepare -> warm up -> capture -> replay every spec; the problems found."""
+               churn: AllocatorChurn | None = None, padded: bool = False) -> list[str]:
+        """prepare -> warm up -> capture -> replay every spec; the problems found.
+
+        ``padded``: the attention output is filled with NaN before each replay and
+        every row beyond the batch must come out exactly zero.
+        """
         problems: list[str] = []
         # Every input is built (and every prefix written) before capture: nothing the
         # harness needs may be allocated after capture, where a block freed during
@@ -375,17 +380,17 @@ class Harness:
         with explained(f"{label}: capturing"):
             captured.capture()
         for i, (spec, work) in enumerate(zip(specs, works)):
-            between = None
-            if churn is not None:
-                def between(c: AllocatorChurn = churn) -> None:
-                    c.scramble()
-                    c.fill()
+            between = churn.churn if churn is not None else None
             scale = _HOST_SCALES[i % len(_HOST_SCALES)]
+            if padded:
+                captured.out.fill_(float("nan"))
             with explained(f"{label}: replay {i + 1} ({spec.describe()})"):
                 out = captured.replay(work, host_scale=scale, between=between)
             msg = compare(out, work.expected, combo.q_dtype, spec)
             if msg:
                 problems.append(f"replay {i + 1}: {msg}")
+            if padded:
+                problems += [f"replay {i + 1}: {p}" for p in captured.padding_problems(work)]
             problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
             written += work.new_slots
             if churn is not None:
@@ -408,8 +413,13 @@ class Harness:
         config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
                                                                       for s in specs))
         backend = self.create(claim, config)
+        if claim.check is Check.CAPTURE_MEMORY:
+            self.check_capture_memory(claim, backend, config, specs)
+            return
+        padded = claim.check is Check.PADDED_ROWS
         if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
-            served = self._run_capture_path(claim, backend, config, specs, method)
+            served = self._run_capture_path(claim, backend, config, specs, method,
+                                            padded=padded)
             if claim.check is Check.CAPTURE_PATH:
                 self._check_native_served(claim, served)
             return
@@ -421,11 +431,61 @@ class Harness:
         churn = AllocatorChurn(pool.device) if claim.check is Check.ALLOCATOR_CHURN else None
         label = f"{phase} {mode} graph"
         problems = self._drive(captured, config, pool, specs, method, combo, label=label,
-                               churn=churn)
+                               churn=churn, padded=padded)
         if claim.check is Check.NO_SYNC_ALLOC and captured.memory is not None:
             problems += captured.memory.problems()
         if problems:
             raise ClaimRefuted("; ".join(problems))
+
+    # ------------------------------------------------------------------------------
+    # capture: memory against the declaration
+    # ------------------------------------------------------------------------------
+    def check_capture_memory(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
+                             specs: Sequence[BatchSpec]) -> None:
+        """init_cuda_graph_state + capture allocate what ``CaptureMemory.estimate`` declares.
+
+        Captured through the graph runner at the bounds of the claim's batches
+        (one graph); measured with the device allocator on CUDA, from the
+        backend's typed graph state on cpu (see ``CaptureMemoryCheck``).
+        """
+        combo = _combo(claim)
+        pool = make_pool(config, [specs[0], specs[0]])
+        captured = CapturedForward(backend, config, pool, phase=combo.phase,
+                                   mode=claim.graph_mode, method=combo.method,
+                                   real_graphs=self.real_graphs,
+                                   **self._bounds(specs))  # type: ignore[arg-type]
+        capture_work = make_workload(config, pool, specs[0], combo.method, seed=1)
+        if self.real_graphs:
+            self._prime(backend, make_workload(config, pool, specs[0], combo.method, seed=2),
+                        pool)
+        label = f"{combo.phase} {claim.graph_mode} capture"
+        with explained(f"{label}: preparing ({specs[0].describe()})"):
+            captured.prepare(capture_work)
+        with explained(f"{label}: warm-up"):
+            captured.warm_up(capture_work)
+        with explained(f"{label}: capturing"):
+            captured.capture()
+        check = captured.capture_memory
+        assert check is not None
+        problem = check.problem()
+        if problem:
+            raise ClaimRefuted(problem)
+
+    def _prime(self, backend: AttentionBackend, work: Workload, pool: MLAKVPool) -> None:
+        """One eager forward before the capture-memory window opens.
+
+        Kernel libraries set up lazy state on their first call (compiled kernels,
+        module-level buffers) whether or not anything is captured; that is not
+        capture memory.  A failure here is left to the capture that follows (it
+        reports it under the claim), so it is not raised.
+        """
+        try:
+            self.eager_forward(backend, work, pool)
+            self.sync()
+        except Exception:  # noqa: BLE001 - the capture below reports what is wrong
+            pass
+        backend.forward_metadata = None  # its eager plan must not be freed inside the window
+        gc.collect()
 
     # ------------------------------------------------------------------------------
     # capture: which implementation served the forward
@@ -558,6 +618,8 @@ class _Piecewise:
         attn_out = torch.zeros(rows, config.num_heads, out_dim, dtype=first.q.dtype,
                                device=dev)
         final = torch.zeros_like(attn_out)
+        # the batch the eager attention serves: the first one at capture, then each replay's
+        current = [first]
 
         def piece_a() -> None:
             for name, t in hidden.items():
@@ -567,52 +629,41 @@ class _Piecewise:
                 if t is not None:
                     static_kv[name].copy_(t)
 
+        def attention() -> None:
+            work = current[0]
+            n = work.rows
+            self.backend.init_forward_metadata(work.batch)
+            kt, vt = static_kv.get("k"), static_kv.get("v")
+            if work.spec.phase is Phase.DECODE:
+                self.backend.forward_decode(static["q"][:n], static["latent_new"][:n],
+                                            static["rope_new"][:n], pool, work.batch,
+                                            out=attn_out[:n])
+            else:
+                tk = work.k.shape[0] if work.k is not None else 0
+                self.backend.forward_extend(
+                    static["q"][:n], static["latent_new"][:n], static["rope_new"][:n],
+                    pool, work.batch, method=method,
+                    k=kt[:tk] if kt is not None else None,
+                    v=vt[:tk] if vt is not None else None, out=attn_out[:n])
+
         def piece_b() -> None:
             final.copy_(attn_out)
 
-        graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        mempool = torch.cuda.graph_pool_handle()
-        with capturing(GraphMode.TC_PIECEWISE):
-            piece_a()
-            piece_b()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph_a, pool=mempool):
-                piece_a()
-            with torch.cuda.graph(graph_b, pool=mempool):
-                piece_b()
-        problems: list[str] = []
         churn = AllocatorChurn(dev)
+        runner = GraphRunner(dev, before_replay=churn.churn)
+        # captured with the first batch's inputs: they are rewritten into its slots later
+        self._load(hidden, hidden_kv, first)
+        with explained("tc_piecewise capture"):
+            graph = runner.capture_pieces([piece_a, EagerStep(attention, "attention"),
+                                           piece_b], GraphMode.TC_PIECEWISE)
+        problems: list[str] = []
         written = [slot for w in works for slot in w.prefix_slots]
         for i, work in enumerate(works):
             n = work.rows
-            for name, t in hidden.items():
-                if t is not None:
-                    t.zero_()
-                    t[:n].copy_(getattr(work, name))
-            for name, t in hidden_kv.items():
-                if t is not None:
-                    t.zero_()
-                    t[:getattr(work, name).shape[0]].copy_(getattr(work, name))
-            churn.scramble()
-            churn.fill()
+            self._load(hidden, hidden_kv, work)
+            current[0] = work
             with explained(f"tc_piecewise replay {i + 1} ({work.spec.describe()})"):
-                graph_a.replay()
-                with capturing(GraphMode.TC_PIECEWISE):
-                    self.backend.init_forward_metadata(work.batch)
-                    kt = static_kv.get("k")
-                    vt = static_kv.get("v")
-                    if work.spec.phase is Phase.DECODE:
-                        self.backend.forward_decode(static["q"][:n], static["latent_new"][:n],
-                                                    static["rope_new"][:n], pool, work.batch,
-                                                    out=attn_out[:n])
-                    else:
-                        tk = work.k.shape[0] if work.k is not None else 0
-                        self.backend.forward_extend(
-                            static["q"][:n], static["latent_new"][:n], static["rope_new"][:n],
-                            pool, work.batch, method=method,
-                            k=kt[:tk] if kt is not None else None,
-                            v=vt[:tk] if vt is not None else None, out=attn_out[:n])
-                graph_b.replay()
+                graph.replay()
                 torch.cuda.synchronize()
             msg = compare(final[:n], work.expected, combo.q_dtype, work.spec)
             if msg:
@@ -625,6 +676,20 @@ class _Piecewise:
                                 "capture: storage recorded by a piece was freed")
             churn.release()
         return problems
+
+    @staticmethod
+    def _load(hidden: dict[str, torch.Tensor | None], hidden_kv: dict[str, torch.Tensor | None],
+              work: Workload) -> None:
+        """Put ``work``'s inputs into the hidden buffers piece A reads (zero elsewhere)."""
+        for name, t in hidden.items():
+            if t is not None:
+                t.zero_()
+                t[:work.rows].copy_(getattr(work, name))
+        for name, t in hidden_kv.items():
+            if t is not None:
+                value = getattr(work, name)
+                t.zero_()
+                t[:value.shape[0]].copy_(value)
 
 
 def _served_problems(served: Served, expected: str) -> list[str] | None:

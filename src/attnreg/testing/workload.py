@@ -19,10 +19,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnreg.backends.base import MLAConfig
-from attnreg.backends.batch import ForwardBatch, decode_batch, extend_batch
-from attnreg.backends.kv_pool import MLAKVPool, torch_dtype
 from attnreg.registry import DType, ForwardMethod, Phase
+from attnreg.runtime import (
+    ForwardBatch,
+    MLAConfig,
+    MLAKVPool,
+    decode_batch,
+    extend_batch,
+    torch_dtype,
+)
 
 from .batches import BatchSpec
 from .claims import Combo, head_dims_config

@@ -16,7 +16,10 @@ The conformance suite must refute each one, with a message pointing at the cause
 * ``planted_int64_lengths`` (e): declares int32 index tensors but skips the dtype check,
   and its decode reads an int64 ``seq_lens`` buffer as int32;
 * ``planted_pin_mismatch`` (f): declares MLA pinned under BREAKABLE but runs the MHA
-  companion when asked to.
+  companion when asked to;
+* ``planted_memory_overdeclared`` / ``planted_memory_undeclared`` /
+  ``planted_padding_rows`` (g, ``capture_declared``): capture memory far from what
+  is declared, either way, and padding output rows left unwritten.
 
 Load one with ``--attnreg-plugin planted.<module>`` (``tests/conformance`` on
 ``PYTHONPATH``) or ``load_registry(extra_plugins=[("planted", module)])``.

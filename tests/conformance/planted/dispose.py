@@ -12,12 +12,13 @@ had recorded; replay then wrote into reused memory (KV-cache corruption).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import attnreg
-from attnreg.backends.triton_mla import TritonMLABackend
+from attnreg.backends.triton_mla import TritonMLABackend, TritonPlan
 from attnreg.graph_policy.capture import current_capture
 from attnreg.registry import DeclarationContext, GraphMode, Phase
 
@@ -42,17 +43,25 @@ class DisposeInputs(TritonMLABackend):
         buggy_dispose(rope_new)
 
 
+@dataclass
+class ScratchPlan(TritonPlan):
+    """Triton's plan plus a scratch copy of q the planted backend allocates at capture."""
+
+    q_scratch: torch.Tensor | None = None
+
+
 class DisposeInGraph(TritonMLABackend):
     def _init_capture_impl(self, md: Any) -> None:
         super()._init_capture_impl(md)
         if md.phase is Phase.DECODE:
             heads, dim = self.config.num_heads, self.config.kv_row_dim
-            md.extras["q_scratch"] = torch.empty(md.batch_size, heads, dim,
-                                                 dtype=attnreg_q_dtype(self), device=self.device)
+            scratch = torch.empty(md.batch_size, heads, dim, dtype=attnreg_q_dtype(self),
+                                  device=self.device)
+            md.plan = ScratchPlan(md.plan.splits, md.plan.workspace, scratch)
 
     def _forward_decode_impl(self, q: torch.Tensor, pool: Any, md: Any,
                              out: torch.Tensor) -> None:
-        scratch = md.extras.get("q_scratch")
+        scratch = getattr(md.plan, "q_scratch", None)
         if scratch is None or scratch.numel() == 0:
             super()._forward_decode_impl(q, pool, md, out)
             return
@@ -65,7 +74,7 @@ class DisposeInGraph(TritonMLABackend):
 
 
 def attnreg_q_dtype(backend: TritonMLABackend) -> torch.dtype:
-    from attnreg.backends.kv_pool import torch_dtype
+    from attnreg.runtime import torch_dtype
 
     return torch_dtype(backend.config.q_dtype)
 

@@ -9,12 +9,13 @@ past ``SPLITS * chunk``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import attnreg
-from attnreg.backends.triton_mla import TritonMLABackend
+from attnreg.backends.triton_mla import TritonMLABackend, TritonPlan
 from attnreg.registry import DeclarationContext, Phase
 
 from ._common import spec, triton_like
@@ -31,22 +32,30 @@ def _chunk(max_seq_len: int) -> int:
     return max(1, -(-int(max_seq_len) // SPLITS))
 
 
+@dataclass
+class ChunkPlan(TritonPlan):
+    """Triton's plan plus the planted backend's chunk length."""
+
+    chunk: int = 1
+
+
 class Backend(TritonMLABackend):
     def _init_metadata_impl(self, md: Any) -> None:
         super()._init_metadata_impl(md)
         if md.phase is Phase.DECODE:
-            md.extras["chunk"] = _chunk(md.max_seq_len)
+            md.plan = ChunkPlan(md.plan.splits, md.plan.workspace, _chunk(md.max_seq_len))
 
     def _init_capture_impl(self, md: Any) -> None:
         super()._init_capture_impl(md)
         if md.phase is Phase.DECODE:
             # THE DEFECT: planned from the capture batch, and _init_replay_impl never
             # re-plans it for the lengths of each replay
-            md.extras["chunk"] = _chunk(md.batch.max_seq_len if md.batch is not None else 1)
+            md.plan = ChunkPlan(md.plan.splits, md.plan.workspace,
+                                _chunk(md.batch.max_seq_len if md.batch is not None else 1))
 
     def _forward_decode_impl(self, q: torch.Tensor, pool: Any, md: Any,
                              out: torch.Tensor) -> None:
-        covered = SPLITS * int(md.extras["chunk"])
+        covered = SPLITS * int(md.plan.chunk)
         rows = pool.buffer[md.page_table.long()].float()            # [B, P, ps, 576]
         rows = rows.reshape(rows.shape[0], -1, pool.row_dim) * pool.scale_tensor
         pos = torch.arange(rows.shape[1], device=q.device)

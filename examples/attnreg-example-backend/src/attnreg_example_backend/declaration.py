@@ -29,10 +29,11 @@ PAGE_SIZES = (16, 64)
 MAX_HEADS = 64
 HALF = frozenset({DType.BF16, DType.FP16})
 
-#: An optional dependency: missing, the backend is listed as unavailable with
-#: an install hint instead of failing.  (distribution "torch", import "torch",
-#: the attnreg extra that brings it.)
-TORCH = Requirement("torch", "torch", "torch", "2.4")
+#: What the runtime needs, listed in the BackendSpec (plugin.py): missing or
+#: older than 2.4, the backend is listed as unavailable with the hint
+#: "pip install 'torch>=2.4'" instead of failing.  (import name, distribution,
+#: minimum version.)
+TORCH = Requirement("torch", "torch", "2.4")
 
 # Reasons are shown to users by `attnreg compat`; say why, truthfully.
 _DECODE_NOT_CAPTURED = ("decode capture has not been verified on a GPU for this example; "
@@ -79,7 +80,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     return Capabilities(
         backend=BACKEND_NAME, platform=platform,
         vendors=frozenset({Vendor.CPU, Vendor.CUDA}), kernels=kernels,
-        graph_modes=graph_modes, requires=(TORCH,), platform_reason=reason,
+        graph_modes=graph_modes, platform_reason=reason,
         # Below the built-in reference (0): installing the plugin must not change
         # which backend an engine gets when it asks for none.
         priority=-1,

@@ -12,9 +12,8 @@ runs.
 from __future__ import annotations
 
 import torch
-from attnreg.backends.base import ForwardMetadata
-from attnreg.backends.kv_pool import MLAKVPool
 from attnreg.backends.reference import ReferenceBackend
+from attnreg.runtime import ForwardMetadata, MLAKVPool
 
 __all__ = ["ExampleMLABackend"]
 
@@ -26,7 +25,7 @@ class ExampleMLABackend(ReferenceBackend):
     Computes in float32 and writes the output in the query's dtype.
     """
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata,
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool, md: ForwardMetadata[None],
                              out: torch.Tensor) -> None:
         batch, latent = q.shape[0], self.config.kv_lora_rank
         max_len = md.max_seq_len

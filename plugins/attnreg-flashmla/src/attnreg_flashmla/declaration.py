@@ -80,10 +80,12 @@ __all__ = [
 
 BACKEND_NAME = "flashmla"
 
-#: The kernel library.  ``extra`` is empty: it is this plugin's dependency, not
-#: an attnreg extra, so the install hint names the distribution itself.
-FLASH_MLA = Requirement("flash_mla", "sgl-flash-mla", "", "1.0.0")
-TORCH = Requirement("torch", "torch", "torch", "2.4")
+#: The kernel library.  Its 1.0.0 metadata asks for torch >= 2.14.1, but its
+#: libraries use torch's stable ABI and load on older torch (2.11 on the H200),
+#: so the hint installs it without its dependencies.
+FLASH_MLA = Requirement("flash_mla", "sgl-flash-mla", min_version="1.0.0",
+                        install="pip install --no-deps 'sgl-flash-mla>=1.0.0'")
+TORCH = Requirement("torch", "torch", min_version="2.4")
 
 #: The only architecture with a dense MLA decode kernel in sgl-flash-mla 1.0.0.
 SM = 90
@@ -192,7 +194,7 @@ def capture_bytes(shape: CaptureShape) -> int:
     (largest batch first) reuse the largest one's memory.
     """
     tokens = max(1, shape.max_num_tokens // max(1, shape.max_batch_size))
-    sms = getattr(shape, "num_sms", 0) or MAX_SM90_SMS
+    sms = shape.num_sms or MAX_SM90_SMS
     total = (sum(scheduler_bytes(shape.max_batch_size, shape.num_heads, tokens, sms).values())
              + sum(decode_call_bytes(shape.max_batch_size, shape.num_heads, tokens,
                                      sms).values()))
@@ -263,7 +265,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend=BACKEND_NAME, platform=plat, vendors=frozenset({Vendor.CUDA}),
-        kernels=kernels, graph_modes=modes, requires=(TORCH, FLASH_MLA),
+        kernels=kernels, graph_modes=modes,
         unavailable_kernels=unavailable, platform_reason=reason,
         # Above flashinfer_mla (30), its sm90 alternative: on the H200 FlashMLA
         # decoded the P1 shapes in 0.975x fa3's time (geometric mean).  Below

@@ -36,8 +36,8 @@ def load_library() -> ModuleType:
     except (ImportError, OSError, RuntimeError) as exc:
         raise BackendUnavailableError(
             BACKEND_NAME, f"flash_mla could not be imported ({type(exc).__name__}: {exc}); "
-                          f"install {FLASH_MLA.distribution} (pip install --no-deps "
-                          f"{FLASH_MLA.distribution})") from exc
+                          f"install {FLASH_MLA.distribution}: {FLASH_MLA.install_hint()}"
+        ) from exc
     has_legacy = getattr(flash_mla, "has_legacy", None)
     if has_legacy is None or not has_legacy():
         raise BackendUnavailableError(

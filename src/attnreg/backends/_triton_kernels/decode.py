@@ -44,6 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
+# the sizing the declaration estimates with (re-exported: kernel callers import it here)
+from ..declarations.triton_sizing import (  # noqa: F401
+    MIN_CHUNK_TOKENS,
+    DecodeConfig,
+    decode_config,
+    default_max_splits,
+    splits_for_config,
+)
 from ._common import (
     KV_FP8_DTYPE,
     LOG2E,
@@ -61,13 +69,6 @@ D_LATENT = 512
 D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
 
-#: Default shortest chunk a split gets when the heuristic, not ``force_num_splits``, is in
-#: charge: below a few hundred tokens the fixed cost of a program (loading up to 64x576
-#: query values, the merge traffic of a 512-wide fp32 partial per head) outweighs the
-#: parallelism it adds.  Each DecodeConfig carries its own value.
-MIN_CHUNK_TOKENS = 256
-
-
 #: The compiled kernel of the latest decode launch (diagnostics: registers, spills).
 _LAST_LAUNCH: dict = {}
 
@@ -83,74 +84,6 @@ class MLADecodeWorkspace(NamedTuple):
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-
-
-class DecodeConfig(NamedTuple):
-    """Launch configuration of the decode kernel (see :func:`decode_config`)."""
-
-    block_h: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    dv_split: int = 1  # 2: two programs per head block, each owns 256 of the 512 V columns
-    isolate_qk: bool = False  # see the kernel: un-chain the QK dot (8 warps, 64 heads)
-    ctas_per_sm: int = 1  # programs resident per SM: how many the split heuristic aims at
-    min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
-
-
-def decode_config(num_heads: int, kv_dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
-    """Launch configuration for ``num_heads`` query heads (tuned on an H200; the
-    measurements behind each choice are in the docstring of
-    benchmarks/triton_decode_tuning.py).
-
-    * H <= 16 / 32: one head block holds every head; mma.sync tiles (M < 64), warps split
-      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: several
-      programs fit on one SM, which the split heuristic uses for these memory-bound shapes.
-    * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
-      accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
-      both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
-      the query per score (the QK wgmma reads its A operand, the query, from shared
-      memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
-      may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
-    * ``kv_dtype`` is accepted for future per-dtype tuning; fp8 uses the same config.
-    """
-    if num_heads <= 16:
-        return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2)
-    if num_heads <= 32:
-        return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
-    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128)
-
-
-def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_seq_len: int,
-                      num_sms: int) -> int:
-    """The split heuristic of :func:`default_max_splits` for a given config."""
-    base = max(1, batch_size) * triton.cdiv(max(1, num_heads), cfg.block_h) * cfg.dv_split
-    splits = max(1, (num_sms * cfg.ctas_per_sm) // base)
-    splits = min(splits, max(1, triton.cdiv(max(1, max_seq_len), cfg.min_chunk)), 256)
-    return int(splits)
-
-
-def default_max_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Number of KV splits to build a decode launch (and its workspace) for.
-
-    Heuristic: a launch without splits has ``batch_size * ceil(num_heads / BLOCK_H)``
-    programs.  Add splits until the grid fills one wave of ``num_sms * ctas_per_sm``
-    resident programs (``floor``, not ``ceil``: a partial extra wave costs a whole wave),
-    but never make a chunk shorter than the config's ``min_chunk`` tokens of
-    ``max_seq_len`` (shorter sequences get fewer splits on the device anyway).  Capped at
-    256.
-
-    Parameters
-    ----------
-    batch_size, num_heads : int
-        Decode batch and query heads.
-    max_seq_len : int
-        Longest KV length the launch must serve (the capture-time bound for graphs).
-    num_sms : int
-        Multiprocessor count (``torch.cuda.get_device_properties(d).multi_processor_count``).
-    """
-    return splits_for_config(decode_config(num_heads), batch_size, num_heads, max_seq_len,
-                             num_sms)
 
 
 def mla_decode_workspace(batch_size: int, num_heads: int, max_splits: int,

@@ -28,6 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+# the sizing the declaration estimates with (re-exported: kernel callers import it here)
+from ..declarations.triton_sizing import (  # noqa: F401
+    EXTEND_MIN_CHUNK_TOKENS,
+    default_extend_splits,
+    extend_tile,
+)
 from ._common import (
     KV_FP8_DTYPE,
     LOG2E,
@@ -253,11 +259,6 @@ def _mla_extend_merge_kernel(
              (acc * inv).to(OUT.dtype.element_ty))
 
 
-#: Shortest KV chunk a split gets from the heuristic: each split adds a 64-row x 512
-#: fp32 partial output to write and merge, which a few hundred tokens of attention repay.
-EXTEND_MIN_CHUNK_TOKENS = 256
-
-
 class MLAExtendWorkspace(NamedTuple):
     """Scratch buffers of split-KV extend (allocate once, reuse across graph replays).
 
@@ -272,28 +273,8 @@ class MLAExtendWorkspace(NamedTuple):
 def _extend_config(num_heads: int):
     """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps, num_stages, isolate_qk): 64 MMA rows per
     program, 8 warps (the 64 x 512 fp32 accumulator), un-chained score dots."""
-    block_h = min(64, next_pow2(max(1, num_heads)))
-    block_q = max(1, 64 // block_h)
+    block_h, block_q = extend_tile(num_heads)
     return block_h, block_q, 32, 8, 2, True
-
-
-def default_extend_splits(batch_size: int, num_tokens: int, num_heads: int, max_seq_len: int,
-                          num_sms: int) -> int:
-    """KV splits of an extend launch over ``num_tokens`` query rows in ``batch_size`` sequences.
-
-    Without splits the launch has about ``(cdiv(num_tokens, BLOCK_Q) + batch_size - 1) *
-    head blocks`` working programs (one per 64 query-head rows).  A short extend over a
-    long prefix (a few new tokens at B=1) leaves most of the GPU idle; splits are added
-    until one wave of ``num_sms`` programs is full, but no chunk gets shorter than
-    :data:`EXTEND_MIN_CHUNK_TOKENS` of ``max_seq_len``.  Capped at 256.  Long extends
-    get 1: they fill the GPU by themselves.
-    """
-    block_h, block_q = _extend_config(num_heads)[:2]
-    blocks = triton.cdiv(max(1, num_tokens), block_q) + max(1, batch_size) - 1
-    base = blocks * triton.cdiv(max(1, num_heads), block_h)
-    splits = max(1, num_sms // base)
-    splits = min(splits, max(1, triton.cdiv(max(1, max_seq_len), EXTEND_MIN_CHUNK_TOKENS)), 256)
-    return int(splits)
 
 
 def mla_extend_workspace(num_tokens: int, num_heads: int, num_splits: int,

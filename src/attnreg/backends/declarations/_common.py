@@ -9,7 +9,8 @@ MHA_DIMS = ((192, 128), (128, 128))
 HALF = frozenset({DType.BF16, DType.FP16})
 HALF_AND_FP8 = frozenset({DType.BF16, DType.FP16, DType.FP8_E4M3})
 
-TORCH = Requirement("torch", "torch", "torch", "2.4")
-TRITON = Requirement("triton", "triton", "triton", "3.2")
-FLASHINFER = Requirement("flashinfer", "flashinfer-python", "flashinfer", "0.6.13")
-FLASH_ATTN_CUTE = Requirement("flash_attn.cute", "flash-attn-4", "flash-attn-cute")
+# Requirements of the built-in backends (listed in their BackendSpec, builtin.py).
+TORCH = Requirement("torch", "torch", "2.4", extra="torch")
+TRITON = Requirement("triton", "triton", "3.2", extra="triton")
+FLASHINFER = Requirement("flashinfer", "flashinfer-python", "0.6.13", extra="flashinfer")
+FLASH_ATTN_CUTE = Requirement("flash_attn.cute", "flash-attn-4", extra="flash-attn-cute")

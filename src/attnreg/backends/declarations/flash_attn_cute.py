@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from attnreg.registry import (
     Capabilities,
+    CaptureMemory,
+    CaptureShape,
     CaptureSupport,
     DeclarationContext,
     DType,
@@ -26,11 +28,32 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASH_ATTN_CUTE, HALF, MHA_DIMS, MLA_DIMS, TORCH
+from ._common import HALF, MHA_DIMS, MLA_DIMS
 
 SUPPORTED_SM = (90, 100, 103)
+#: The absorbed ``qv`` kernel exists for Blackwell (sm100+) only.
 QV_MIN_SM = 100
 QV_PAGE_SIZES = (1, 16, 32, 64, 128)
+#: Bytes per output element: FA4 runs 16-bit queries and writes the output in their dtype.
+_OUT_ITEMSIZE = 2
+#: Value widths of the captured forms: absorbed MLA (latent) and the MHA companion.
+_MLA_V, _MHA_V = 512, 128
+
+
+def _output_bytes(shape: CaptureShape, v_dim: int) -> int:
+    # flash_attn_varlen_func takes no out=: every call allocates its output, which inside
+    # a graph comes from (and stays in) the graph's memory pool
+    return shape.max_num_tokens * shape.num_heads * v_dim * _OUT_ITEMSIZE
+
+
+def mla_capture_bytes(shape: CaptureShape) -> int:
+    """BREAKABLE prefill with MLA pinned (sm100+): the absorbed output FA4 allocates."""
+    return _output_bytes(shape, _MLA_V)
+
+
+def mha_capture_bytes(shape: CaptureShape) -> int:
+    """BREAKABLE prefill capturing the MHA companion (sm90): the output FA4 allocates."""
+    return _output_bytes(shape, _MHA_V)
 
 
 def capabilities(ctx: DeclarationContext) -> Capabilities:
@@ -59,13 +82,22 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
             unavailable = (("flash_attn_varlen_func(qv=...)",
                             f"the absorbed qv path is Blackwell-only (sm100+); this is {plat}"),)
     if has_qv:
-        breakable = GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
-                                     pinned_method=ForwardMethod.MLA, split_kv=SplitKV.SINGLE)
+        breakable = GraphModeSupport(
+            Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
+            pinned_method=ForwardMethod.MLA, split_kv=SplitKV.SINGLE,
+            capture_memory=CaptureMemory(
+                bytes_fn=mla_capture_bytes,
+                formula="max_num_tokens x heads x 512 x 2 bytes (the output FA4 allocates "
+                        "inside the graph)"))
     else:
         # Without the absorbed path nothing can be pinned: the MHA companion is
         # what gets captured, so prefix batches must run eagerly.
-        breakable = GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
-                                     pinned_method=None)
+        breakable = GraphModeSupport(
+            Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(), pinned_method=None,
+            capture_memory=CaptureMemory(
+                bytes_fn=mha_capture_bytes,
+                formula="max_num_tokens x heads x 128 x 2 bytes (the output FA4 allocates "
+                        "inside the graph)"))
     modes = (
         breakable,
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
@@ -73,7 +105,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="flash_attn_cute", platform=plat, vendors=frozenset({Vendor.CUDA}),
-        kernels=tuple(kernels), graph_modes=modes, requires=(TORCH, FLASH_ATTN_CUTE),
+        kernels=tuple(kernels), graph_modes=modes,
         platform_reason=reason, unavailable_kernels=unavailable, priority=25,
         notes=("prefill only: pair it with a decode backend",),
     )

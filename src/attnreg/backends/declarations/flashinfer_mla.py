@@ -20,9 +20,12 @@ shared/gpu/README.md):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from attnreg.registry import (
     Capabilities,
     CaptureMemory,
+    CaptureShape,
     CaptureSupport,
     DeclarationContext,
     DType,
@@ -35,7 +38,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASHINFER, HALF, MHA_DIMS, MLA_DIMS, TORCH
+from ._common import FLASHINFER, HALF, MHA_DIMS, MLA_DIMS
 
 MIN_SM = 80
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -44,15 +47,49 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 FP8_MLA_MIN_VERSION = "0.7.0"
 FP8_MLA_SM = 90
 _MIB = 1024 * 1024
-#: Allocated once per backend instance: the 128 MiB float workspace shared by
-#: every wrapper, plus the 8 MiB device int workspace flashinfer allocates for
-#: each of the two eager wrappers (paged MLA, ragged MHA).
-_FIXED_BYTES = 128 * _MIB + 2 * 8 * _MIB
-#: Each captured batch size gets its own ``use_cuda_graph`` wrapper, which
-#: allocates an 8 MiB int workspace; when every batch size up to the maximum is
-#: captured that is 8 MiB per request slot (an upper bound), plus int32 page
-#: indices (8192 pages per slot).
-_PER_SLOT_BYTES = 8 * _MIB + 4 * 8192
+#: The float workspace every wrapper of one backend instance shares (flashinfer's
+#: recommended size).  Allocated when the backend is created, used eagerly too: not
+#: capture memory.
+FLOAT_WORKSPACE_BYTES = 128 * _MIB
+#: The device int workspace each ``BatchMLAPagedAttentionWrapper`` allocates when it is
+#: created (flashinfer 0.6.13 ``mla/_core.py``).  Each captured shape gets its own
+#: ``use_cuda_graph`` wrapper, so this is paid per captured graph.
+WRAPPER_INT_WORKSPACE_BYTES = 8 * _MIB
+
+
+class GraphIndexSizes(NamedTuple):
+    """int32 elements of the index buffers every graph wrapper slices.
+
+    A captured plan has ``bs + 1`` requests (the real and zero-length padding
+    sequences, then one filler request owning the padding rows), so the CSR
+    arrays have ``bs + 2`` entries and the page indices room for every
+    sequence's pages plus the filler's padding pages (one per padding row at
+    page size 1).
+    """
+
+    qo_indptr: int
+    kv_indptr: int
+    kv_lens: int
+    kv_indices: int
+
+
+def graph_index_sizes(shape: CaptureShape) -> GraphIndexSizes:
+    """What ``init_cuda_graph_state`` allocates for graph wrappers at ``shape``."""
+    bs = shape.max_batch_size
+    return GraphIndexSizes(qo_indptr=bs + 2, kv_indptr=bs + 2, kv_lens=bs + 1,
+                           kv_indices=bs * shape.max_pages + shape.max_num_tokens)
+
+
+def capture_bytes(shape: CaptureShape) -> int:
+    """Capture memory of the paged-MLA graphs: index buffers, one int workspace per graph."""
+    return 4 * sum(graph_index_sizes(shape)) + shape.graphs * WRAPPER_INT_WORKSPACE_BYTES
+
+
+#: FULL decode and BREAKABLE prefill (also trtllm_mla's capture fallback).
+CAPTURE_MEMORY = CaptureMemory(
+    bytes_fn=capture_bytes,
+    formula="graphs x 8 MiB (each use_cuda_graph wrapper's int workspace) + int32 index "
+            "buffers: 3 x max_batch_size + 5 + max_batch_size x max_pages + max_num_tokens")
 
 
 def _mla_kernels(backend_name: str, fp8_reason: str) -> list[KernelConstraints]:
@@ -108,7 +145,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                               HALF, max_heads=128,
                               kernel="BatchPrefillWithRaggedKVCacheWrapper"),
         )
-    mem = CaptureMemory(fixed_bytes=_FIXED_BYTES, per_batch_slot_bytes=_PER_SLOT_BYTES)
+    mem = CAPTURE_MEMORY
     modes = (
         # plan() runs on the host before capture and before every replay, into
         # the buffers of a use_cuda_graph wrapper; the kernel's split schedule is
@@ -124,7 +161,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="flashinfer_mla", platform=plat, vendors=frozenset({Vendor.CUDA}),
-        kernels=kernels, graph_modes=modes, requires=(TORCH, FLASHINFER),
+        kernels=kernels, graph_modes=modes,
         unavailable_kernels=unavailable, platform_reason=reason, priority=30,
         notes=tuple(notes),
     )

@@ -1,4 +1,8 @@
-"""Declaration of the ``reference`` backend: float32 torch, the conformance oracle."""
+"""Declaration of the ``reference`` backend: float32 torch, the cpu fallback.
+
+(Not the conformance oracle: that is the float64 computation of
+``attnreg.testing.workload``, which checks this backend like any other.)
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF_AND_FP8, MHA_DIMS, MLA_DIMS, TORCH
+from ._common import HALF_AND_FP8, MHA_DIMS, MLA_DIMS
 
 _NOT_CAPTURABLE = ("the reference loops over sequences with host-side lengths "
                    "(.tolist()), which a CUDA graph cannot record")
@@ -42,7 +46,8 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="reference", platform=ctx.platform,
-        vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes, requires=(TORCH,),
+        vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes,
         priority=0,
-        notes=("float32 math, slow: the oracle of the conformance suite and the cpu fallback",),
+        notes=("float32 math, slow: a plain implementation to compare against, and the cpu "
+               "fallback",),
     )

@@ -1,4 +1,10 @@
-"""Declaration of the ``triton`` backend (attnreg's own Triton MLA kernels)."""
+"""Declaration of the ``triton`` backend (attnreg's own Triton MLA kernels).
+
+Capture memory: the split-KV workspaces the runtime allocates in
+``init_cuda_graph_state``, sized by :mod:`.triton_sizing` (the same functions
+the kernels and the runtime use).  At DeepSeek-V3 sizes (128 heads, 256 decode
+slots, 8192 tokens) the decode workspace is 64 MiB.
+"""
 
 from __future__ import annotations
 
@@ -17,17 +23,23 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF, MHA_DIMS, MLA_DIMS, TORCH, TRITON
+from ._common import HALF, MHA_DIMS, MLA_DIMS
+from .triton_sizing import decode_capture_bytes, extend_capture_bytes
 
 MIN_SM = 80
 PAGE_SIZES = (1, 16, 32, 64)
-#: Split-KV workspace per request slot: fp32 partial outputs and LSEs for
-#: 128 heads x up to 32 splits x (512 + 1) floats.
-_WORKSPACE_PER_SLOT = 128 * 32 * (512 + 1) * 4
-#: Split extend workspace: splits are added only while one wave of 64-row programs is
-#: not full, so (tokens x splits x heads) stays near 64 rows x the SM count (160 here,
-#: above today's GPUs), each row a 512-float partial plus its LSE.
-_EXTEND_WORKSPACE = 64 * 160 * (512 + 1) * 4
+
+#: FULL decode: one flat fp32 workspace of partial outputs and LSEs serving every
+#: captured batch size.
+DECODE_CAPTURE_MEMORY = CaptureMemory(
+    bytes_fn=decode_capture_bytes,
+    formula="max over bs <= max_batch_size of bs x decode splits(bs, heads, max_seq_len, "
+            "SMs) x heads x (512 + 1) x 4 bytes")
+#: BREAKABLE prefill: the split-extend workspace (0 when no captured token count splits).
+EXTEND_CAPTURE_MEMORY = CaptureMemory(
+    bytes_fn=extend_capture_bytes,
+    formula="max over tokens <= max_num_tokens of tokens x extend splits(1, tokens, heads, "
+            "max_seq_len, SMs) (only where > 1) x heads x (512 + 1) x 4 bytes")
 
 
 def capabilities(ctx: DeclarationContext) -> Capabilities:
@@ -62,19 +74,19 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     modes = (
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA, split_kv=SplitKV.DYNAMIC,
-                         capture_memory=CaptureMemory(per_batch_slot_bytes=_WORKSPACE_PER_SLOT)),
+                         capture_memory=DECODE_CAPTURE_MEMORY),
         # Breakable prefill captures attention: the absorbed extend kernel has a
         # static grid bounded by the captured token count, so MLA is pinned and
         # prefix batches can replay.  Its split count is fixed per captured shape and
         # its chunks are decided on the device, as in decode.
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA, split_kv=SplitKV.DYNAMIC,
-                         capture_memory=CaptureMemory(fixed_bytes=_EXTEND_WORKSPACE)),
+                         capture_memory=EXTEND_CAPTURE_MEMORY),
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
                          CaptureSupport.native("attention runs eagerly between pieces")),
     )
     return Capabilities(
         backend="triton", platform=plat, vendors=frozenset({Vendor.CUDA, Vendor.CPU}),
-        kernels=kernels, graph_modes=modes, requires=(TORCH, TRITON), platform_reason=reason,
+        kernels=kernels, graph_modes=modes, platform_reason=reason,
         priority=20,
     )

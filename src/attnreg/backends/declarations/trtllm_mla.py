@@ -25,6 +25,7 @@ from __future__ import annotations
 from attnreg.registry import (
     Capabilities,
     CaptureMemory,
+    CaptureShape,
     CaptureSupport,
     Cost,
     DeclarationContext,
@@ -37,16 +38,40 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASHINFER, MLA_DIMS, TORCH
-from .flashinfer_mla import _FIXED_BYTES as _FLASHINFER_FIXED_BYTES
-from .flashinfer_mla import _PER_SLOT_BYTES as _FLASHINFER_PER_SLOT_BYTES
+from ._common import MLA_DIMS
+from .flashinfer_mla import capture_bytes as flashinfer_capture_bytes
 
 BLACKWELL = (100, 103)
 RAGGED_DIMS = ((192, 128), (128, 128), (256, 256))
 PAGE_SIZES = (32, 64)
 DECODE_HEAD_COUNTS = (16, 32, 64, 128)
 #: The zero-initialised trtllm-gen workspace (its multi-CTA counters live there).
+#: Allocated when the backend is created and used eagerly too: not capture memory.
 WORKSPACE_BYTES = 128 * 1024 * 1024
+#: The decode kernel wants ``block_tables.shape[1] % (TABLE_ALIGN / page_size) == 0``.
+TABLE_ALIGN = 128
+#: Bytes per element of the 16-bit copy an FP8 pool is converted to under capture.
+_CONVERTED_ITEMSIZE = 2
+
+
+def decode_table_width(max_pages: int, page_size: int) -> int:
+    """Columns of the decode kernel's block table: ``max_pages`` rounded up to its alignment."""
+    multiple = max(1, TABLE_ALIGN // page_size)
+    return -(-max_pages // multiple) * multiple
+
+
+def decode_capture_bytes(shape: CaptureShape) -> int:
+    """FULL decode: the aligned int32 block tables and clamped lengths of the graph."""
+    bs = shape.max_batch_size
+    return 4 * (bs * decode_table_width(shape.max_pages, shape.page_size) + bs)
+
+
+def fallback_capture_bytes(shape: CaptureShape) -> int:
+    """BREAKABLE prefill (flashinfer's paged MLA): its graph memory, plus for an FP8 pool
+    the 16-bit copy of the whole pool the graph converts it into at every replay."""
+    converted = _CONVERTED_ITEMSIZE * shape.kv_pool_bytes \
+        if shape.kv_dtype is DType.FP8_E4M3 else 0
+    return flashinfer_capture_bytes(shape) + converted
 
 _FALLBACK_REASON = ("under capture the forward mode is pinned to absorbed MLA, and the "
                     "trtllm ragged kernel only takes MHA head dims: extend runs flashinfer's "
@@ -99,12 +124,18 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                               page_sizes=PAGE_SIZES, max_heads=128,
                               kernel="flashinfer_mla (delegated; FP8 pool converted)"),
         )
-    fallback_mem = CaptureMemory(fixed_bytes=WORKSPACE_BYTES + _FLASHINFER_FIXED_BYTES,
-                                 per_batch_slot_bytes=_FLASHINFER_PER_SLOT_BYTES)
+    fallback_mem = CaptureMemory(
+        bytes_fn=fallback_capture_bytes,
+        formula="flashinfer_mla's (graphs x 8 MiB + index buffers), plus 2 x kv_pool_bytes "
+                "for an FP8 pool (converted to 16 bits inside the graph)")
+    decode_mem = CaptureMemory(
+        bytes_fn=decode_capture_bytes,
+        formula="4 x max_batch_size x (block-table width (max_pages aligned to 128 / "
+                "page_size) + 1)")
     modes = (
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA,
-                         capture_memory=CaptureMemory(fixed_bytes=WORKSPACE_BYTES)),
+                         capture_memory=decode_mem),
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, _fallback(),
                          pinned_method=ForwardMethod.MLA, capture_memory=fallback_mem),
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, _fallback(),
@@ -112,7 +143,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     )
     return Capabilities(
         backend="trtllm_mla", platform=plat, vendors=frozenset({Vendor.CUDA}), kernels=kernels,
-        graph_modes=modes, requires=(TORCH, FLASHINFER), platform_reason=reason,
+        graph_modes=modes, platform_reason=reason,
         unavailable_kernels=unavailable, priority=40,
         notes=(_NOTE,),
     )

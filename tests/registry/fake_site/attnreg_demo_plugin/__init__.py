@@ -32,7 +32,6 @@ def capabilities(ctx):
                              CaptureSupport.unsupported("host loop")),
             GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, CaptureSupport.native()),
         ),
-        requires=(Requirement("torch", "torch", "torch"),),
     )
 
 
@@ -41,4 +40,4 @@ def attnreg_register_backends(register):
     register(attnreg.BackendSpec(name="demo_mla", summary="demo plugin backend (page size 16)",
                                  capabilities=capabilities,
                                  runtime="attnreg.backends.reference:ReferenceBackend",
-                                 requires=(Requirement("torch", "torch", "torch"),)))
+                                 requires=(Requirement("torch", "torch"),)))

@@ -1,4 +1,4 @@
-"""The CUDA timing logic of `attnreg calibrate`, on a simulated device.
+"""The CUDA timing logic of calibration and the benchmarks (one Clock), on a simulated device.
 
 A fake ``torch`` with a device clock: ``torch.cuda._sleep(cycles)`` advances it
 by ``cycles / rate``, events read it, and a measured call advances it by its
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from attnreg.commands.calibrate import Clock
+from attnreg.profiling import Clock, spread
 
 CYCLES_PER_US = 1500.0
 
@@ -24,6 +24,7 @@ class FakeDevice:
     def __init__(self) -> None:
         self.now_ms = 0.0
         self.sleeps: list[int] = []
+        self.flushes = 0
 
     def advance_us(self, us: float) -> None:
         self.now_ms += us / 1e3
@@ -44,6 +45,7 @@ def fake_torch(device: FakeDevice, *, with_sleep: bool = True) -> Any:
 
     class Buffer:
         def zero_(self) -> None:
+            device.flushes += 1
             device.advance_us(80.0)  # the L2 flush runs before the start event
 
     def sleep(cycles: int) -> None:
@@ -129,3 +131,69 @@ def test_without_sleep_the_method_says_launch_gaps_are_included() -> None:
     assert clock.cycles_per_us is None
     assert "launch gaps included" in clock.method["device"]
     assert clock.device_us(call_taking(dev, 40.0))["us"] == pytest.approx(40.0)
+
+
+def test_calls_time_each_call_after_an_l2_flush() -> None:
+    dev = FakeDevice()
+    clock = Clock(fake_torch(dev), "cuda", warmup_ms=1.0, rep_ms=2.0)
+    fn = call_taking(dev, 100.0)
+    t = clock.calls(fn)
+    assert t["median_us"] == pytest.approx(100.0) and t["max_us"] == pytest.approx(100.0)
+    # the estimate (three calls, flushes included) is 0.18 ms a call: 2 ms / 0.18 = 11 timed
+    # calls, 1 ms / 0.18 = 5 warm-up calls, after one first call
+    assert t["n"] == 11 and t["method"] == "cuda events per call, L2 flushed"
+    assert len(fn.calls) == 1 + 3 + 5 + 11
+    assert dev.flushes == 3 + 11  # the estimate and every timed call, not the warm-up
+    clock.calls(fn, flush_l2=False)
+    assert dev.flushes == 3 + 11
+
+
+def test_back_to_back_reports_device_and_host_time_per_call() -> None:
+    dev = FakeDevice()
+    clock = Clock(fake_torch(dev), "cuda")
+    t = clock.back_to_back(call_taking(dev, 7.0), calls=10, rounds=3)
+    assert t["median_us"] == pytest.approx(7.0) and t["n"] == 3
+    assert t["calls_per_round"] == 10 and t["host_us"] >= 0.0
+    assert dev.flushes == 0
+
+
+def test_a_step_runs_until_its_time_is_spent_within_bounds() -> None:
+    dev = FakeDevice()
+    clock = Clock(fake_torch(dev), "cuda")
+    fn = call_taking(dev, 30_000.0)  # 30 ms: four steps reach 100 ms
+    t = clock.step(fn, rep_ms=100.0)
+    assert t["us"] == pytest.approx(30_000.0) and len(t["samples_us"]) == 4
+    assert dev.flushes == 4
+    assert len(clock.step(call_taking(dev, 1.0), rep_ms=100.0)["samples_us"]) == 10
+    assert len(clock.step(call_taking(dev, 1e6), rep_ms=100.0)["samples_us"]) == 2
+
+
+def test_on_a_cpu_every_method_says_it_is_not_a_measurement() -> None:
+    clock = Clock(None, "cpu")
+    calls: list[int] = []
+
+    def fn() -> None:
+        calls.append(1)
+
+    assert "dry run" in clock.calls(fn)["method"] and len(calls) == 4
+    assert "dry run" in clock.back_to_back(fn, calls=2, rounds=1)["method"]
+    assert "dry run" in clock.step(fn, rep_ms=1.0)["method"]
+    assert clock.device_us(fn)["kind"] == "device" and "dry run" in clock.method["device"]
+    assert clock.cycles_per_us is None
+
+
+def test_spread_quantiles() -> None:
+    s = spread([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (3.0, 1.0, 5.0, 5)
+    assert s["p20"] == pytest.approx(1.8) and s["p80"] == pytest.approx(4.2)
+    with pytest.raises(ValueError):
+        spread([])
+
+
+def test_eager_time_is_events_around_the_call_with_nothing_queued() -> None:
+    dev = FakeDevice()
+    clock = Clock(fake_torch(dev), "cuda", min_reps=4)
+    fn = call_taking(dev, 25.0)
+    m = clock.eager_us(fn)
+    assert m["us"] == pytest.approx(25.0) and len(m["samples_us"]) == 4
+    assert len(fn.calls) == 1 + 4 and dev.flushes == 0 and dev.sleeps == []

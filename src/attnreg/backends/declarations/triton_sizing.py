@@ -1,0 +1,227 @@
+"""Launch sizing of the Triton MLA kernels: split-KV heuristics and graph workspaces.
+
+Pure arithmetic, no torch or triton import: the ``triton`` declaration
+estimates its capture memory with these functions at startup, and the kernels
+(``attnreg.backends._triton_kernels``) and the runtime
+(``attnreg.backends.triton_mla``) size their launches and graph workspaces
+with the same ones.  One formula, so what is declared is what is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from attnreg.registry import CaptureShape
+
+__all__ = [
+    "DEFAULT_NUM_SMS",
+    "EXTEND_MIN_CHUNK_TOKENS",
+    "LATENT",
+    "MAX_SPLITS",
+    "MIN_CHUNK_TOKENS",
+    "PARTIAL_FLOATS_PER_ROW",
+    "DecodeConfig",
+    "SplitOptions",
+    "decode_capture_bytes",
+    "decode_config",
+    "decode_partial_rows",
+    "default_extend_splits",
+    "default_max_splits",
+    "extend_capture_bytes",
+    "extend_partial_rows",
+    "extend_tile",
+    "splits_for_config",
+]
+
+#: Latent (= value) width of absorbed MLA: each split's partial output is this wide.
+LATENT = 512
+#: fp32 values one split keeps per (row, head): the partial output and its log-sum-exp.
+PARTIAL_FLOATS_PER_ROW = LATENT + 1
+#: Upper bound on a split count (the merge kernels reduce at most this many partials).
+MAX_SPLITS = 256
+#: Multiprocessors assumed when the device is unknown (startup estimates): above the
+#: H100/H200 (132) and B200 (148), so an estimate does not come out short.
+DEFAULT_NUM_SMS = 160
+
+#: Default shortest chunk a split gets when the heuristic, not ``force_num_splits``, is in
+#: charge: below a few hundred tokens the fixed cost of a program (loading up to 64x576
+#: query values, the merge traffic of a 512-wide fp32 partial per head) outweighs the
+#: parallelism it adds.  Each DecodeConfig carries its own value.
+MIN_CHUNK_TOKENS = 256
+#: Shortest KV chunk an extend split gets from the heuristic: each split adds a 64-row x
+#: 512 fp32 partial output to write and merge, which a few hundred tokens of attention repay.
+EXTEND_MIN_CHUNK_TOKENS = 256
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class DecodeConfig(NamedTuple):
+    """Launch configuration of the decode kernel (see :func:`decode_config`)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dv_split: int = 1  # 2: two programs per head block, each owns 256 of the 512 V columns
+    isolate_qk: bool = False  # see the kernel: un-chain the QK dot (8 warps, 64 heads)
+    ctas_per_sm: int = 1  # programs resident per SM: how many the split heuristic aims at
+    min_chunk: int = MIN_CHUNK_TOKENS  # shortest split chunk (tokens) of the heuristic
+
+
+def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
+    """Launch configuration for ``num_heads`` query heads (tuned on an H200; the
+    measurements behind each choice are in the docstring of
+    benchmarks/triton_decode_tuning.py).
+
+    * H <= 16 / 32: one head block holds every head; mma.sync tiles (M < 64), warps split
+      the tokens, so no MMA work is duplicated.  Small shared-memory footprint: several
+      programs fit on one SM, which the split heuristic uses for these memory-bound shapes.
+    * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
+      accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
+      both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
+      the query per score (the QK wgmma reads its A operand, the query, from shared
+      memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
+      may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
+    * ``kv_dtype`` is accepted for future per-dtype tuning; fp8 uses the same config.
+    """
+    if num_heads <= 16:
+        return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2)
+    if num_heads <= 32:
+        return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
+    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128)
+
+
+def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """The split heuristic of :func:`default_max_splits` for a given config."""
+    base = max(1, batch_size) * _cdiv(max(1, num_heads), cfg.block_h) * cfg.dv_split
+    splits = max(1, (num_sms * cfg.ctas_per_sm) // base)
+    splits = min(splits, max(1, _cdiv(max(1, max_seq_len), cfg.min_chunk)), MAX_SPLITS)
+    return int(splits)
+
+
+def default_max_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Number of KV splits to build a decode launch (and its workspace) for.
+
+    Heuristic: a launch without splits has ``batch_size * ceil(num_heads / BLOCK_H)``
+    programs.  Add splits until the grid fills one wave of ``num_sms * ctas_per_sm``
+    resident programs (``floor``, not ``ceil``: a partial extra wave costs a whole wave),
+    but never make a chunk shorter than the config's ``min_chunk`` tokens of
+    ``max_seq_len`` (shorter sequences get fewer splits on the device anyway).  Capped at
+    256.
+
+    Parameters
+    ----------
+    batch_size, num_heads : int
+        Decode batch and query heads.
+    max_seq_len : int
+        Longest KV length the launch must serve (the capture-time bound for graphs).
+    num_sms : int
+        Multiprocessor count (``torch.cuda.get_device_properties(d).multi_processor_count``).
+    """
+    return splits_for_config(decode_config(num_heads), batch_size, num_heads, max_seq_len,
+                             num_sms)
+
+
+def extend_tile(num_heads: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_Q) of the extend kernel: 64 MMA rows per program (heads x queries)."""
+    block_h = min(64, _next_pow2(max(1, num_heads)))
+    return block_h, max(1, 64 // block_h)
+
+
+def default_extend_splits(batch_size: int, num_tokens: int, num_heads: int, max_seq_len: int,
+                          num_sms: int) -> int:
+    """KV splits of an extend launch over ``num_tokens`` query rows in ``batch_size`` sequences.
+
+    Without splits the launch has about ``(cdiv(num_tokens, BLOCK_Q) + batch_size - 1) *
+    head blocks`` working programs (one per 64 query-head rows).  A short extend over a
+    long prefix (a few new tokens at B=1) leaves most of the GPU idle; splits are added
+    until one wave of ``num_sms`` programs is full, but no chunk gets shorter than
+    :data:`EXTEND_MIN_CHUNK_TOKENS` of ``max_seq_len``.  Capped at 256.  Long extends
+    get 1: they fill the GPU by themselves.
+    """
+    block_h, block_q = extend_tile(num_heads)
+    blocks = _cdiv(max(1, num_tokens), block_q) + max(1, batch_size) - 1
+    base = blocks * _cdiv(max(1, num_heads), block_h)
+    splits = max(1, num_sms // base)
+    splits = min(splits, max(1, _cdiv(max(1, max_seq_len), EXTEND_MIN_CHUNK_TOKENS)),
+                 MAX_SPLITS)
+    return int(splits)
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """The backend's split options (``max_kv_splits`` / ``force_kv_splits``).
+
+    ``force`` replaces the heuristic (``1`` turns split-KV off); ``cap`` bounds it.
+    """
+
+    cap: int | None = None
+    force: int | None = None
+
+    def apply(self, heuristic: int) -> int:
+        """The split count after the options."""
+        if self.force is not None:
+            return self.force
+        if self.cap is not None:
+            heuristic = min(heuristic, self.cap)
+        return max(1, heuristic)
+
+
+_DEFAULT_OPTIONS = SplitOptions()
+
+
+def _sms(shape: CaptureShape) -> int:
+    return shape.num_sms or DEFAULT_NUM_SMS
+
+
+def decode_partial_rows(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
+    """(sequence, split) rows of the decode graph workspace: ``max(bs * splits(bs))``.
+
+    One flat buffer serves every captured batch size: a launch for ``bs``
+    sequences with ``S`` splits views its first ``bs * S`` rows.  ``bs * S``
+    stays near the SM count for small ``bs`` and is ``bs`` for large ``bs``, so
+    the buffer is far smaller than ``[max_bs, splits(bs=1)]``.
+    """
+    sms = _sms(shape)
+    return max(bs * options.apply(default_max_splits(bs, shape.num_heads, shape.max_seq_len,
+                                                     sms))
+               for bs in range(1, shape.max_batch_size + 1))
+
+
+def extend_partial_rows(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
+    """(token, split) rows of the split-extend graph workspace (0: no captured shape splits).
+
+    ``num_tokens x splits`` for the captured token count that needs the most,
+    at one sequence (the most splits for a token count).  Only short extends
+    split, so this stays near one wave of 64-row programs.
+    """
+    sms = _sms(shape)
+    rows = 0
+    for nt in range(1, shape.max_num_tokens + 1):
+        s = options.apply(default_extend_splits(1, nt, shape.num_heads, shape.max_seq_len,
+                                                sms))
+        if s > 1:
+            rows = max(rows, nt * s)
+    return rows
+
+
+def _row_bytes(shape: CaptureShape) -> int:
+    return shape.num_heads * PARTIAL_FLOATS_PER_ROW * 4
+
+
+def decode_capture_bytes(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
+    """Bytes of the FULL-decode graph workspace: fp32 partial outputs and LSEs."""
+    return decode_partial_rows(shape, options) * _row_bytes(shape)
+
+
+def extend_capture_bytes(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
+    """Bytes of the BREAKABLE-prefill (split extend) graph workspace."""
+    return extend_partial_rows(shape, options) * _row_bytes(shape)

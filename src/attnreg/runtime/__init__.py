@@ -1,0 +1,74 @@
+"""The runtime contract an engine drives: config, KV pool, batches, typed metadata,
+the backend lifecycle and the graph runner.
+
+Between ``graph_policy`` (what to capture) and ``backends`` (the kernels):
+every backend subclasses :class:`AttentionBackend`, every capture in attnreg
+goes through :class:`GraphRunner`.  Importing this package imports torch.
+See docs/runtime.md.
+
+Modules: :mod:`.config` (``MLAConfig``, no torch), :mod:`.dtypes` (torch dtype
+and device helpers), :mod:`.pool` (``MLAKVPool``), :mod:`.batch`
+(``ForwardBatch`` and its builders), :mod:`.metadata` (``ForwardMetadata``),
+:mod:`.validation` (pure input checks), :mod:`.graph_buffers` (``GraphState``),
+:mod:`.errors` (kernel-error translation), :mod:`.backend`
+(``AttentionBackend``), :mod:`.graph_runner` (``GraphRunner``).
+"""
+
+from .backend import AttentionBackend
+from .batch import ForwardBatch, decode_batch, extend_batch
+from .config import MLAConfig
+from .dtypes import (
+    FP8_E4M3_MAX,
+    device_num_sms,
+    device_sm,
+    dtype_from_torch,
+    resolve_device,
+    torch_dtype,
+)
+from .errors import KernelErrors
+from .graph_buffers import GraphState, tensor_bytes
+from .graph_runner import (
+    CAPTURE_ERROR_MODES,
+    CapturedGraph,
+    CaptureStats,
+    CudaGraphRecorder,
+    EagerStep,
+    GraphCaptureError,
+    GraphRecorder,
+    GraphRunner,
+    UnreplayableBreakError,
+)
+from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
+from .pool import PADDING_PAGE, MLAKVPool
+
+__all__ = [
+    "ATTENTION_CAPTURE_MODES",
+    "CAPTURE_ERROR_MODES",
+    "DEFAULT_CAPTURE_MODE",
+    "FP8_E4M3_MAX",
+    "PADDING_PAGE",
+    "AttentionBackend",
+    "CaptureStats",
+    "CapturedGraph",
+    "CudaGraphRecorder",
+    "EagerStep",
+    "ForwardBatch",
+    "ForwardMetadata",
+    "GraphCaptureError",
+    "GraphRecorder",
+    "GraphRunner",
+    "GraphState",
+    "KernelErrors",
+    "MLAConfig",
+    "MLAKVPool",
+    "UnreplayableBreakError",
+    "decode_batch",
+    "device_num_sms",
+    "device_sm",
+    "dtype_from_torch",
+    "extend_batch",
+    "phase_of",
+    "resolve_device",
+    "tensor_bytes",
+    "torch_dtype",
+]

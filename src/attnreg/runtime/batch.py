@@ -1,0 +1,221 @@
+"""What one forward pass runs on: :class:`ForwardBatch` and its builders.
+
+Modelled on sglang's ``ForwardBatch``: device tensors for the kernels (all
+index tensors int32) plus host copies of the lengths, so backends that plan on
+the host (eager runs, the reference) never read a device value back.
+
+Conventions
+-----------
+* ``seq_lens`` are whole lengths *including* the new tokens:
+  ``seq_lens = prefix_lens + extend_lens``.  A decode batch has
+  ``extend_lens == 1`` and ``prefix_lens == seq_lens - 1``.
+* New tokens of sequence ``b`` are query rows ``qo_indptr[b]:qo_indptr[b+1]``
+  and sit at positions ``prefix_lens[b] .. seq_lens[b]-1``; ``out_cache_loc``
+  lists the flat KV-pool slots they are written to, in the same order.
+* ``kv_indptr`` (cumulative ``seq_lens``) indexes ragged K/V of the
+  non-absorbed MHA method, which covers prefix and new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from attnreg.registry import ForwardMode
+
+from .dtypes import resolve_device
+
+if TYPE_CHECKING:
+    from .pool import MLAKVPool
+
+__all__ = ["ForwardBatch", "decode_batch", "extend_batch"]
+
+
+def _cumsum(values: Sequence[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + int(v))
+    return out
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass: device tensors for kernels, host copies for planning.
+
+    Build it with :func:`decode_batch` or :func:`extend_batch`; fields are as in
+    sglang.  Every device index tensor is int32.
+
+    Attributes
+    ----------
+    forward_mode : ForwardMode
+    seq_lens, prefix_lens, extend_lens : int32 Tensor [B]
+    qo_indptr, kv_indptr : int32 Tensor [B + 1]
+    page_table : int32 Tensor [B, max_pages]
+    out_cache_loc : int32 Tensor [num_tokens]
+        Flat pool slots of the new tokens.
+    seq_lens_cpu, prefix_lens_cpu, extend_lens_cpu : tuple[int, ...]
+        Host copies of the lengths.
+    """
+
+    forward_mode: ForwardMode
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    page_table: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens_cpu: tuple[int, ...]
+    prefix_lens_cpu: tuple[int, ...]
+    extend_lens_cpu: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in the batch (query rows)."""
+        return sum(self.extend_lens_cpu)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Prefix plus new tokens over all sequences (rows of ragged MHA K/V)."""
+        return sum(self.seq_lens_cpu)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_lens_cpu, default=0)
+
+    @property
+    def has_prefix(self) -> bool:
+        return any(p > 0 for p in self.prefix_lens_cpu)
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    @property
+    def is_decode(self) -> bool:
+        return self.forward_mode is ForwardMode.DECODE
+
+    @classmethod
+    def build(cls, forward_mode: ForwardMode | str, prefix_lens: Sequence[int],
+              extend_lens: Sequence[int], page_table: torch.Tensor,
+              out_cache_loc: Sequence[int] | torch.Tensor,
+              device: str | torch.device | None = None) -> ForwardBatch:
+        """Build a batch from host lengths, a page table and the new tokens' slots.
+
+        Parameters
+        ----------
+        forward_mode
+            DECODE requires every extend length to be 1.
+        prefix_lens, extend_lens
+            Cached and new tokens per sequence.
+        page_table
+            int32 ``[B, max_pages]`` (see :meth:`MLAKVPool.page_table`).
+        out_cache_loc
+            Flat slots of the new tokens, ``sum(extend_lens)`` of them.
+        device
+            Defaults to the page table's device.
+        """
+        mode = cast(ForwardMode, ForwardMode.parse(forward_mode))
+        prefix = tuple(int(p) for p in prefix_lens)
+        extend = tuple(int(e) for e in extend_lens)
+        if len(prefix) != len(extend):
+            raise ValueError(f"prefix_lens has {len(prefix)} entries, extend_lens "
+                             f"{len(extend)}")
+        if any(p < 0 for p in prefix) or any(e < 0 for e in extend):
+            raise ValueError("lengths must be >= 0")
+        if mode is ForwardMode.DECODE and any(e != 1 for e in extend):
+            raise ValueError(f"a decode batch has exactly one new token per sequence, got "
+                             f"extend_lens {list(extend)}")
+        seq = tuple(p + e for p, e in zip(prefix, extend))
+        dev = resolve_device(device) if device is not None else page_table.device
+        if page_table.dim() != 2 or page_table.shape[0] != len(seq):
+            raise ValueError(f"page_table must be [B={len(seq)}, max_pages], got "
+                             f"{tuple(page_table.shape)}")
+
+        def ints(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.int32, device=dev)
+
+        if isinstance(out_cache_loc, torch.Tensor):
+            loc = out_cache_loc.to(device=dev)
+        else:
+            loc = ints(out_cache_loc)
+        if loc.shape != (sum(extend),):
+            raise ValueError(f"out_cache_loc must list {sum(extend)} slots (one per new "
+                             f"token), got shape {tuple(loc.shape)}")
+        return cls(
+            forward_mode=mode, seq_lens=ints(seq), prefix_lens=ints(prefix),
+            extend_lens=ints(extend), qo_indptr=ints(_cumsum(extend)),
+            kv_indptr=ints(_cumsum(seq)), page_table=page_table.to(dev),
+            out_cache_loc=loc, seq_lens_cpu=seq, prefix_lens_cpu=prefix,
+            extend_lens_cpu=extend)
+
+
+def _pages_for(pool: MLAKVPool, seq_lens: Sequence[int],
+               pages: Sequence[Sequence[int]] | None, shuffle: bool | int
+               ) -> list[list[int]]:
+    if pages is None:
+        return pool.allocate(seq_lens, shuffle=shuffle)
+    owned = [list(p) for p in pages]
+    for n, p in zip(seq_lens, owned):
+        if len(p) < pool.pages_needed(n):
+            raise ValueError(f"a sequence of {n} tokens needs {pool.pages_needed(n)} pages "
+                             f"of {pool.page_size}, got {len(p)}")
+    return owned
+
+
+def decode_batch(pool: MLAKVPool, seq_lens: Sequence[int], *,
+                 pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
+                 page_table_width: int | None = None) -> ForwardBatch:
+    """A decode batch: one new token per sequence, at position ``seq_len - 1``.
+
+    Parameters
+    ----------
+    pool
+        The KV pool; pages are taken from it unless ``pages`` is given.
+    seq_lens
+        Whole lengths including the new token (each >= 1).
+    pages
+        Pages each sequence owns (from ``pool.allocate``), or None to allocate.
+    shuffle
+        Passed to :meth:`MLAKVPool.allocate` when allocating.
+    page_table_width
+        Columns of the page table (default: the longest sequence's pages).
+    """
+    if any(n < 1 for n in seq_lens):
+        raise ValueError(f"decode seq_lens include the new token, so each is >= 1; got "
+                         f"{list(seq_lens)}")
+    owned = _pages_for(pool, seq_lens, pages, shuffle)
+    loc = [pool.slots(p, [n - 1])[0] for p, n in zip(owned, seq_lens)]
+    table = pool.page_table(owned, width=page_table_width)
+    return ForwardBatch.build(ForwardMode.DECODE, [n - 1 for n in seq_lens],
+                              [1] * len(seq_lens), table, loc)
+
+
+def extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                 *, pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
+                 page_table_width: int | None = None,
+                 forward_mode: ForwardMode | str = ForwardMode.EXTEND) -> ForwardBatch:
+    """An extend (prefill) batch: ``extend_lens[b]`` new tokens after ``prefix_lens[b]``.
+
+    The prefix tokens must already be in the pool at the positions the page
+    table gives (write them with :meth:`MLAKVPool.write` or an earlier forward).
+    See :func:`decode_batch` for the other parameters.
+    """
+    seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
+    owned = _pages_for(pool, seq_lens, pages, shuffle)
+    loc: list[int] = []
+    for p, pre, n in zip(owned, prefix_lens, seq_lens):
+        loc.extend(pool.slots(p, range(pre, n)))
+    table = pool.page_table(owned, width=page_table_width)
+    return ForwardBatch.build(forward_mode, prefix_lens, extend_lens, table, loc)

@@ -1,0 +1,122 @@
+"""What a forward reads: :class:`ForwardMetadata`, typed by the backend's plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Generic, TypeVar
+
+import torch
+
+from attnreg.registry import ForwardMode, GraphMode, Phase
+
+from .batch import ForwardBatch
+
+__all__ = [
+    "ATTENTION_CAPTURE_MODES",
+    "DEFAULT_CAPTURE_MODE",
+    "ForwardMetadata",
+    "PlanT",
+    "phase_of",
+]
+
+#: What a backend plans per batch (a dataclass of its own: split counts, workspaces,
+#: planned library wrappers).  ``None`` for backends that plan nothing.
+PlanT = TypeVar("PlanT")
+
+#: Graph modes under which attention itself is recorded into a graph.  Under
+#: TC_PIECEWISE attention is a splitting op that runs eagerly between pieces.
+ATTENTION_CAPTURE_MODES: tuple[GraphMode, ...] = (GraphMode.FULL, GraphMode.BREAKABLE)
+
+#: The graph mode assumed when attention is captured with no ``capturing()``
+#: context: the mode that captures attention in each phase.
+DEFAULT_CAPTURE_MODE: Mapping[Phase, GraphMode] = {
+    Phase.DECODE: GraphMode.FULL,
+    Phase.PREFILL: GraphMode.BREAKABLE,
+}
+
+
+def phase_of(forward_mode: ForwardMode | str) -> Phase:
+    """DECODE batches are the decode phase; every other forward mode is prefill."""
+    return Phase.DECODE if ForwardMode.parse(forward_mode) is ForwardMode.DECODE \
+        else Phase.PREFILL
+
+
+@dataclass
+class ForwardMetadata(Generic[PlanT]):
+    """What the forward hooks read: device tensors, host bounds and the backend's plan.
+
+    Eager metadata references the batch's own tensors and carries host copies
+    of the lengths (``seq_lens_cpu`` ...).  Graph metadata references slices of
+    the preallocated graph buffers; its host copies are None (lengths change
+    at every replay without the host being asked), and ``max_seq_len`` /
+    ``max_extend_len`` are the capture-time bounds.  ``plan`` is what the
+    backend planned for this batch or captured shape, a dataclass of its own
+    (``TritonPlan``, ``FlashInferPlan`` ...): its planning hooks set it.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    num_tokens: int
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    page_table: torch.Tensor
+    out_cache_loc: torch.Tensor
+    max_seq_len: int
+    max_extend_len: int
+    graph_mode: GraphMode = GraphMode.DISABLED
+    batch: ForwardBatch | None = None
+    seq_lens_cpu: tuple[int, ...] | None = None
+    prefix_lens_cpu: tuple[int, ...] | None = None
+    extend_lens_cpu: tuple[int, ...] | None = None
+    num_kv_tokens: int | None = None
+    plan: PlanT | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return phase_of(self.forward_mode)
+
+    @property
+    def extras(self) -> Mapping[str, object]:
+        """Deprecated read-only view of ``plan`` under the old string keys.
+
+        Kept for one release for code written against the removed ``extras``
+        dict (the benchmarks, until they are ported to ``md.plan``): the plan's
+        fields by name, plus the names a plan lists in ``legacy_extras()``.
+        Read ``md.plan`` instead; nothing can be stored here.
+        """
+        warnings.warn("ForwardMetadata.extras is deprecated: read the typed md.plan "
+                      "(e.g. md.plan.splits) instead", DeprecationWarning, stacklevel=2)
+        plan = self.plan
+        view: dict[str, object] = {}
+        if plan is not None and dataclasses.is_dataclass(plan):
+            view = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+        legacy = getattr(plan, "legacy_extras", None)
+        if callable(legacy):
+            view.update(legacy())
+        return MappingProxyType(view)
+
+    @property
+    def is_graph(self) -> bool:
+        """Whether this is the metadata of a captured shape (graph buffers, no host lengths)."""
+        return self.graph_mode is not GraphMode.DISABLED
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> ForwardMetadata[PlanT]:
+        """Eager metadata referencing ``batch``'s tensors (no plan yet)."""
+        return cls(
+            forward_mode=batch.forward_mode, batch_size=batch.batch_size,
+            num_tokens=batch.num_tokens, seq_lens=batch.seq_lens,
+            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
+            qo_indptr=batch.qo_indptr, kv_indptr=batch.kv_indptr,
+            page_table=batch.page_table, out_cache_loc=batch.out_cache_loc,
+            max_seq_len=batch.max_seq_len, max_extend_len=batch.max_extend_len,
+            batch=batch, seq_lens_cpu=batch.seq_lens_cpu,
+            prefix_lens_cpu=batch.prefix_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu,
+            num_kv_tokens=batch.num_kv_tokens)

@@ -1,0 +1,336 @@
+"""The paged MLA KV pool: one 576-wide latent row per token, O(1) page bookkeeping.
+
+Layout
+------
+``buffer[page, row, :]`` holds one token: ``kv_lora_rank`` (512) latent values
+(``c_kv``, used as both K and V by absorbed MLA) followed by ``qk_rope_head_dim``
+(64) rope values (``k_pe``).  Token ``t`` of a sequence lives at
+``page_table[b, t // page_size]``, row ``t % page_size``; its *flat slot* is
+``page * page_size + row`` (what ``ForwardBatch.out_cache_loc`` holds).
+
+Page 0 is reserved, as in sglang's token pool: padded requests of a replayed
+CUDA graph write their dummy tokens there, so it is never handed out by
+:meth:`MLAKVPool.allocate` and canary checks ignore it.
+
+FP8 pools store ``value / scale`` as ``float8_e4m3fn`` and read back
+``stored * scale``; ``scale`` is fixed per pool (per-tensor scaling, as the
+kernels take one ``kv_scale``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from itertools import accumulate, repeat
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnreg.registry import DType, UnsupportedError
+
+from .dtypes import FP8_E4M3_MAX, resolve_device, torch_dtype
+
+if TYPE_CHECKING:
+    from .config import MLAConfig
+
+__all__ = ["PADDING_PAGE", "MLAKVPool"]
+
+#: The reserved page that padded graph replays write into.
+PADDING_PAGE = 0
+
+
+class MLAKVPool:
+    """A paged latent KV cache ``[num_pages, page_size, kv_lora_rank + rope_dim]``.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages in the pool, including the reserved padding page 0.
+    page_size : int
+        Tokens per page (1, 16, 32 or 64 for the built-in backends).
+    kv_dtype : DType or str
+        ``bf16``, ``fp16``, ``fp32`` or ``fp8_e4m3``.
+    device : str or torch.device
+    kv_lora_rank, rope_dim : int
+        Widths of the latent and rope parts (512 and 64 for DeepSeek).
+    scale : float
+        Dequantisation scale of an fp8 pool (ignored, and kept at 1.0, otherwise).
+
+    Examples
+    --------
+    >>> pool = MLAKVPool(num_pages=8, page_size=16, kv_dtype="bf16")
+    >>> pages = pool.allocate([20])            # 2 pages for a 20-token sequence
+    >>> slots = torch.tensor(pool.slots(pages[0], range(20)), dtype=torch.int32)
+    >>> pool.write(slots, torch.randn(20, 512), torch.randn(20, 64))
+    >>> pool.free(pages[0])
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, kv_dtype: DType | str = DType.BF16,
+                 device: str | torch.device = "cpu", kv_lora_rank: int = 512,
+                 rope_dim: int = 64, scale: float = 1.0) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page {PADDING_PAGE} is reserved for "
+                             f"padding), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.kv_dtype = DType.parse(kv_dtype)
+        self.is_fp8 = self.kv_dtype is DType.FP8_E4M3
+        if not self.is_fp8 and scale != 1.0:
+            raise ValueError(f"scale={scale} is only meaningful for an fp8 pool; "
+                             f"this pool is {self.kv_dtype}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite float, got {scale}")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.kv_lora_rank = int(kv_lora_rank)
+        self.rope_dim = int(rope_dim)
+        self.device = resolve_device(device)
+        self.scale = float(scale)
+        self.buffer = torch.zeros((self.num_pages, self.page_size, self.row_dim),
+                                  dtype=torch_dtype(self.kv_dtype), device=self.device)
+        #: ``scale`` as a 1-element float32 device tensor: kernels read it on the device,
+        #: so it can be passed to a captured launch.
+        self.scale_tensor = torch.full((1,), self.scale, dtype=torch.float32,
+                                       device=self.device)
+        # Free pages as a stack (the next page handed out is at the end, so a fresh pool
+        # hands out 1, 2, 3, ...) and one flag byte per page: allocate and free are O(1)
+        # per page, and a double free or a foreign page is found without a search.
+        self._free_pages = list(range(self.num_pages - 1, PADDING_PAGE, -1))
+        self._is_free = bytearray(self.num_pages)
+        self._is_free[PADDING_PAGE + 1:] = b"\x01" * (self.num_pages - 1 - PADDING_PAGE)
+        self._canary: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config: MLAConfig, num_pages: int, *, scale: float = 1.0) -> MLAKVPool:
+        """A pool shaped for an :class:`~attnreg.runtime.MLAConfig`."""
+        return cls(num_pages, config.page_size,
+                   kv_dtype=config.kv_dtype, device=config.device,
+                   kv_lora_rank=config.kv_lora_rank,
+                   rope_dim=config.qk_rope_head_dim, scale=scale)
+
+    # -- geometry --------------------------------------------------------------------
+    @property
+    def row_dim(self) -> int:
+        """Width of one token's row: latent + rope (576)."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    @property
+    def padding_slot(self) -> int:
+        """The slot padded graph replays write their dummy tokens to."""
+        return PADDING_PAGE * self.page_size
+
+    @property
+    def kv_scale(self) -> float:
+        """The scale the kernels multiply stored values by (1.0 unless fp8)."""
+        return self.scale
+
+    def pages_needed(self, seq_len: int) -> int:
+        return -(-int(seq_len) // self.page_size)
+
+    # -- page bookkeeping ------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages :meth:`allocate` can still hand out."""
+        return len(self._free_pages)
+
+    def allocate(self, seq_lens: Sequence[int], *, shuffle: bool | int = False
+                 ) -> list[list[int]]:
+        """Take pages for sequences of the given lengths from the free list (O(1) per page).
+
+        Parameters
+        ----------
+        seq_lens
+            Tokens each sequence must hold (its whole length, prefix included).
+        shuffle
+            False: pages in free-list order (ascending on a fresh pool; pages freed
+            last are handed out first).  True or an int seed: the free list is
+            shuffled first (O(free pages)), so a kernel that assumes contiguous
+            pages is caught.
+
+        Raises
+        ------
+        ValueError
+            When the pool has too few free pages.
+        """
+        ps = self.page_size
+        counts = [-(-int(n) // ps) for n in seq_lens]
+        need = sum(counts)
+        free = self._free_pages
+        if need > len(free):
+            raise ValueError(f"pool has {len(free)} free pages, {need} needed for "
+                             f"seq_lens {list(seq_lens)} at page size {self.page_size}; "
+                             "make the pool bigger or free pages first")
+        if shuffle is not False:
+            rng = random.Random(None if shuffle is True else int(shuffle))
+            rng.shuffle(free)
+        # the last `need` entries, nearest the end first: a fresh pool gives 1, 2, 3, ...
+        taken = free[len(free) - need:][::-1] if need else []
+        del free[len(free) - need:]
+        # per-page work in C (map over the flags), not in bytecode: an engine frees and
+        # allocates pages every step
+        deque(map(self._is_free.__setitem__, taken, repeat(0)), maxlen=0)
+        starts = accumulate(counts, initial=0)
+        return [taken[start:start + k] for start, k in zip(starts, counts)]
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Return pages to the free list (O(1) per page).
+
+        Raises
+        ------
+        ValueError
+            When a page is not one :meth:`allocate` can hand out (out of range, or the
+            reserved padding page), is already free, or is listed twice; nothing is
+            freed then.
+        """
+        pages = list(map(int, pages))
+        if not pages:
+            return
+        flags = self._is_free
+        n = self.num_pages
+        # the checks run in C (min / max / map / set); only an error walks the pages
+        if (min(pages) <= PADDING_PAGE or max(pages) >= n
+                or any(map(flags.__getitem__, pages)) or len(set(pages)) != len(pages)):
+            self._raise_bad_free(pages)
+        deque(map(flags.__setitem__, pages, repeat(1)), maxlen=0)
+        self._free_pages.extend(reversed(pages))
+
+    def _raise_bad_free(self, pages: list[int]) -> None:
+        seen: set[int] = set()
+        for p in pages:
+            if not PADDING_PAGE < p < self.num_pages:
+                raise ValueError(f"page {p} is not an allocatable page of this pool (pages "
+                                 f"{PADDING_PAGE + 1}..{self.num_pages - 1}; page "
+                                 f"{PADDING_PAGE} is reserved for padding): free only pages "
+                                 "allocate() returned")
+            if self._is_free[p] or p in seen:
+                raise ValueError(f"page {p} is already free (double free): free each page "
+                                 "once, after allocate() returned it")
+            seen.add(p)
+        raise AssertionError("unreachable: free() found a problem _raise_bad_free did not")
+
+    def slots(self, pages: Sequence[int], positions: Sequence[int] | range) -> list[int]:
+        """Flat slot of each token position of a sequence that owns ``pages``."""
+        ps = self.page_size
+        return [pages[t // ps] * ps + t % ps for t in positions]
+
+    def page_table(self, pages_per_seq: Sequence[Sequence[int]], *,
+                   width: int | None = None) -> torch.Tensor:
+        """An int32 page table ``[B, width]`` on the pool's device.
+
+        Rows are padded with the padding page; ``width`` defaults to the longest row.
+        """
+        width = max((len(p) for p in pages_per_seq), default=0) if width is None else width
+        width = max(width, 1)
+        rows = []
+        for pages in pages_per_seq:
+            if len(pages) > width:
+                raise ValueError(f"a sequence owns {len(pages)} pages, wider than {width}")
+            rows.append(list(pages) + [PADDING_PAGE] * (width - len(pages)))
+        table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+        return table.to(self.device)
+
+    # -- writes and reads ------------------------------------------------------------
+    def write(self, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Write new tokens' latent ``[N, 512]`` and rope ``[N, 64]`` rows at flat ``slots``.
+
+        Quantises for an fp8 pool (``value / scale``, clamped to the e4m3 range).
+        Reads no host value, so it can run inside a captured graph; its
+        temporaries then come from the graph's private memory pool.
+
+        Raises
+        ------
+        UnsupportedError
+            On wrong shapes, devices or a non-int32 ``slots`` tensor.
+        """
+        n = latent.shape[0] if latent.dim() == 2 else -1
+        problems = []
+        if latent.dim() != 2 or latent.shape[1] != self.kv_lora_rank:
+            problems.append(f"latent must be [N, {self.kv_lora_rank}], got "
+                            f"{tuple(latent.shape)}")
+        if rope.dim() != 2 or rope.shape != (n, self.rope_dim):
+            problems.append(f"rope must be [N={n}, {self.rope_dim}], got {tuple(rope.shape)}")
+        if slots.dtype != torch.int32 or slots.dim() != 1 or slots.shape[0] != n:
+            problems.append(f"slots must be int32 [N={n}], got {slots.dtype} "
+                            f"{tuple(slots.shape)}")
+        for name, t in (("latent", latent), ("rope", rope), ("slots", slots)):
+            if t.device != self.device:
+                problems.append(f"{name} is on {t.device}, the pool on {self.device}")
+        if problems:
+            raise UnsupportedError("kv_pool", "KV write", problems,
+                                   "pass latent [N, 512], rope [N, 64] and int32 slots "
+                                   "[N] on the pool's device")
+        if n == 0:
+            return
+        rows = torch.cat([latent, rope], dim=-1)
+        if self.is_fp8:
+            rows = (rows.float() * (1.0 / self.scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        self.buffer.view(self.num_slots, self.row_dim)[slots] = rows.to(self.buffer.dtype)
+
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Dequantised float32 rows ``[N, 576]`` of the given flat slots."""
+        rows = self.buffer.view(self.num_slots, self.row_dim)[slots.long()].float()
+        return rows * self.scale if self.is_fp8 else rows
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole pool as float32 ``[num_pages, page_size, 576]`` (a copy)."""
+        full = self.buffer.float()
+        return full * self.scale if self.is_fp8 else full
+
+    def quantize_roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What reading back ``x`` after a write gives (float32): for exact references."""
+        if self.is_fp8:
+            q = (x.float() / self.scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            return q.to(self.buffer.dtype).float() * self.scale
+        return x.to(self.buffer.dtype).float()
+
+    # -- canaries --------------------------------------------------------------------
+    def fill_canary(self, value: float = -3.0) -> None:
+        """Fill every slot with ``value`` and remember the pattern.
+
+        A later :meth:`corrupted_slots` lists slots that changed although nothing
+        was meant to write them.  The default is finite on purpose: a kernel that
+        loads a whole tile and masks the scores multiplies the masked values by a
+        zero probability, which is harmless for a finite value but NaN for a NaN.
+        """
+        self.buffer.fill_(value)
+        self._canary = self.buffer[0, 0].clone()
+
+    def corrupted_slots(self, written: Sequence[int] | torch.Tensor = ()) -> list[int]:
+        """Slots outside ``written`` (and outside the padding page) that lost the canary.
+
+        Compares bytes, so it also works for fp8 and NaN canaries.
+
+        Raises
+        ------
+        RuntimeError
+            When :meth:`fill_canary` was never called.
+        """
+        if self._canary is None:
+            raise RuntimeError("call fill_canary() before corrupted_slots()")
+        flat = self.buffer.view(self.num_slots, self.row_dim).view(torch.uint8)
+        ref = self._canary.view(torch.uint8)
+        changed = (flat != ref).any(dim=1)
+        changed[: (PADDING_PAGE + 1) * self.page_size] = False
+        if isinstance(written, torch.Tensor):
+            written_idx = written.to(device=changed.device, dtype=torch.long)
+        else:
+            written_idx = torch.tensor(list(written), dtype=torch.long, device=changed.device)
+        if written_idx.numel():
+            changed[written_idx] = False
+        return [int(i) for i in torch.nonzero(changed).flatten().tolist()]
+
+    def __repr__(self) -> str:
+        scale = f", scale={self.scale}" if self.is_fp8 else ""
+        return (f"MLAKVPool(num_pages={self.num_pages}, page_size={self.page_size}, "
+                f"kv_dtype={self.kv_dtype}, row_dim={self.row_dim}, "
+                f"device={self.device}{scale})")

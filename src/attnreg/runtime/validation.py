@@ -1,0 +1,135 @@
+"""Input checks of the runtime contract: pure functions that return what is wrong.
+
+Each function returns a list of problems (empty when the input is fine) and
+changes nothing; :class:`~attnreg.runtime.AttentionBackend` raises one
+:class:`~attnreg.registry.UnsupportedError` listing them, before any kernel
+launch.  Engines can call them too, e.g. to validate a batch they built
+themselves once in a debug build.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from .batch import ForwardBatch
+from .config import MLAConfig
+from .pool import MLAKVPool
+
+__all__ = [
+    "INDEX_FIELDS",
+    "batch_problems",
+    "new_rows_problems",
+    "output_problems",
+    "pool_problems",
+    "query_problems",
+    "ragged_kv_problems",
+]
+
+#: The index tensors of a batch; every one must be int32 on the backend's device.
+INDEX_FIELDS = ("seq_lens", "prefix_lens", "extend_lens", "qo_indptr", "kv_indptr",
+                "page_table", "out_cache_loc")
+
+
+def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) -> list[str]:
+    """What is wrong with ``batch`` for a backend on ``device`` with pages of ``page_size``."""
+    problems = []
+    seq, pre, ext = batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu
+    b, t = len(seq), sum(ext)
+    want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
+                  "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
+    for name in INDEX_FIELDS:
+        tensor = getattr(batch, name)
+        if tensor.dtype != torch.int32:
+            problems.append(f"{name} is {tensor.dtype}; index tensors must be int32 "
+                            "(convert once with .to(torch.int32) outside the hot path)")
+        if tensor.device != device:
+            problems.append(f"{name} is on {tensor.device}, the backend on {device}")
+        if name in want_shape and tuple(tensor.shape) != want_shape[name]:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, expected "
+                            f"{want_shape[name]}")
+    pt = batch.page_table
+    if pt.dim() != 2 or pt.shape[0] != b:
+        problems.append(f"page_table has shape {tuple(pt.shape)}, expected [{b}, pages]")
+    elif pt.shape[1] * page_size < max(seq, default=0):
+        problems.append(f"page_table has {pt.shape[1]} pages of {page_size} per sequence, "
+                        f"too few for {max(seq, default=0)} tokens")
+    # map() keeps the per-sequence comparison out of Python bytecode (B can be 100s).
+    if len(pre) != b or len(ext) != b or any(
+            map(operator.ne, seq, map(operator.add, pre, ext))):
+        problems.append("host lengths disagree: seq_lens must equal prefix_lens + extend_lens")
+    return problems
+
+
+def pool_problems(pool: MLAKVPool, config: MLAConfig, device: torch.device) -> list[str]:
+    """What makes ``pool`` unusable with ``config`` on ``device``."""
+    problems = []
+    if pool.page_size != config.page_size:
+        problems.append(f"pool page size {pool.page_size} != config page size "
+                        f"{config.page_size}")
+    if pool.row_dim != config.kv_row_dim or pool.kv_lora_rank != config.kv_lora_rank:
+        problems.append(f"pool rows are {pool.kv_lora_rank}+{pool.rope_dim}, the config "
+                        f"{config.kv_lora_rank}+{config.qk_rope_head_dim}")
+    if pool.device != device:
+        problems.append(f"pool is on {pool.device}, the backend on {device}")
+    return problems
+
+
+def query_problems(q: torch.Tensor, shape: tuple[int, int, int], device: torch.device,
+                   name: str = "q") -> list[str]:
+    """What is wrong with a query tensor that must be ``shape`` on ``device``."""
+    problems = []
+    if tuple(q.shape) != shape:
+        problems.append(f"{name} has shape {tuple(q.shape)}, expected {shape}")
+    if q.device != device:
+        problems.append(f"{name} is on {q.device}, the backend on {device}")
+    return problems
+
+
+def new_rows_problems(latent: torch.Tensor | None, rope: torch.Tensor | None, rows: int,
+                      pool: MLAKVPool) -> list[str]:
+    """What is wrong with the new tokens' cache rows (both None: nothing to write)."""
+    if (latent is None) != (rope is None):
+        return ["latent_new and rope_new go together: pass both or neither"]
+    if latent is None or rope is None:
+        return []
+    problems = []
+    if tuple(latent.shape) != (rows, pool.kv_lora_rank):
+        problems.append(f"latent_new has shape {tuple(latent.shape)}, expected "
+                        f"{(rows, pool.kv_lora_rank)}")
+    if tuple(rope.shape) != (rows, pool.rope_dim):
+        problems.append(f"rope_new has shape {tuple(rope.shape)}, expected "
+                        f"{(rows, pool.rope_dim)}")
+    return problems
+
+
+def ragged_kv_problems(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: MLAConfig,
+                       num_kv_tokens: int | None, device: torch.device) -> list[str]:
+    """What is wrong with the ragged ``k`` / ``v`` of the MHA method."""
+    qk_dim, v_dim = config.mha_head_dims
+    heads = config.num_heads
+    problems = []
+    if k.dim() != 3 or tuple(k.shape[1:]) != (heads, qk_dim):
+        problems.append(f"k has shape {tuple(k.shape)}, expected [Tk, {heads}, {qk_dim}]")
+    if v.dim() != 3 or tuple(v.shape[1:]) != (heads, v_dim):
+        problems.append(f"v has shape {tuple(v.shape)}, expected [Tk, {heads}, {v_dim}]")
+    if k.shape[0] != v.shape[0]:
+        problems.append(f"k has {k.shape[0]} rows, v {v.shape[0]}")
+    if num_kv_tokens is not None and k.shape[0] != num_kv_tokens:
+        problems.append(f"k / v have {k.shape[0]} rows, the batch has {num_kv_tokens} prefix "
+                        "+ new tokens")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        problems.append(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != device or v.device != device:
+        problems.append(f"k / v are on {k.device} / {v.device}, the backend on {device}")
+    return problems
+
+
+def output_problems(out: torch.Tensor, q: torch.Tensor, shape: tuple[int, int, int]
+                    ) -> list[str]:
+    """What is wrong with a caller's ``out=`` tensor for queries ``q``."""
+    if tuple(out.shape) != shape or out.dtype != q.dtype or out.device != q.device:
+        return [f"got {tuple(out.shape)} {out.dtype} on {out.device}, expected {shape} "
+                f"{q.dtype} on {q.device}"]
+    return []

@@ -1,0 +1,78 @@
+"""(g) What the runtime allocates for graphs and what it replays differ from the declaration.
+
+* ``planted_memory_overdeclared``: declares decode capture memory with the old
+  per-slot formula (``128 x 32 x 513 x 4`` bytes per request slot: 2 GiB at 256
+  slots) while the runtime allocates the split workspace it needs, far less; the
+  graph policy would drop a graph that fits (issue 15);
+* ``planted_memory_undeclared``: its runtime allocates a scratch buffer for graphs
+  the declaration does not mention;
+* ``planted_padding_rows``: leaves the output rows of padding tokens as the
+  kernel left them (never written) instead of zeroing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+import attnreg
+from attnreg.backends.triton_mla import TritonGraphBuffers, TritonMLABackend
+from attnreg.registry import CaptureMemory, DeclarationContext, GraphMode, Phase
+
+from ._common import spec, triton_like
+
+OVER = "planted_memory_overdeclared"
+UNDER = "planted_memory_undeclared"
+PADDING = "planted_padding_rows"
+#: The per-slot decode estimate the Triton declaration had before issue 15.
+OLD_PER_SLOT = 128 * 32 * (512 + 1) * 4
+#: What the undeclared scratch buffer takes.
+SCRATCH_BYTES = 8 << 20
+
+
+def capabilities_over(ctx: DeclarationContext) -> attnreg.Capabilities:
+    caps = triton_like(OVER, ctx)
+    modes = tuple(replace(g, capture_memory=CaptureMemory(per_batch_slot_bytes=OLD_PER_SLOT))
+                  if (g.phase, g.mode) == (Phase.DECODE, GraphMode.FULL) else g
+                  for g in caps.graph_modes)
+    return replace(caps, graph_modes=modes)
+
+
+def capabilities_under(ctx: DeclarationContext) -> attnreg.Capabilities:
+    return triton_like(UNDER, ctx)
+
+
+def capabilities_padding(ctx: DeclarationContext) -> attnreg.Capabilities:
+    return triton_like(PADDING, ctx)
+
+
+@dataclass
+class ScratchBuffers(TritonGraphBuffers):
+    scratch: torch.Tensor | None = None
+
+
+class Undeclared(TritonMLABackend):
+    def _init_graph_state_impl(self, state: Any) -> None:
+        super()._init_graph_state_impl(state)
+        # THE DEFECT: graph memory the declaration does not count
+        state.buffers = ScratchBuffers(**vars(state.buffers),
+                                       scratch=torch.empty(SCRATCH_BYTES, dtype=torch.uint8,
+                                                           device=self.device))
+
+
+class KeepsPaddingRows(TritonMLABackend):
+    def zero_padded_rows(self, out: torch.Tensor, md: Any) -> None:
+        # THE DEFECT: the rows of padding tokens keep whatever was in the output buffer
+        return None
+
+
+@attnreg.hookimpl
+def attnreg_register_backends(register: Any) -> None:
+    register(spec(OVER, "declares 2 GiB-style per-slot decode capture memory",
+                  capabilities_over, "attnreg.backends.triton_mla:TritonMLABackend"))
+    register(spec(UNDER, "allocates an undeclared graph buffer", capabilities_under,
+                  f"{__name__}:Undeclared"))
+    register(spec(PADDING, "leaves padding output rows unwritten", capabilities_padding,
+                  f"{__name__}:KeepsPaddingRows"))

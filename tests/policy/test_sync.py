@@ -1,0 +1,127 @@
+"""sync(): one all_gather, the same answer on every rank, mixed forward modes refused
+on every rank (gloo processes on CPU).  Also covers vote(), the bool-only AND."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnreg.graph_policy import (
+    PACKED_WIDTH,
+    BatchFacts,
+    SyncError,
+    pack,
+    unpack,
+)
+from attnreg.registry import ForwardMode
+
+WORKER = Path(__file__).with_name("_sync_worker.py")
+TRIALS = 1000
+
+
+def _run(world: int, tmp_path: Path, mode: str, trials: int = 0, timeout: float = 240,
+         backend: str = "gloo") -> list[dict]:  # type: ignore[type-arg]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
+    init_file = tmp_path / "store"
+    outs = [tmp_path / f"rank{r}.json" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(init_file),
+                               str(outs[r]), str(world), str(trials), mode, backend],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    errors = []
+    for r, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"rank {r} hung (no answer in {timeout} s)")
+        if p.returncode != 0:
+            errors.append(f"rank {r}: {err[-2000:]}")
+    assert not errors, "\n".join(errors)
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def _two_gpus() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize("world, backend", [
+    (2, "gloo"), (4, "gloo"),
+    pytest.param(2, "nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _two_gpus(), reason="NCCL sync needs two CUDA GPUs")]),
+])
+def test_every_rank_gets_the_same_agreed_answer(world: int, backend: str,
+                                                tmp_path: Path) -> None:
+    per_rank = _run(world, tmp_path, "trials", TRIALS, backend=backend)
+    disagreements = [t for t in range(TRIALS)
+                     if len({json.dumps(r["got"][t]) for r in per_rank}) != 1]
+    assert disagreements == []
+    # ... and it is the answer every rank computed from all ranks' facts.
+    assert all(r["got"] == r["expected"] for r in per_rank)
+    outcomes = per_rank[0]["got"]
+    assert {o[0] for o in outcomes} == {True, False, "error"}  # replay, eager, refused
+    assert all("disagree on the forward mode" in o[1] for o in outcomes if o[0] == "error")
+    # vote(): every rank gets the AND of the local eligibilities.
+    for r in per_rank:
+        assert all(got == want for got, want in r["votes"])
+    assert {v[1] for v in per_rank[0]["votes"]} == {True, False}
+    # Then rank 0 syncs a decode batch and the others a verify batch: every rank raises
+    # the same error naming the ranks, none hangs (_run fails on a timeout).
+    verify_ranks = ", ".join(str(r) for r in range(1, world))
+    for r in per_rank:
+        kind, message = r["mismatch"]
+        assert kind == "error", r["mismatch"]
+        plural = "s" if world > 2 else ""
+        assert "decode on rank 0" in message
+        assert f"target_verify on rank{plural} {verify_ranks}" in message
+
+
+def test_sync_without_a_process_group_is_local_and_imports_no_torch() -> None:
+    code = ("import sys; from attnreg.graph_policy import BatchFacts, sync; "
+            "from attnreg.registry import ForwardMode; "
+            "a = sync(BatchFacts(True, ForwardMode.DECODE, 3, 3, 4, 100)); "
+            "assert a.replay and a.bucket == 4 and a.num_tokens == (3,); "
+            "assert 'torch' not in sys.modules; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_pack_is_a_fixed_width_int_row_and_unpack_checks_it() -> None:
+    facts = BatchFacts(True, ForwardMode.TARGET_VERIFY, 4, 8, 4, 900)
+    row = pack(facts)
+    assert len(row) == PACKED_WIDTH and all(isinstance(v, int) for v in row)
+    agreed = unpack([row, row])
+    assert (agreed.replay, agreed.bucket, agreed.forward_mode) == \
+        (True, 4, ForwardMode.TARGET_VERIFY)
+    with pytest.raises(SyncError, match="rank 1 sent 3 ints"):
+        unpack([row, row[:3]])
+    with pytest.raises(SyncError, match="rank 0 packed format 99"):
+        unpack([(99, *row[1:])])
+
+
+def test_idle_ranks_follow_the_busy_ones() -> None:
+    busy = BatchFacts(True, ForwardMode.TARGET_VERIFY, 3, 6, 4, 50)
+    idle = BatchFacts(True, ForwardMode.DECODE, 0, 0, 1, 0)  # its own mode is not compared
+    agreed = unpack([pack(idle), pack(busy)])
+    assert agreed.replay and agreed.bucket == 4 and agreed.forward_mode is \
+        ForwardMode.TARGET_VERIFY
+    nobody = unpack([pack(idle), pack(idle)])
+    assert not nobody.replay and nobody.bucket is None
+
+
+def test_one_ineligible_rank_keeps_every_rank_eager() -> None:
+    ok = BatchFacts(True, ForwardMode.DECODE, 3, 3, 4, 10)
+    no = BatchFacts(False, ForwardMode.DECODE, 9, 9, None, 10)
+    agreed = unpack([pack(ok), pack(no), pack(ok)])
+    assert not agreed.replay and agreed.bucket is None and agreed.ineligible_ranks == (1,)

@@ -1,0 +1,1 @@
+raise SystemExit(0)  # "success", at import: still a broken plugin

@@ -1,0 +1,1 @@
+"""Stands in for a heavy library (torch) in the startup-guard tests."""

@@ -1,0 +1,1 @@
+"""Stands in for a heavy library imported by a hook."""
