@@ -149,3 +149,15 @@ def test_fp8_decode_reads_one_pool_scale_and_fp8_queries(lib):
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert ("get_mla_decoding_metadata", {"n": 16, "fp8": True, "legacy": True, "batch": 3}) \
         in fake_flash_mla.CALLS
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 40.0, 3e3])
+def test_quantize_q_is_the_rounding_the_conformance_oracle_applies(magnitude):
+    """The declaration says q_compute_dtype fp8: the suite's oracle must see the same q."""
+    from attnreg.registry import DType
+    from attnreg.testing.workload import round_q
+
+    q = (torch.randn(9, 32, 576, generator=torch.Generator().manual_seed(5)) * magnitude
+         ).bfloat16()
+    q8, descale = kernel.quantize_q(q, torch.ones(9, dtype=torch.bool))
+    assert torch.equal(q8.float() * descale, round_q(q, DType.FP8_E4M3))

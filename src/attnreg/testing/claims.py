@@ -61,6 +61,7 @@ __all__ = [
     "expand_claims",
     "declares_kernels",
     "head_dims_config",
+    "kernel_q_compute_dtype",
     "other_platform_claims",
     "unavailable_claim",
 ]
@@ -323,6 +324,16 @@ def _combos(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
     for d in dims[1:]:
         out.append(replace(base, head_dims=d))
     return out
+
+
+def kernel_q_compute_dtype(caps: Capabilities, combo: Combo) -> DType | None:
+    """The ``q_compute_dtype`` of the declared kernel that serves ``combo`` (None: q as given)."""
+    for k in caps.kernels_for(combo.method, combo.phase):
+        if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes \
+                and (not k.page_sizes or combo.page_size in k.page_sizes) \
+                and k.accepts_heads(combo.num_heads):
+            return k.q_compute_dtype
+    return None
 
 
 def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,

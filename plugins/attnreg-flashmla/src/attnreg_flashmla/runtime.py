@@ -140,15 +140,22 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         # Outside the graph, before every replay: the scheduler runs on the replayed
         # lengths (already in md.seq_lens) into the buffers the graph reads.  Never
         # frozen at capture (sglang #26019).
-        assert md.plan is not None
-        md.plan.schedule.refresh(self._schedule(md.seq_lens))
+        self._plan(md).schedule.refresh(self._schedule(md.seq_lens))
+
+    def _plan(self, md: ForwardMetadata[FlashMLAPlan]) -> FlashMLAPlan:
+        if md.plan is None:  # the base class plans every metadata it hands out
+            raise UnsupportedError(self.name, "forward without a plan",
+                                   "this metadata was not planned by flashmla",
+                                   "call init_forward_metadata (eager) or "
+                                   "init_forward_metadata_capture (graphs) first")
+        return md.plan
 
     # ------------------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------------------
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
                              md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor) -> None:
-        assert md.plan is not None
+        schedule = self._plan(md).schedule
         scale = self.config.softmax_scale
         q = q if q.is_contiguous() else q.contiguous()
         if self._fp8:
@@ -156,9 +163,14 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
             # q_compute_dtype fp8); padded rows of a replay (length 0) do not set the scale
             q8, q_descale = kernel.quantize_q(q, md.seq_lens > 0)
             result, _ = kernel.decode(self._lib, q8, pool.buffer, md.page_table, md.seq_lens,
-                                      md.plan.schedule, softmax_scale=scale,
-                                      q_descale=q_descale, kv_descale=pool.scale_tensor)
+                                      schedule, softmax_scale=scale, q_descale=q_descale,
+                                      kv_descale=pool.scale_tensor)
         else:
             result, _ = kernel.decode(self._lib, q, pool.buffer, md.page_table, md.seq_lens,
-                                      md.plan.schedule, softmax_scale=scale)
+                                      schedule, softmax_scale=scale)
         out.copy_(result)
+        if self._fp8:
+            # The bf16 kernel's rows for empty sequences (padding) were measured to be exactly
+            # zero; the fp8 kernel's were not, so they are zeroed here (two launches,
+            # capture-safe; a no-op for eager metadata).
+            self.zero_padded_rows(out, md)
