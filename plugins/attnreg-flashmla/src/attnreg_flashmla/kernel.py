@@ -135,4 +135,4 @@ def decode(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor, page_table: to
                                           causal=causal and tokens_per_seq > 1,
                                           use_legacy=True, **extra)
     # out [B, s_q, H, 512]; lse [B, H, s_q] -> the runtime's [rows, H]
-    return out.view(rows, heads, _LATENT), lse.transpose(1, 2).reshape(rows, heads)
+    return out.reshape(rows, heads, _LATENT), lse.transpose(1, 2).reshape(rows, heads)
