@@ -1,4 +1,5 @@
-"""A kernel that declares ``q_compute_dtype`` gets an oracle that rounds q the same way."""
+"""Kernels of one backend that differ per pool dtype: an oracle that rounds q as a kernel's
+``q_compute_dtype`` declares, and capture claims run with what each kernel accepts."""
 
 from __future__ import annotations
 
@@ -8,26 +9,33 @@ torch = pytest.importorskip("torch")
 
 from attnreg.registry import (
     Capabilities,
+    CaptureSupport,
     DType,
     ForwardMethod,
+    GraphMode,
+    GraphModeSupport,
     KernelConstraints,
     Phase,
     Platform,
+    SplitKV,
     Vendor,
 )
-from attnreg.testing.claims import Combo, kernel_q_compute_dtype
+from attnreg.testing.claims import Check, ClaimKind, Combo, expand_claims, kernel_q_compute_dtype
 from attnreg.testing.workload import round_q
 
 BF16 = frozenset({DType.BF16})
 
 
 def _caps() -> Capabilities:
-    def kernel(kv: DType, compute: DType | None) -> KernelConstraints:
+    def kernel(kv: DType, compute: DType | None, heads: tuple[int, ...]) -> KernelConstraints:
         return KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
-                                 BF16, frozenset({kv}), page_sizes=(64,),
+                                 BF16, frozenset({kv}), page_sizes=(64,), head_counts=heads,
                                  q_compute_dtype=compute)
+    full = GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
+                            pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED)
     return Capabilities("demo", Platform.parse("cuda:sm90"), frozenset({Vendor.CUDA}),
-                        (kernel(DType.BF16, None), kernel(DType.FP8_E4M3, DType.FP8_E4M3)), ())
+                        (kernel(DType.BF16, None, (1, 16, 128)),
+                         kernel(DType.FP8_E4M3, DType.FP8_E4M3, (16, 128))), (full,))
 
 
 def _combo(kv: DType) -> Combo:
@@ -62,3 +70,11 @@ def test_no_compute_dtype_leaves_q_alone_and_other_dtypes_are_refused():
     assert round_q(q, None) is q
     with pytest.raises(ValueError, match="only to fp8_e4m3"):
         round_q(q, DType.FP16)
+
+
+def test_a_capture_claim_for_another_pool_uses_a_head_count_its_kernel_accepts():
+    # the bf16 kernel's base has 1 head, which the fp8 kernel does not take
+    replays = [c.combo for c in expand_claims(_caps(), "cuda")
+               if c.kind is ClaimKind.CAPTURE and c.check is Check.REPLAY]
+    assert sorted((c.kv_dtype.value, c.num_heads) for c in replays) == [("bf16", 1),
+                                                                       ("fp8_e4m3", 16)]
