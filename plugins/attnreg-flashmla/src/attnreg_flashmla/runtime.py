@@ -35,7 +35,6 @@ from attnreg.runtime import (
     GraphState,
     MLAConfig,
     MLAKVPool,
-    device_num_sms,
 )
 
 from . import kernel
@@ -119,9 +118,11 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
     def _init_graph_state_impl(self, state: GraphState[FlashMLAGraphBuffers]) -> None:
         if Phase.DECODE not in state.graph_modes:
             return
+        # The shape the declaration's capture memory is asked about: one source of the
+        # SM count (the device's; the largest sm90 part's where torch cannot tell).
         meta_shape, splits_shape = scheduler_shapes(
             state.max_bs, self.config.num_heads,
-            num_sms=device_num_sms(self.device) or MAX_SM90_SMS)
+            num_sms=state.capture_shape.num_sms or MAX_SM90_SMS)
 
         def ints(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int32, device=self.device)
