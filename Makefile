@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - venv, install, and the compatibility report (this machine + simulated H200/B200)
-#   make test   - venv, install with test extras, the whole CPU test suite
+#   make test   - venv, install with test extras, the whole CPU test suite (and test-sglang)
 #
 # TORCH_SPEC pins the torch build installed first: this CPU machine's local
 # wheel by default.  On a GPU box use e.g. `make test TORCH_SPEC=torch`.
@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ATTNREG := $(VENV)/bin/attnreg
 
-.PHONY: demo test venv install-demo install-test lint clean
+.PHONY: demo test test-sglang venv install-demo install-test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,24 @@ demo: $(VENV)/.demo-installed
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q $(FLASHMLA_PLUGIN)/tests
+	$(MAKE) test-sglang
+
+# sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
+# sglang 0.5.23 and a pinned CPU set, installed without the resolver.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_LOCK := tests/integrations/sglang/requirements-cpu.txt
+
+$(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_LOCK)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(SGLANG_PY) -m pip install -q --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-sglang: $(SGLANG_VENV)/.installed
+	$(SGLANG_PY) -m pytest -q tests/integrations/sglang
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check src tests $(FLASHMLA_PLUGIN)

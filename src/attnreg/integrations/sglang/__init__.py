@@ -1,0 +1,21 @@
+"""attnreg inside sglang: attnreg decides sglang's CUDA-graph modes.
+
+Install ``attnreg[sglang]`` and set ``ATTNREG_SGLANG=1``: sglang's own plugin
+loader (entry-point group ``sglang.srt.plugins``) finds
+:func:`attnreg.integrations.sglang.plugin.register`, which replaces sglang's
+graph-compatibility steps with attnreg's policy through sglang's
+``HookRegistry``.  See docs/integrations/sglang.md.
+
+Modules (only :mod:`.names` and :mod:`.plugin` import without sglang):
+
+* :mod:`.names`: sglang's backend and graph-mode names <-> attnreg's;
+* :mod:`.facts`: a resolving ``ServerArgs`` -> :class:`~.facts.SglangFacts`;
+* :mod:`.engine_rules`: sglang rules attnreg has no fact for, kept as engine rules;
+* :mod:`.adapter`: the one call into :func:`attnreg.graph_policy.resolve`;
+* :mod:`.steps`: the resolution steps that replace sglang's;
+* :mod:`.plugin`: the entry point and the switch.
+"""
+
+ENV_SWITCH = "ATTNREG_SGLANG"
+
+__all__ = ["ENV_SWITCH"]

@@ -1,0 +1,79 @@
+"""The one call from the sglang bridge into :func:`attnreg.graph_policy.resolve`.
+
+:func:`plan_for` is the only function of the bridge that knows resolve()'s
+signature.  resolve() takes the engine facts (page size, context, running
+requests, draft tokens) and the host's graph modes in
+:class:`~attnreg.graph_policy.EngineFacts`: a mode sglang lacks is never a
+default and a lock on it is a hard error (``engine.mode_unsupported``).
+:func:`check_host_locks` refuses such a lock earlier, in the bridge's first
+step, before sglang's own validation would stop startup with a bare
+``not allowed``.  resolve()'s errors split in two: a lock that breaks a
+hard rule fails startup (:class:`SglangGraphPolicyError`); a declaration
+that cannot serve a phase at all (:class:`DeclarationGap`) leaves the server
+to sglang's rules.
+"""
+
+from __future__ import annotations
+
+from attnreg.graph_policy import RULES, GraphPlan, resolve
+from attnreg.registry.capabilities import GraphMode, Phase
+from attnreg.registry.errors import GraphPolicyError
+
+from .facts import SglangFacts
+
+__all__ = ["DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
+           "plan_for"]
+
+#: resolve()'s errors that mean "no attnreg declaration serves this" (no plan at all),
+#: as opposed to a lock that breaks a hard rule.
+_SELECTION_RULES = tuple(rule.id for rule in RULES.values() if rule.kind == "error")
+
+
+class SglangGraphPolicyError(GraphPolicyError, ValueError):
+    """attnreg refuses sglang's graph configuration; a ValueError like sglang's own
+    argument errors, so sglang's startup reports it the same way."""
+
+
+class DeclarationGap(Exception):
+    """attnreg's declaration of the mapped backend cannot serve a phase of this server
+    (unavailable on the platform, no kernel for the phase or the model): attnreg
+    has nothing to decide with, so sglang's own rules decide.  ``reasons`` lists why."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = reasons
+        super().__init__("; ".join(reasons))
+
+
+def check_host_locks(locked: dict[Phase, GraphMode],
+                     host_modes: dict[Phase, frozenset[GraphMode]]) -> None:
+    """Raise :class:`SglangGraphPolicyError` when a locked mode is one the host lacks."""
+    reasons = [f"sglang.host_modes: {phase} {mode} was set explicitly, but this sglang accepts "
+               f"only {', '.join(sorted(m.value for m in host_modes[phase]))} for {phase}"
+               for phase, mode in locked.items() if mode not in host_modes[phase]]
+    if reasons:
+        raise SglangGraphPolicyError(
+            reasons, hint="To fix: choose a mode this sglang release supports "
+                          "(--cuda-graph-backend-prefill / --cuda-graph-config).")
+
+
+def plan_for(facts: SglangFacts) -> GraphPlan:
+    """attnreg's plan for a server whose facts have no gap.
+
+    Raises :class:`SglangGraphPolicyError` when a locked mode breaks a hard
+    rule or is one the host lacks (every reason listed), and
+    :class:`DeclarationGap` when the mapped declaration cannot serve a phase
+    at all (sglang's backend may well run it; attnreg cannot judge it).
+    """
+    if facts.model is None or facts.config is None:
+        raise ValueError("plan_for needs facts without gaps: " + "; ".join(facts.gaps))
+    backends = (facts.backends[Phase.PREFILL].attnreg, facts.backends[Phase.DECODE].attnreg)
+    try:
+        # assume_installed: the kernels run inside sglang, whose install carries the
+        # libraries; attnreg's own optional extras need not be present.
+        plan = resolve(facts.platform, facts.model, backends, facts.config, facts.features,
+                       facts.engine, assume_installed=True)
+    except GraphPolicyError as exc:
+        if any(f"{rule}:" in reason for reason in exc.reasons for rule in _SELECTION_RULES):
+            raise DeclarationGap(exc.reasons) from exc
+        raise SglangGraphPolicyError(exc.reasons, exc.hint) from exc
+    return plan

@@ -1,0 +1,271 @@
+"""Read a resolving sglang ``ServerArgs`` into the facts attnreg's policy reads.
+
+Everything comes from sglang's own accessors at resolution time: the
+platform from ``get_platform()`` (so sglang's platform overrides apply),
+the model from ``model_config_of()``, the attention backends from
+``attention_backends_of(resolved_view(...))``, the graph config and its
+locked keys from ``cuda_graph_config`` and ``_cuda_graph_config_locked``,
+and the graph modes the host accepts from ``ALLOWED_BACKENDS_PER_PHASE``.
+
+A fact attnreg cannot represent (a non-MLA model, a KV dtype attnreg does
+not declare, a decode mode attnreg does not model) is not guessed: it is
+named in :attr:`SglangFacts.gaps` and the bridge leaves the decision to
+sglang's own rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.srt.arg_groups.overrides import (
+    attention_backends_of,
+    model_config_of,
+    resolved_view,
+    resolving_view,
+)
+from sglang.srt.model_executor.cuda_graph_config import ALLOWED_BACKENDS_PER_PHASE
+from sglang.srt.runtime_context import get_platform
+
+from attnreg.graph_policy import (
+    AttentionKind,
+    EngineFacts,
+    GraphConfig,
+    ModelFacts,
+    ServerFeatures,
+)
+from attnreg.registry.capabilities import VALID_GRAPH_MODES, DType, GraphMode, Phase
+from attnreg.registry.platform import Platform, Vendor
+
+from .names import BackendMapping, graph_mode_from_sglang, kv_dtype_from_sglang, map_backend
+
+__all__ = [
+    "SglangFacts",
+    "host_modes",
+    "read_facts",
+    "read_platform",
+]
+
+_PHASES = (Phase.PREFILL, Phase.DECODE)
+
+
+@dataclass(frozen=True)
+class SglangFacts:
+    """What attnreg knows about one sglang server at the attention-backend step.
+
+    ``model`` and ``config`` are None when a gap prevents them; ``gaps`` says
+    why, one line each.  ``engine`` is attnreg's :class:`EngineFacts` (page
+    size, context, running requests, draft tokens, the host's graph modes);
+    ``host_modes`` is every mode sglang accepts per phase, attnreg's or not.
+    ``sglang_modes`` is each phase's mode as sglang's resolution holds it
+    now; ``locked`` the phases whose mode the user set.
+    """
+
+    platform: Platform
+    backends: dict[Phase, BackendMapping]
+    model: ModelFacts | None
+    config: GraphConfig | None
+    features: ServerFeatures
+    engine: EngineFacts
+    host_modes: dict[Phase, frozenset[GraphMode]]
+    sglang_modes: dict[Phase, GraphMode]
+    locked: frozenset[Phase]
+    backends_by_user: frozenset[Phase] = frozenset()
+    architecture: str = ""
+    gaps: tuple[str, ...] = field(default=())
+
+    @property
+    def decidable(self) -> bool:
+        """True when attnreg can decide both phases (no gap)."""
+        return not self.gaps
+
+
+def read_platform() -> Platform:
+    """The platform as sglang sees it now (``get_platform()``, overrides included)."""
+    plat = get_platform()
+    if plat.is_cuda:
+        sm = int(plat.device_sm or 0)
+        return Platform(Vendor.CUDA, f"sm{sm}" if sm else "")
+    if plat.is_hip:
+        return Platform(Vendor.ROCM)
+    if plat.is_npu:
+        return Platform(Vendor.NPU)
+    if plat.is_xpu:
+        return Platform(Vendor.XPU)
+    return Platform(Vendor.CPU)
+
+
+def host_modes() -> dict[Phase, frozenset[GraphMode]]:
+    """The graph modes this sglang accepts per phase (``ALLOWED_BACKENDS_PER_PHASE``).
+
+    sglang 0.5.23 lists full/breakable/disabled for both phases (tc_piecewise
+    was removed in 0.5.22); a release that lists tc_piecewise gets it here.
+    """
+    out: dict[Phase, frozenset[GraphMode]] = {}
+    for phase in _PHASES:
+        allowed = ALLOWED_BACKENDS_PER_PHASE.get(phase.value, ())
+        out[phase] = frozenset(graph_mode_from_sglang(b) for b in allowed)
+    return out
+
+
+def _dtype_of(torch_dtype: Any) -> DType | None:
+    name = str(torch_dtype).replace("torch.", "")
+    return {"bfloat16": DType.BF16, "float16": DType.FP16, "float32": DType.FP32}.get(name)
+
+
+def _attention_tp_size(cfg: Any) -> int:
+    tp = int(cfg.tp_size or 1)
+    if cfg.enable_dp_attention and cfg.dp_size:
+        return max(1, tp // int(cfg.dp_size))
+    return tp
+
+
+def _read_model(server_args: Any, cfg: Any, gaps: list[str]) -> tuple[ModelFacts | None, str]:
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa
+
+    mc = model_config_of(server_args)
+    arch = (mc.hf_config.architectures or ["?"])[0]
+    if mc.attention_arch != AttentionArch.MLA:
+        gaps.append(f"{arch} is not an MLA model (attention_arch={mc.attention_arch}); "
+                    "attnreg declares MLA attention backends only")
+        return None, arch
+    act = _dtype_of(mc.dtype)
+    if act is None:
+        gaps.append(f"model dtype {mc.dtype} is not one attnreg declares")
+        return None, arch
+    kv = kv_dtype_from_sglang(cfg.kv_cache_dtype, act)
+    if kv is None:
+        gaps.append(f"--kv-cache-dtype {cfg.kv_cache_dtype}: attnreg declares KV pools of "
+                    f"{', '.join(d.value for d in (DType.BF16, DType.FP16, DType.FP8_E4M3))} "
+                    "only")
+        return None, arch
+    facts = ModelFacts(
+        attention=AttentionKind.MLA,
+        kv_dtype=kv,
+        num_heads=mc.get_num_attention_heads(_attention_tp_size(cfg)),
+        act_dtype=act,
+        dsa_sparse=bool(is_deepseek_dsa(mc.hf_config)),
+        multimodal=bool(mc.is_multimodal),
+        # sglang's allowlist of multimodal archs validated under piecewise prefill.
+        piecewise_validated=bool(mc.is_multimodal
+                                 and getattr(mc, "is_multimodal_piecewise_cuda_graph_supported",
+                                             False)),
+        label=arch,
+    )
+    return facts, arch
+
+
+def _read_features(server_args: Any, cfg: Any) -> ServerFeatures:
+    from sglang.srt.layers.cp.bcg import supports_prefill_cp_bcg
+
+    view = resolved_view(server_args)
+    cp = int(view.attn_cp_size or 1) > 1
+    return ServerFeatures(
+        lora=bool(cfg.enable_lora),
+        dp_attention=bool(cfg.enable_dp_attention),
+        pipeline_parallel=int(cfg.pp_size or 1) > 1,
+        speculative_decoding=cfg.speculative_algorithm is not None,
+        torch_compile=bool(cfg.enable_torch_compile),
+        # sglang's breakable CP path: CP without it cannot replay its all_gather.
+        context_parallel=cp and not supports_prefill_cp_bcg(server_args),
+        decode_context_parallel=int(cfg.dcp_size or 1) > 1,
+        two_batch_overlap=bool(cfg.enable_two_batch_overlap),
+        moe_a2a=str(view.moe_a2a_backend or "none") != "none",
+        hierarchical_cache=bool(cfg.enable_hierarchical_cache),
+        deterministic_inference=bool(cfg.enable_deterministic_inference),
+        pd_disaggregation=str(cfg.disaggregation_mode or "null") != "null",
+        symmetric_memory=bool(cfg.enable_symm_mem),
+        expert_recorder=(cfg.expert_distribution_recorder_mode is not None
+                         or bool(cfg.enable_eplb)),
+        memory_saver=bool(cfg.enable_memory_saver),
+    )
+
+
+def _buckets(values: Any) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in values})) if values else ()
+
+
+def _attnreg_modes(phase: Phase, modes: frozenset[GraphMode]) -> frozenset[GraphMode]:
+    """The host's modes attnreg has a name for in ``phase`` (sglang's ``full`` prefill
+    and ``breakable`` decode have none: a server using them is a gap)."""
+    return frozenset(m for m in modes if m is GraphMode.DISABLED or m in VALID_GRAPH_MODES[phase])
+
+
+def _read_engine(server_args: Any, cfg: Any,
+                 host: dict[Phase, frozenset[GraphMode]]) -> EngineFacts:
+    """attnreg's engine facts.  Not passed: the KV pool size (sglang sizes the pool
+    in the model runner, after resolution) and the device memory (the policy
+    then budgets with the smallest known device of the architecture)."""
+    mc = model_config_of(server_args)
+    context = getattr(mc, "context_len", None)
+    return EngineFacts(
+        page_size=cfg.page_size,
+        max_context_len=int(context) if context else EngineFacts().max_context_len,
+        max_running_requests=cfg.max_running_requests,
+        num_draft_tokens=int(cfg.speculative_num_draft_tokens or 0)
+        if cfg.speculative_algorithm is not None else 0,
+        prefill_graph_modes=_attnreg_modes(Phase.PREFILL, host[Phase.PREFILL]),
+        decode_graph_modes=_attnreg_modes(Phase.DECODE, host[Phase.DECODE]),
+    )
+
+
+def _read_config(server_args: Any, cfg: Any, modes: dict[Phase, GraphMode],
+                 locked: frozenset[Phase], gaps: list[str]) -> GraphConfig | None:
+    cg = cfg.cuda_graph_config
+    sizes: dict[str, object] = {}
+    if cg.decode.bs:
+        sizes["decode_batch_sizes"] = _buckets(cg.decode.bs)
+    if cg.prefill.bs:
+        sizes["prefill_num_tokens"] = _buckets(cg.prefill.bs)
+    if cg.prefill.full_prefill_max_req:
+        sizes["prefill_max_requests"] = int(cg.prefill.full_prefill_max_req)
+    try:
+        return GraphConfig(prefill_mode=modes[Phase.PREFILL], decode_mode=modes[Phase.DECODE],
+                           locked=frozenset(f"{p.value}_mode" for p in locked),
+                           **sizes)  # type: ignore[arg-type]
+    except ValueError as exc:  # e.g. a breakable decode graph, which attnreg does not model
+        gaps.append(f"sglang's graph config has no attnreg equivalent: {exc}")
+        return None
+
+
+def _backends_by_user(server_args: Any) -> frozenset[Phase]:
+    """Phases whose attention backend the user named (sglang's raw input)."""
+    raw = getattr(server_args, "_raw_input", None) or {}
+    base = raw.get("attention_backend")
+    return frozenset(p for p in _PHASES if raw.get(f"{p.value}_attention_backend") or base)
+
+
+def read_facts(server_args: Any) -> SglangFacts:
+    """Everything attnreg's policy needs, read from a resolving ``ServerArgs``.
+
+    Call it at or after sglang's attention-backend step (the backends are
+    None before it).
+    """
+    cfg = resolving_view(server_args)
+    gaps: list[str] = []
+    prefill_name, decode_name = attention_backends_of(resolved_view(server_args))
+    backends = {Phase.PREFILL: map_backend(prefill_name), Phase.DECODE: map_backend(decode_name)}
+    for phase, mapping in backends.items():
+        if not mapping.mapped:
+            gaps.append(f"{phase} attention backend {mapping.sglang}: {mapping.reason}")
+    model, arch = _read_model(server_args, cfg, gaps)
+    cg = cfg.cuda_graph_config
+    modes = {p: graph_mode_from_sglang(getattr(cg, p.value).backend) for p in _PHASES}
+    sglang_locked: set[tuple[str, str]] = getattr(server_args, "_cuda_graph_config_locked", set())
+    locked = frozenset(p for p in _PHASES if (p.value, "backend") in sglang_locked)
+    host = host_modes()
+    config = _read_config(server_args, cfg, modes, locked, gaps)
+    return SglangFacts(
+        platform=read_platform(),
+        backends=backends,
+        model=model,
+        config=config,
+        features=_read_features(server_args, cfg),
+        engine=_read_engine(server_args, cfg, host),
+        host_modes=host,
+        sglang_modes=modes,
+        locked=locked,
+        backends_by_user=_backends_by_user(server_args),
+        architecture=arch,
+        gaps=tuple(gaps),
+    )

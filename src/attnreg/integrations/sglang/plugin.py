@@ -1,0 +1,72 @@
+"""sglang's entry point into attnreg (group ``sglang.srt.plugins``).
+
+sglang's ``load_plugins()`` imports this module and calls :func:`register`
+in every process (subject to sglang's ``SGLANG_PLUGINS`` allowlist).  It
+does nothing unless ``ATTNREG_SGLANG=1``: installing ``attnreg[sglang]``
+alone changes no sglang behaviour.  Switched on, it registers two REPLACE
+hooks with sglang's ``HookRegistry`` (applied by ``load_plugins()`` right
+after every plugin ran):
+
+* ``apply_cuda_graph_compatibility`` -> :func:`.steps.early_step`;
+* ``disable_prefill_cuda_graph_for_deepseek_trtllm_mla`` -> :func:`.steps.policy_step`.
+
+This module imports no sglang (and no torch) at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import ENV_SWITCH
+
+__all__ = ["HOOK_TARGETS", "enabled", "register"]
+
+logger = logging.getLogger("attnreg.integrations.sglang")
+
+_MODULE = "sglang.srt.arg_groups.cuda_graph_hook"
+
+#: sglang function (dotted path) -> the bridge step that replaces it.
+HOOK_TARGETS: dict[str, str] = {
+    f"{_MODULE}.apply_cuda_graph_compatibility": "early_step",
+    f"{_MODULE}.disable_prefill_cuda_graph_for_deepseek_trtllm_mla": "policy_step",
+}
+
+_ON = ("1", "true", "yes", "on")
+
+
+def enabled() -> bool:
+    """Whether ``ATTNREG_SGLANG`` switches the bridge on (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in _ON
+
+
+def register() -> None:
+    """sglang plugin entry point: install attnreg's graph policy when switched on."""
+    if not enabled():
+        logger.debug("attnreg sglang plugin loaded but off (set %s=1 to switch it on)",
+                     ENV_SWITCH)
+        return
+    import pkgutil
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    missing = []
+    for target in HOOK_TARGETS:
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError):
+            missing.append(target)
+    if missing:
+        # A release that moved these steps: replacing one without the other would
+        # leave half of sglang's rules in force, so replace neither and say so.
+        logger.warning("attnreg sglang bridge NOT installed: this sglang has no %s "
+                       "(the bridge is tested with sglang 0.5.23); sglang's own graph rules "
+                       "apply", ", ".join(missing))
+        return
+
+    from . import steps
+
+    for target, step in HOOK_TARGETS.items():
+        HookRegistry.register(target, getattr(steps, step), HookType.REPLACE)
+    logger.info("attnreg decides sglang's CUDA-graph modes (%s=1): %s", ENV_SWITCH,
+                ", ".join(t.rsplit(".", 1)[1] for t in HOOK_TARGETS))
