@@ -28,6 +28,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from attnreg.profiling.progress import Progress
+
 from ._harness import SECTIONS, RunContext, python_command, run_sections, select_sections
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -60,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-jit-cache", action="store_true",
                    help="do not copy flashinfer's JIT cache to DIR/fi-cache.tgz")
     p.add_argument("--list", action="store_true", help="list the sections and exit")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no 'section i of N' progress lines (shown on stderr when it is a "
+                        "terminal)")
+    p.add_argument("--progress", action="store_true",
+                   help="progress lines on stderr even when it is not a terminal (a log file)")
     return p
 
 
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup_ms=args.warmup_ms if args.warmup_ms is not None else (10.0 if args.quick
                                                                        else 25.0),
         rep_ms=args.rep_ms if args.rep_ms is not None else (50.0 if args.quick else 100.0),
-        time_budget_s=args.time_budget_s, command=python_command())
+        time_budget_s=args.time_budget_s, command=python_command(),
+        progress=Progress.for_terminal(len(sections), quiet=args.quiet, force=args.progress))
     doc = run_sections(ctx, sections, named)
     if not args.no_jit_cache:
         saved = save_flashinfer_jit_cache(out)

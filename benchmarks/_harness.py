@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from attnreg.profiling import Clock, library_versions
+from attnreg.profiling.progress import Progress
 
 __all__ = [
     "SCHEMA",
@@ -267,6 +268,9 @@ class RunContext:
         device call's limit.
     command : str
         The command line, recorded in the results.
+    progress : Progress or None
+        Where "section i of N" lines go (stderr, usually only on a terminal);
+        None: no such lines.
     """
 
     out_dir: Path
@@ -276,6 +280,7 @@ class RunContext:
     rep_ms: float = 100.0
     time_budget_s: float = 300.0
     command: str = ""
+    progress: Progress | None = None
     doc: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     _torch: Any = None
@@ -402,7 +407,11 @@ def run_sections(ctx: RunContext, sections: list[Section], named: set[str]) -> d
     ctx.doc.setdefault("meta", environment(ctx.command, quick=ctx.quick, dry_run=ctx.dry_run))
     ctx.doc.setdefault("sections", {})
     ctx.save()
+    progress = ctx.progress or Progress(len(sections), enabled=False)
+    progress.total = len(sections)
+    progress.budget_s = ctx.time_budget_s
     for sec in sections:
+        progress.step(f"{sec.id}: {sec.title}")
         rec: dict[str, Any] = {"title": sec.title, "status": "running", "data": {}}
         ctx.doc["sections"][sec.id] = rec
         reason = _cannot_run_here(ctx, sec, named)
@@ -411,7 +420,9 @@ def run_sections(ctx: RunContext, sections: list[Section], named: set[str]) -> d
             ctx.log(f"{sec.id}: skipped: {reason}")
             ctx.save()
             continue
-        ctx.log(f"{sec.id}: {sec.title}")
+        if not progress.enabled:
+            # the progress line names the section on a terminal; a log keeps this line
+            ctx.log(f"{sec.id}: {sec.title}")
         t0 = time.perf_counter()
         try:
             sec.load()(ctx, rec["data"])

@@ -182,7 +182,8 @@ def _usage(prog: str, parser: argparse.ArgumentParser, width: int = 96) -> str:
     test must not fail on a different interpreter.
     """
     parts = [_usage_part(a) for a in parser._actions
-             if not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
+             if not isinstance(a, (argparse._HelpAction, argparse._VersionAction))
+             and a.help != argparse.SUPPRESS]
     lines, line = [], prog
     indent = " " * (len(prog) + 1)
     for part in parts:
@@ -219,7 +220,8 @@ def render_cli(name: str) -> str:
     lines = ["```text", _usage(prog, parser), "```", ""]
     skip = (argparse._HelpAction, argparse._SubParsersAction)
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if not isinstance(a, skip)]
+        actions = [a for a in group._group_actions
+                   if not isinstance(a, skip) and a.help != argparse.SUPPRESS]
         if not actions:
             continue
         with_default = any(_default(a) for a in actions)

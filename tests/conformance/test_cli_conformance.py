@@ -4,6 +4,7 @@ of test runs that do not ask for it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -95,8 +96,6 @@ def test_a_backend_package_opts_in_by_subclassing(tmp_path):
                           check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    import json
-
     data = json.loads(report.read_text())
     assert data["summary"]["verified"] >= 10 and data["summary"]["refuted"] == 0
     assert all(c["id"].startswith("reference/refusal/") for c in data["claims"])
@@ -131,11 +130,16 @@ def test_merge_joins_reports_without_running_claims(tmp_path):
         paths.append(rep.write_json(tmp_path / f"{name}.json"))
     out = tmp_path / "all.json"
     proc = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
-                           str(paths[0]), "--merge", str(paths[1]), "--json", str(out)],
+                           str(paths[0]), "--merge", str(paths[1]), "-o", str(out)],
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 1, proc.stderr  # b's claim is refuted
     assert "REFUTED   b/1" in proc.stdout and "a: 1 verified" in proc.stdout
     assert Report.read_json(out).header["backends"] == ["a", "b"]
+    as_json = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
+                              str(paths[0]), "--merge", str(paths[1]), "--json"],
+                             capture_output=True, text=True, env=env(), timeout=120)
+    assert as_json.returncode == 1
+    assert json.loads(as_json.stdout)["header"]["backends"] == ["a", "b"]
     bad = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
                           str(paths[0]), "--backend", "triton"],
                          capture_output=True, text=True, env=env(), timeout=120)
@@ -144,3 +148,29 @@ def test_merge_joins_reports_without_running_claims(tmp_path):
                               str(tmp_path / "nope.json")],
                              capture_output=True, text=True, env=env(), timeout=120)
     assert missing.returncode == 2 and "no such report" in missing.stderr
+
+
+def _attnreg_conformance(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "attnreg", "conformance", *args], cwd=tmp_path,
+                          env=env(), capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_json_prints_the_report_alone_on_stdout_and_output_writes_it(tmp_path):
+    proc = _attnreg_conformance(tmp_path, "--backend", "reference", "--device", "cpu",
+                                "-k", "refusal/decode", "--json", "-o", "r.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = json.loads(proc.stdout)  # nothing but the report: pytest's lines went to stderr
+    assert printed["summary"]["verified"] == 5 and printed["summary"]["refuted"] == 0
+    assert "attnreg conformance claims" in proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["claims"] == printed["claims"]
+
+
+def test_json_path_of_earlier_versions_still_writes_the_file_with_a_warning(tmp_path):
+    proc = _attnreg_conformance(tmp_path, "--backend", "reference", "--device", "cpu",
+                                "-k", "refusal/decode", "--json", "old.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "`--json old.json` is deprecated" in proc.stderr and "--output old.json" in proc.stderr
+    assert "OK: 5 verified" in proc.stdout  # the table, as before
+    assert json.loads((tmp_path / "old.json").read_text())["summary"]["verified"] == 5
+    stray = _attnreg_conformance(tmp_path, "--backend", "reference", "stray.json")
+    assert stray.returncode == 2 and "unrecognized argument: stray.json" in stray.stderr

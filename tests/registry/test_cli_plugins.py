@@ -66,14 +66,23 @@ def test_backends_json_names_plugin_distribution_and_version(fake_site, monkeypa
 
 def test_doctor_lists_a_plugin_that_failed_to_import(fake_site, monkeypatch, capsys):
     monkeypatch.setenv("ATTNREG_PLUGINS", "demo,exit_import")
-    assert main(["doctor"]) == 0
+    assert main(["doctor", "--wide"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("exit_import "))
-    assert row.split()[1:5] == ["attnreg_exit_import", "0.0.1", "attnreg_exit_import", "failed"]
+    # plugin, distribution, version, status, ..., module (last column)
+    assert row.split()[1:4] == ["attnreg_exit_import", "0.0.1", "failed"]
+    assert row.split()[-1] == "attnreg_exit_import"
     assert ("  - exit_import (attnreg_exit_import 0.0.1): import error: importing "
             "attnreg_exit_import called sys.exit('attnreg_exit_import refuses to load') "
             "(SystemExit)\n    silence it: `--disable exit_import` / "
             "ATTNREG_DISABLE=exit_import") in out
+    # the same within 100 columns: the cause wraps under its item
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert ("  - exit_import (attnreg_exit_import 0.0.1): import error: importing "
+            "attnreg_exit_import called\n    sys.exit('attnreg_exit_import refuses to load') "
+            "(SystemExit)\n    silence it:") in out
+    assert max(len(line) for line in out.splitlines()) <= 100
     monkeypatch.setenv("ATTNREG_DISABLE", "exit_import")
     assert main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

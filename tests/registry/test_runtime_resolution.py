@@ -113,7 +113,7 @@ def test_an_unresolved_runtime_is_unavailable_and_never_planned(fake_site):
 
 def test_backends_check_fails_on_an_unresolved_runtime(fake_site, monkeypatch, capsys):
     monkeypatch.setenv("ATTNREG_PLUGINS", "thirdparty")
-    assert main(["backends", "--platform", "cpu", "--check"]) == 1
+    assert main(["backends", "--platform", "cpu", "--check", "--wide"]) == 1  # rows unwrapped
     out = capsys.readouterr().out
     ghost = next(line for line in out.splitlines() if line.startswith("ghost_mla"))
     assert "missing" in ghost and "attnreg-thirdparty 2.0.0" in ghost

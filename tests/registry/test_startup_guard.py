@@ -79,7 +79,7 @@ def test_backends_and_compat_print_one_warning_line_doctor_shows_figures(fake_si
         assert len(lines) == 1 and lines[0].startswith("attnreg: warning: plugin 'heavy_import'")
     for name in [m for m in sys.modules if m.startswith("attnreg_")]:
         del sys.modules[name]
-    assert main(["doctor"]) == 0
+    assert main(["doctor", "--wide"]) == 0  # rows unwrapped
     captured = capsys.readouterr()
     assert captured.err == ""  # doctor reports in its own tables
     row = next(line for line in captured.out.splitlines() if line.startswith("heavy_import "))

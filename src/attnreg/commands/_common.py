@@ -1,11 +1,19 @@
-"""Helpers shared by CLI commands: registry options, tables, JSON output."""
+"""Helpers shared by CLI commands: registry options, tables, JSON output.
+
+The conventions every command follows live here, so they cannot drift apart:
+``--json`` prints the JSON document on stdout (nothing else goes there),
+``-o/--output FILE`` writes it to a file, and tables and long lines fit
+:data:`MAX_WIDTH` columns unless ``--wide`` asks for long cells whole.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 from attnreg.registry import BackendRegistry, Platform, load_registry
@@ -25,8 +33,51 @@ def add_plugin_argument(parser: argparse.ArgumentParser) -> None:
                              "before packaging it (repeatable; its name is the argument)")
 
 
-def add_json_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+#: Columns a table or a wrapped line may take (``--wide`` lifts the limit).
+MAX_WIDTH = 100
+
+#: Where options are added: a parser or one of its argument groups.
+Options = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_json_argument(parser: Options) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print machine-readable JSON on stdout instead of the table")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, *, wide: bool = True) -> None:
+    """``--json``, ``-o/--output FILE`` and (for commands that print tables) ``--wide``."""
+    add_json_argument(parser)
+    parser.add_argument("-o", "--output", default=None, metavar="FILE",
+                        help="also write the JSON to FILE")
+    if wide:
+        add_wide_argument(parser)
+
+
+def add_wide_argument(parser: Options) -> None:
+    parser.add_argument("--wide", action="store_true",
+                        help=f"do not wrap long cells and lines to {MAX_WIDTH} columns")
+
+
+def width_of(args: argparse.Namespace) -> int | None:
+    """The width tables and lines wrap to: None (no limit) with ``--wide``."""
+    return None if getattr(args, "wide", False) else MAX_WIDTH
+
+
+def emit_json(args: argparse.Namespace, data: Any) -> None:
+    """Write ``data`` to ``--output`` (if given) and print it with ``--json``.
+
+    The line naming the written file goes to stderr, so ``--json`` stdout
+    stays one JSON document.
+    """
+    if getattr(args, "output", None):
+        path = Path(args.output)
+        if path.parent != Path(""):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"JSON written to {path}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print_json(data)
 
 
 def registry_from(args: argparse.Namespace, *, warn: bool = True,
@@ -77,10 +128,106 @@ def print_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table; cells are str()-ed, columns padded."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+#: Where a word too long for its column may be broken: after these characters.
+_BREAK_AFTER = re.compile(r"(?<=[.:,/=|>_])")
+#: A wrapped column is never made narrower than this.
+_MIN_WRAP_WIDTH = 16
+_GAP = "  "
+
+
+def wrap(text: str, width: int | None, indent: str = "") -> list[str]:
+    """``text`` broken into lines of at most ``width`` characters (None: one line).
+
+    Words break at spaces; a word longer than a line breaks after ``.``, ``:``,
+    ``,``, ``/``, ``=``, ``|``, ``>`` or ``_`` (dotted paths, ``key=value`` lists), and
+    only failing that inside the word.  The first line keeps ``text``'s leading
+    spaces; the others start with ``indent`` (counted in ``width``).
+    """
+    if width is None or len(text) <= width:
+        return [text]
+    lead = text[:len(text) - len(text.lstrip())]
+    # (piece, glued): a glued piece continues the previous one without a space
+    tokens = [(piece, k > 0) for word in text.split()
+              for k, piece in enumerate(_pieces(word, max(width - len(indent), 1)))]
+    lines: list[str] = []
+    line = lead
+    for piece, glued in tokens:
+        prefix = indent if lines else lead
+        candidate = line + piece if glued or line == prefix else f"{line} {piece}"
+        if len(candidate) <= width or line == prefix:
+            line = candidate
+        else:
+            lines.append(line)
+            line = indent + piece
+    lines.append(line)
+    return lines
+
+
+def _pieces(word: str, width: int) -> list[str]:
+    """``word`` as is when it fits ``width``, else cut at punctuation, else hard."""
+    if len(word) <= width:
+        return [word]
+    parts = [p for p in _BREAK_AFTER.split(word) if p]
+    out: list[str] = []
+    for part in parts:
+        while len(part) > width:
+            out.append(part[:width])
+            part = part[width:]
+        out.append(part)
+    return out
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+          wrap_columns: Collection[str] = (), width: int | None = MAX_WIDTH) -> str:
+    """A plain-text table; cells are str()-ed, columns padded.
+
+    A cell may hold several lines (``"\\n"``).  When the table is wider than
+    ``width``, the columns named in ``wrap_columns`` are narrowed (widest
+    first, none below 16) and their lines wrapped onto continuation lines
+    (indented by two); the other columns keep their width.  ``width=None``
+    never wraps (``--wide``).
+    """
+    heads = [str(h) for h in headers]
+    body = [[str(c) for c in r] for r in rows]
+    widths = [max(len(line) for row in [heads, *body] for line in row[i].split("\n"))
+              for i in range(len(heads))]
+    wrappable = [i for i, h in enumerate(heads) if h in wrap_columns]
+    if width is not None:
+        _narrow(widths, wrappable, width, [len(h) for h in heads])
+    lines = [_line(heads, widths), _GAP.join("-" * w for w in widths)]
+    for row in body:
+        cells = [[piece for line in cell.split("\n")
+                  for piece in (wrap(line, widths[i], "  ") if i in wrappable else [line])]
+                 for i, cell in enumerate(row)]
+        for k in range(max(len(c) for c in cells)):
+            lines.append(_line([c[k] if k < len(c) else "" for c in cells], widths))
     return "\n".join(lines)
+
+
+def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return _GAP.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def _narrow(widths: list[int], wrappable: list[int], width: int, floors: list[int]) -> None:
+    """Shrink the wrappable columns until the table fits ``width``.
+
+    The widest is shrunk first, down to the next widest, then both together,
+    and so on; none below its floor (16, or its header).  A table that cannot
+    fit stays wider.
+    """
+    def total() -> int:
+        return sum(widths) + len(_GAP) * (len(widths) - 1)
+
+    floor = {i: max(_MIN_WRAP_WIDTH, floors[i]) for i in wrappable}
+    while total() > width:
+        movable = [i for i in wrappable if widths[i] > floor[i]]
+        if not movable:
+            return
+        top = max(widths[i] for i in movable)
+        widest = [i for i in movable if widths[i] == top]
+        below = max([widths[i] for i in movable if widths[i] < top]
+                    + [max(floor[i] for i in widest)])
+        # one column at a time, so the excess is never overshot
+        cut = min(top - below, total() - width)
+        widths[widest[0]] -= max(1, cut) if len(widest) == 1 else 1
+

@@ -28,13 +28,14 @@ from typing import Any
 from attnreg.registry import Capabilities, Phase
 
 from ._common import (
-    add_json_argument,
+    add_output_arguments,
     add_plugin_argument,
     add_registry_arguments,
+    emit_json,
     parse_platform,
-    print_json,
     registry_from,
     table,
+    width_of,
 )
 
 SCHEMA_VERSION = 1
@@ -52,11 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "importing it); exit 1 on any plugin error or unresolved runtime")
     add_registry_arguments(parser)
     add_plugin_argument(parser)
-    add_json_argument(parser)
+    add_output_arguments(parser)
 
 
-def summarize(caps: Capabilities | None) -> str:
-    """One short line: methods per phase and the capture modes."""
+def summarize(caps: Capabilities | None, *, one_line: bool = True) -> str:
+    """Methods per phase, then each capture mode: on one line, or one line each."""
     if caps is None:
         return "-"
     parts = []
@@ -71,6 +72,8 @@ def summarize(caps: Capabilities | None) -> str:
             short = f"fallback->{g.capture.fallback_to}"
         pin = f",pin={g.pinned_method.value}" if g.pinned_method else ""
         modes.append(f"{g.phase.value[:3]}.{g.mode.value}={short}{pin}")
+    if not one_line:
+        return "\n".join([" ".join(parts), *modes])
     return " ".join(parts) + ("  |  " + " ".join(modes) if modes else "")
 
 
@@ -121,33 +124,47 @@ def failed(data: dict[str, Any]) -> bool:
                                        for b in data["backends"])
 
 
-def run(args: argparse.Namespace) -> int:
-    data, caps = collect(args)
-    status = 1 if args.check and failed(data) else 0
-    if args.json:
-        print_json(data)
-        return status
+def render(data: dict[str, Any], caps: dict[str, Capabilities | None], *, check: bool = False,
+           width: int | None = None) -> str:
+    """The human form: a title line, the table, then one line per plugin error.
+
+    The last column holds what an available backend declares, or why one is
+    not available; it wraps to ``width``.
+    """
     how = "simulated" if data["simulated"] else "detected"
     note = ", optional libraries assumed installed" if data["assume_installed"] else ""
-    print(f"attention backends on {data['platform']} ({how}{note})")
-    headers = ["backend", "plugin", "distribution", "available", "declares"]
-    if args.check:
+    headers = ["backend", "plugin", "distribution", "available", "declares (or why not)"]
+    if check:
         headers.insert(3, "runtime")
     rows = []
     for b in data["backends"]:
-        available = "yes" if b["available"] else f"no: {b['unavailable_reason']}"
-        row = [b["name"], b["plugin"], _distribution(b), available,
-               summarize(caps[b["name"]]) if b["available"] else ""]
-        if args.check:
-            check = b["runtime_check"]
-            row.insert(3, check["state"].replace("_", " ")
-                       + (f": {check['detail']}" if check["state"] == "not_checked" else ""))
+        detail = (summarize(caps[b["name"]], one_line=width is None) if b["available"]
+                  else b["unavailable_reason"] or "-")
+        row = [b["name"], b["plugin"], _distribution(b), "yes" if b["available"] else "no",
+               detail]
+        if check:
+            state = b["runtime_check"]
+            row.insert(3, state["state"].replace("_", " ")
+                       + (f": {state['detail']}" if state["state"] == "not_checked" else ""))
         rows.append(row)
-    print(table(headers, rows))
+    lines = [f"attention backends on {data['platform']} ({how}{note})",
+             table(headers, rows, wrap_columns=("plugin", "distribution", "runtime",
+                                                "declares (or why not)"),
+                   width=width)]
     for err in data["errors"]:
-        print(f"plugin error: {err['plugin']} ({_distribution(err, 'no distribution found')})"
-              f"{' backend ' + repr(err['backend']) if err['backend'] else ''}: "
-              f"{err['kind']}: {err['cause']}")
+        lines.append(f"plugin error: {err['plugin']} "
+                     f"({_distribution(err, 'no distribution found')})"
+                     f"{' backend ' + repr(err['backend']) if err['backend'] else ''}: "
+                     f"{err['kind']}: {err['cause']}")
     if data["errors"]:
-        print("(`attnreg doctor` for details and how to silence a plugin)")
+        lines.append("(`attnreg doctor` for details and how to silence a plugin)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    data, caps = collect(args)
+    status = 1 if args.check and failed(data) else 0
+    emit_json(args, data)
+    if not args.json:
+        print(render(data, caps, check=args.check, width=width_of(args)))
     return status

@@ -77,8 +77,16 @@ from attnreg.profiling import (
     random_pool,
     rel_error,
 )
+from attnreg.profiling.progress import Progress
 
-from ._common import add_json_argument, add_registry_arguments, print_json, table
+from ._common import (
+    add_json_argument,
+    add_registry_arguments,
+    add_wide_argument,
+    print_json,
+    table,
+    width_of,
+)
 
 __all__ = [
     "DRY_GRID",
@@ -137,8 +145,12 @@ class Session:
     page_size: int
     clock: Clock
     budget_s: float
-    log: Callable[[str], None]
+    progress: Progress
     started: float = 0.0
+
+    def log(self, msg: str) -> None:
+        """A result of the current step, under its progress line."""
+        self.progress.note(f"    {msg}")
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
@@ -156,9 +168,12 @@ def _measure_layers(ses: Session, layers: list[MLALayer]) -> list[dict[str, Any]
     gen = torch.Generator(device=ses.device).manual_seed(11)
     for tokens in ses.grid.layer_tokens:
         if ses.out_of_time():
+            ses.progress.step(f"layer projections at {tokens} tokens: skipped, time budget "
+                              "used up")
             records.append({"term": "layer_gpu", "tokens": tokens,
                             "skipped": "time budget used up"})
             continue
+        ses.progress.step(f"layer projections at {tokens} tokens ({n_layers} layers in a graph)")
         x = torch.randn(tokens, s.hidden, dtype=torch.bfloat16, device=ses.device,
                         generator=gen)
         attn = torch.randn(tokens, heads, s.v_dim, dtype=torch.bfloat16, device=ses.device,
@@ -186,9 +201,9 @@ def _measure_layers(ses: Session, layers: list[MLALayer]) -> list[dict[str, Any]
         records.append({"term": "layer_eager_wall", "tokens": tokens,
                         "us": eager["us"] / n_layers, "samples_us": eager["samples_us"],
                         "info": "eager projections, events around the call (not fitted)"})
-        ses.log(f"layer x{n_layers} tokens={tokens}: graph device "
-                f"{dev['us'] / n_layers:.1f} us/layer, replay host {host['us'] / n_layers:.1f} "
-                f"us/layer, eager {eager['us'] / n_layers:.1f} us/layer")
+        ses.log(f"graph device {dev['us'] / n_layers:.1f} us/layer, replay host "
+                f"{host['us'] / n_layers:.1f} us/layer, eager {eager['us'] / n_layers:.1f} "
+                "us/layer")
         del replay
     return records
 
@@ -283,8 +298,7 @@ def _measure_point(ses: Session, backend: Any, layer: MLALayer, shape: PrefillSh
                     "samples_us": m["samples_us"], "flags": m["flags"]})
     decompressed.clear()
     by_term = {r["term"]: r["us"] for r in records}
-    ses.log(f"B={shape.batch_size} prefix={shape.prefix_lens[0]} "
-            f"extend={shape.extend_lens[0]}: absorbed {by_term['absorbed_attention']:.1f} us, "
+    ses.log(f"absorbed {by_term['absorbed_attention']:.1f} us, "
             f"MHA {by_term['mha_attention']:.1f} + decompress {by_term['decompress']:.1f} us, "
             f"eager host {by_term['eager_host']:.1f} us, rel.diff {diff:.1e}")
     return records, check
@@ -309,9 +323,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None,
                         help="registry backend to calibrate (required unless --dry-run, whose "
                              "default is the reference backend)")
-    parser.add_argument("--out", default=None, metavar="PATH",
-                        help="where to write the profile JSON (default: "
-                             "~/.cache/attnreg/profiles/BACKEND-PLATFORM-KV.json)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the pipeline on the CPU with tiny shapes and the reference "
                              "backend: writes a profile marked dry_run, NOT a measurement")
@@ -327,8 +338,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--time-budget-s", type=float, default=85.0,
                       help="stop starting new measurements after this many seconds (the "
                            "rest is recorded as skipped; default 85)")
+    shown = parser.add_argument_group("output")
+    shown.add_argument("-o", "--output", default=None, metavar="FILE",
+                       help="where to write the profile JSON (default: "
+                            "~/.cache/attnreg/profiles/BACKEND-PLATFORM-KV.json)")
+    add_json_argument(shown)
+    add_wide_argument(shown)
+    shown.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress lines (shown on stderr when it is a terminal)")
+    shown.add_argument("--progress", action="store_true",
+                       help="progress lines on stderr even when it is not a terminal (a log "
+                            "file)")
     add_registry_arguments(parser)
-    add_json_argument(parser)
 
 
 def default_profile_path(backend: str, platform: str, kv_dtype: str, *,
@@ -383,12 +404,10 @@ def _calibrate(args: argparse.Namespace, torch: Any, device: str, grid: Grid,
     from ._common import registry_from
 
     started = time.perf_counter()
-    quiet = bool(args.json)
-
-    def log(msg: str) -> None:
-        if not quiet:
-            print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
+    points = grid.attention_points()
+    progress = Progress.for_terminal(len(grid.layer_tokens) + len(points), quiet=args.quiet,
+                                     force=args.progress, budget_s=float(args.time_budget_s),
+                                     started=started)
     platform = Platform.parse("cpu") if args.dry_run else Platform.detect()
     reg = registry_from(args)
     max_positions = max(grid.max_seq_len, max(grid.layer_tokens)) + 1
@@ -397,22 +416,27 @@ def _calibrate(args: argparse.Namespace, torch: Any, device: str, grid: Grid,
     backend = reg.create(backend_name, config, platform=platform)
     clock = Clock(torch, device)
     ses = Session(torch, device, backend_name, grid, shape, args.page_size, clock,
-                  float(args.time_budget_s), log, started)
-    log(f"calibrating {backend_name} on {platform} ({_device_name(torch, device)}), "
-        f"{grid.heads} heads")
+                  float(args.time_budget_s), progress, started)
+    progress.note(f"calibrating {backend_name} on {platform} ({_device_name(torch, device)}), "
+                  f"{grid.heads} heads: {progress.total} measurements, at most "
+                  f"{args.time_budget_s:g} s")
     layers = [MLALayer(torch, shape, grid.heads, device, seed=i, max_positions=max_positions)
               for i in range(grid.graph_layers)]
     measurements: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     measurements += _measure_layers(ses, layers)
     last: tuple[float, int] | None = None  # (seconds, pairs) of the previous point
-    for i, point in enumerate(grid.attention_points()):
+    for i, point in enumerate(points):
         # Points grow in cost; one predicted to end after the budget is not started.
         predicted_s = 0.0 if last is None else last[0] * max(1.0, point.pairs / max(last[1], 1))
+        what = (f"attention at B={point.batch_size} prefix={point.prefix_lens[0]} "
+                f"extend={point.extend_lens[0]}")
         if ses.out_of_time() or ses.elapsed_s() + predicted_s > ses.budget_s:
+            progress.step(f"{what}: skipped, the time budget is used up (or would be)")
             measurements.append({"term": "attention", "batch": batch_record(point),
                                  "skipped": "time budget used up (or would be)"})
             continue
+        progress.step(what)
         t0 = time.perf_counter()
         try:
             recs, check = _measure_point(ses, backend, layers[0], point, seed=100 + i)
@@ -457,14 +481,15 @@ def _calibrate(args: argparse.Namespace, torch: Any, device: str, grid: Grid,
         "checks": {"passed": passed, "max_rel_diff_allowed": MAX_REL_DIFF, "points": checks},
         "measurements": measurements,
     }
-    out = Path(args.out) if args.out else default_profile_path(
+    out = Path(args.output) if args.output else default_profile_path(
         backend_name, str(platform), str(config.kv_dtype), dry_run=args.dry_run)
     save_profile(profile, out)
     loaded = CostProfile.from_dict(profile, source=str(out))
     if args.json:
         print_json(dict(profile, written_to=str(out)))
     else:
-        print(_summary(loaded, terms, checks, out, time.perf_counter() - started))
+        print(_summary(loaded, terms, checks, out, time.perf_counter() - started,
+                       width_of(args)))
     if not passed:
         bad = [c for c in checks if not c["agree"]]
         print(f"attnreg calibrate: absorbed and MHA outputs disagree at {len(bad)} point(s) "
@@ -485,7 +510,8 @@ def _fmt_coef(value: float) -> str:
 
 
 def _summary(profile: CostProfile, terms: dict[str, dict[str, Any]],
-             checks: list[dict[str, Any]], out: Path, wall_s: float) -> str:
+             checks: list[dict[str, Any]], out: Path, wall_s: float,
+             width: int | None = None) -> str:
     rows = []
     for name in TERMS:
         t = terms[name]
@@ -496,7 +522,8 @@ def _summary(profile: CostProfile, terms: dict[str, dict[str, Any]],
                      f"{100 * fit['rms_relative_residual']:.1f}%"))
     lines = [f"cost profile for {profile.label}", "",
              table(("term", "coefficients (us per unit)", "points", "max |rel. residual|",
-                    "rms"), rows), ""]
+                    "rms"), rows, wrap_columns=("coefficients (us per unit)",), width=width),
+             ""]
     heads = profile.calibrated_heads or 128
     buckets = DEFAULT_PREFILL_NUM_TOKENS
     lines.append(f"crossover (1 sequence, {heads} heads, token buckets up to {buckets[-1]}):")

@@ -35,6 +35,7 @@ import logging
 import re
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from attnreg.graph_policy import (
@@ -61,13 +62,15 @@ from attnreg.registry import KNOWN_DEVICES, AttnregError, DType, GraphPolicyErro
 from attnreg.registry.platform import detect_device_memory, known_device
 
 from ._common import (
-    add_json_argument,
+    add_output_arguments,
     add_plugin_argument,
     add_registry_arguments,
+    emit_json,
     parse_platform,
-    print_json,
     registry_from,
     table,
+    width_of,
+    wrap,
 )
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb": 1000 ** 2,
@@ -260,7 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "profile shipped for the prefill backend and platform, if any")
     add_registry_arguments(parser)
     add_plugin_argument(parser)
-    add_json_argument(parser)
+    add_output_arguments(parser)
     parser.add_argument("--traceback", action="store_true",
                         help="show the Python traceback of an error")
 
@@ -292,16 +295,19 @@ def crossover(plan: GraphPlan, cost_profile: str | None = None) -> dict[str, Any
             "buckets": buckets, "points": points}
 
 
-def render_crossover(cross: dict[str, Any] | None) -> str:
+def render_crossover(cross: dict[str, Any] | None, width: int | None = None) -> str:
     """The human form of :func:`crossover` ("" without a profile)."""
     if cross is None:
         return ""
-    lines = ["", "", "cost model (prefill replay, per layer):", f"  {cross['note']}"]
+    lines = ["", "", "cost model (prefill replay, per layer):", *wrap(f"  {cross['note']}",
+                                                                       width, "    ")]
     if cross["points"]:
-        lines.append(f"  {cross['batch_size']} sequence, {cross['heads']} heads, token "
-                     f"buckets up to {cross['buckets'][-1]}"
-                     + ("" if cross["applies"] else " (not applied to this plan)") + ":")
-        lines += [f"    {p['text']}" for p in cross["points"]]
+        lines += wrap(f"  {cross['batch_size']} sequence, {cross['heads']} heads, token "
+                      f"buckets up to {cross['buckets'][-1]}"
+                      + ("" if cross["applies"] else " (not applied to this plan)") + ":",
+                      width, "    ")
+        for p in cross["points"]:
+            lines += wrap(f"    {p['text']}", width, "      ")
     return "\n".join(lines)
 
 
@@ -360,8 +366,12 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def render(plan: GraphPlan, header: str) -> str:
-    """The human form: header, plan table, capture budget, numbered decision trace."""
+def render(plan: GraphPlan, header: str, width: int | None = None) -> str:
+    """The human form: header, plan table, capture budget, numbered decision trace.
+
+    Lines longer than ``width`` wrap, a decision's continuation lines indented
+    under its text (None: no wrapping).
+    """
     rows = []
     for pp in (plan.prefill, plan.decode):
         fallbacks = ", ".join(f"{f.to} (cost {f.cost.value})" for f in pp.fallbacks) or "-"
@@ -370,20 +380,37 @@ def render(plan: GraphPlan, header: str) -> str:
                      pp.pinned_method.value if pp.pinned_method else "-",
                      fallbacks, pp.split_kv.value if pp.split_kv else "-",
                      _fmt_bytes(pp.capture_memory_bytes)))
-    lines = [header,
+    lines = [*wrap(header, width, "  "),
              table(("phase", "mode", "backend", "locked", "pinned", "fallbacks", "split-kv",
-                    "capture mem"), rows)]
+                    "capture mem"), rows, wrap_columns=("backend", "fallbacks"), width=width)]
     budget = plan.capture_budget
     if budget is not None:
         limit = "none" if budget.bytes is None else _fmt_bytes(budget.bytes)
-        lines.append(f"capture memory {_fmt_bytes(plan.capture_memory_bytes)}, budget "
-                     f"{limit} ({budget.note})")
+        lines += wrap(f"capture memory {_fmt_bytes(plan.capture_memory_bytes)}, budget "
+                      f"{limit} ({budget.note})", width, "  ")
     lines += ["", "decisions:"]
-    lines += [f"{i:3d}. {d.describe()}" for i, d in enumerate(plan.decisions, 1)]
+    for i, d in enumerate(plan.decisions, 1):
+        lines += wrap(f"{i:3d}. {d.describe()}", width, "     ")
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class Outcome:
+    """What one ``attnreg compat`` run found: its exit status, JSON and text.
+
+    ``data`` is the JSON document (the plan, or the policy error; None after
+    bad input, which was reported on stderr); ``text`` the human form ("" when
+    the run ended in an error).
+    """
+
+    status: int
+    data: dict[str, Any] | None = None
+    text: str = ""
+
+
+def plan_outcome(args: argparse.Namespace) -> Outcome:
+    """Resolve the plan ``args`` ask for; errors go to stderr, as ``attnreg compat`` prints
+    them (``attnreg demo`` calls this per platform)."""
     # The trace below already shows every decision; keep the library's
     # warnings from being echoed to stderr by logging's last-resort handler.
     policy_logger = logging.getLogger("attnreg.graph_policy")
@@ -392,10 +419,11 @@ def run(args: argparse.Namespace) -> int:
     platform, simulated = parse_platform(args.platform)
     if platform.arch_missing:
         names = [n for n, d in KNOWN_DEVICES.items() if d.vendor is platform.vendor]
-        return _input_error("--platform", args.platform,
-                            "a plan depends on the architecture; give one of "
-                            f"{', '.join(platform.known_archs())}"
-                            + (f" or a GPU name ({', '.join(names)})" if names else ""))
+        return Outcome(_input_error("--platform", args.platform,
+                                    "a plan depends on the architecture; give one of "
+                                    f"{', '.join(platform.known_archs())}"
+                                    + (f" or a GPU name ({', '.join(names)})" if names
+                                       else "")))
     try:
         model = _model_from(args)
         config = _config_from(args)
@@ -404,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
         if args.traceback:
             traceback.print_exc()
         print(f"attnreg compat: error: {exc}", file=sys.stderr)
-        return 2
+        return Outcome(2)
     features = ServerFeatures(**{name: bool(getattr(args, f"feature_{name}", False))
                                  for name in FEATURE_HELP
                                  if name != "speculative_decoding"},
@@ -424,29 +452,35 @@ def run(args: argparse.Namespace) -> int:
         for reason in exc.reasons:
             print(f"  - {reason}", file=sys.stderr)
         print(exc.hint, file=sys.stderr)
-        if args.json:
-            print_json({"error": "graph_policy", "platform": str(platform),
-                        "reasons": exc.reasons, "hint": exc.hint})
-        return 2
+        return Outcome(2, {"error": "graph_policy", "platform": str(platform),
+                           "reasons": exc.reasons, "hint": exc.hint})
     except AttnregError as exc:  # an unknown backend name: one line, did-you-mean included
         if args.traceback:
             traceback.print_exc()
         print(f"attnreg compat: error: {exc}", file=sys.stderr)
-        return 2
+        return Outcome(2)
     cross = crossover(plan, args.cost_profile)
-    if args.json:
-        data: dict[str, Any] = plan.to_dict()
-        data["phases"]["prefill"]["crossover"] = cross
-        data["simulated"] = simulated
-        data["assume_installed"] = simulated
-        print_json(data)
-        return 0
+    data: dict[str, Any] = plan.to_dict()
+    data["phases"]["prefill"]["crossover"] = cross
+    data["simulated"] = simulated
+    data["assume_installed"] = simulated
     how = "simulated, optional libraries assumed installed" if simulated else "detected"
     locked = ", ".join(sorted(config.locked)) or "nothing"
-    print(render(plan, f"graph plan for {model.label} ({model.attention}, {model.kv_dtype} KV, "
-                       f"{model.num_heads} heads) on {platform} ({how}); locked: {locked}")
-          + render_crossover(cross))
-    return 0
+    width = width_of(args)
+    text = render(plan, f"graph plan for {model.label} ({model.attention}, {model.kv_dtype} KV, "
+                        f"{model.num_heads} heads) on {platform} ({how}); locked: {locked}",
+                  width) + render_crossover(cross, width)
+    return Outcome(0, data, text)
 
 
-__all__ = ["add_arguments", "crossover", "parse_size", "render", "render_crossover", "run"]
+def run(args: argparse.Namespace) -> int:
+    outcome = plan_outcome(args)
+    if outcome.data is not None:
+        emit_json(args, outcome.data)
+    if outcome.text and not args.json:
+        print(outcome.text)
+    return outcome.status
+
+
+__all__ = ["Outcome", "add_arguments", "crossover", "parse_size", "plan_outcome", "render",
+           "render_crossover", "run"]

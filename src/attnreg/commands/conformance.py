@@ -1,30 +1,35 @@
 """``attnreg conformance``: prove each declared capability of a backend on this device.
 
 Runs the conformance suite (``attnreg.testing``) through ``pytest.main`` and
-prints the claims table; ``--json PATH`` also writes the report (schema in
-``attnreg.testing.report``).  Exit status: 0 when no claim is refuted, 1 when
+prints the claims table; ``-o/--output PATH`` also writes the report (schema
+in ``attnreg.testing.report``), ``--json`` prints it on stdout instead of the
+table (pytest's own lines then go to stderr).  ``--json PATH``, the form
+before the CLI conventions were unified, still writes PATH with a
+deprecation warning.  Exit status: 0 when no claim is refuted, 1 when
 one is (or no claim could be collected, or a backend asked for by name cannot
 run here), 2 on bad input or when pytest itself could not run.
 
 Examples::
 
     attnreg conformance --backend triton --device cpu        # Triton interpreter
-    attnreg conformance --backend flashinfer_mla --json conf.json
+    attnreg conformance --backend flashinfer_mla -o conf.json
     attnreg conformance --device cuda                        # every available backend
     attnreg conformance --plugin my_pkg.attnreg_plugin --backend mine   # not installed yet
-    attnreg conformance --merge a.json --merge b.json --json all.json  # join earlier runs
+    attnreg conformance --merge a.json --merge b.json -o all.json  # join earlier runs
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
+import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from ._common import add_registry_arguments
+from ._common import add_registry_arguments, print_json
 
 PLUGIN_MODULE = "attnreg.testing.plugin"
 SUITE_MODULE = "attnreg.testing.suite"
@@ -41,8 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where claims run; default: cuda when torch sees a GPU, else cpu "
                              "(cpu sets TRITON_INTERPRET=1 and skips claims that need real "
                              "CUDA graphs, saying so)")
-    parser.add_argument("--json", metavar="PATH", default=None,
-                        help="also write the claims report as JSON to PATH")
+    parser.add_argument("--json", action="store_true",
+                        help="print the claims report as JSON on stdout instead of the table")
+    # `--json PATH` of earlier versions: PATH lands here (hidden) and is read as --output
+    parser.add_argument("legacy_json_path", nargs="?", default=None, metavar="PATH",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("-o", "--output", default=None, metavar="FILE",
+                        help="also write the claims report as JSON to FILE")
     parser.add_argument("--exhaustive", action="store_true",
                         help="expand the full product of declared values (default: cover each "
                              "declared dtype, page size, head count and head dims once)")
@@ -73,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge", action="append", default=[], metavar="REPORT",
                         help="run nothing: join the JSON reports of earlier runs on one machine "
                              "(repeatable, e.g. one per backend run in parallel), print the "
-                             "table and write it with --json")
+                             "table (or --json) and write it with --output")
     add_registry_arguments(parser)
 
 
@@ -123,12 +133,12 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
         argv += ["--attnreg-backend", name]
     if args.device:
         argv += ["--attnreg-device", args.device]
-    report = Path(args.json).resolve() if args.json else report_path
+    report = Path(args.output).resolve() if args.output else report_path
     if report is not None:
         argv += ["--attnreg-report", str(report)]
-        if not args.json:
-            # the report lives in a temporary directory deleted after the run:
-            # do not tell the user a path that will not exist
+        if not args.output or args.json:
+            # the report lives in a temporary directory deleted after the run (do not
+            # tell the user a path that will not exist), or stdout is for the JSON
             argv.append("--attnreg-report-quiet")
     if args.exhaustive:
         argv.append("--attnreg-exhaustive")
@@ -154,6 +164,25 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
         argv += ["-q", "--tb=no", "--no-header", "-rN"]
     argv += list(args.pytest_arg)
     return argv
+
+
+def _deprecated_json_path(args: argparse.Namespace) -> str | None:
+    """``--json PATH`` (before the CLI conventions): PATH becomes ``--output``, with a warning.
+
+    The problem to report instead when PATH came without ``--json``, else None.
+    """
+    path = getattr(args, "legacy_json_path", None)
+    if path is None:
+        return None
+    if not args.json:
+        return f"unrecognized argument: {path}"
+    print(f"attnreg conformance: warning: `--json {path}` is deprecated: write the report "
+          f"with `--output {path}` (`--json` alone prints it on stdout)", file=sys.stderr)
+    if args.output is None:
+        args.output = path
+    args.json = False
+    args.legacy_json_path = None
+    return None
 
 
 def _check_inputs(args: argparse.Namespace) -> str | None:
@@ -209,13 +238,20 @@ def merge_reports(args: argparse.Namespace) -> int:
     except ValueError as exc:  # schema, JSON syntax, or reports of different machines
         print(f"attnreg conformance: error: {exc}", file=sys.stderr)
         return 2
-    print(merged.to_text(verbose=args.verbose))
     if args.json:
-        print(f"report written to {merged.write_json(args.json)}")
+        print_json(merged.to_dict())
+    else:
+        print(merged.to_text(verbose=args.verbose))
+    if args.output:
+        print(f"report written to {merged.write_json(args.output)}", file=sys.stderr)
     return 0 if merged.ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _deprecated_json_path(args)
+    if problem:
+        print(f"attnreg conformance: error: {problem}", file=sys.stderr)
+        return 2
     if args.merge:
         return merge_reports(args)
     if args.device == "cpu":
@@ -232,9 +268,16 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="attnreg-conformance-") as tmp:
         ini = Path(tmp) / "pytest.ini"
         ini.write_text("[pytest]\n")
-        report_path = Path(args.json).resolve() if args.json else Path(tmp) / "report.json"
-        code = int(pytest.main(pytest_args(args, ini, report_path)))
+        report_path = Path(args.output).resolve() if args.output else Path(tmp) / "report.json"
+        # with --json, stdout carries the report alone: pytest's lines and the table go
+        # to stderr (the terminal reporter writes to the sys.stdout it finds at start)
+        to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json \
+            else contextlib.nullcontext()
+        with to_stderr:
+            code = int(pytest.main(pytest_args(args, ini, report_path)))
         unavailable = _unavailable_requested(args, report_path)
+        if args.json and not args.list and report_path.exists():
+            print_json(json.loads(report_path.read_text()))
     if args.list:
         return 0 if code == _PYTEST_OK else 2
     if code == _PYTEST_OK and unavailable:

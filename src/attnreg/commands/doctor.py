@@ -25,12 +25,14 @@ from attnreg.registry import Platform
 from attnreg.registry.spec import installed_version
 
 from ._common import (
-    add_json_argument,
+    add_output_arguments,
     add_plugin_argument,
     add_registry_arguments,
-    print_json,
+    emit_json,
     registry_from,
     table,
+    width_of,
+    wrap,
 )
 
 LIBRARIES = ("attnreg", "pluggy", "torch", "triton", "numpy", "flashinfer-python",
@@ -43,7 +45,7 @@ ENV_VARS = ("ATTNREG_PLUGINS", "ATTNREG_DISABLE", "ATTNREG_DISABLE_PLUGIN_AUTOLO
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_registry_arguments(parser)
     add_plugin_argument(parser)
-    add_json_argument(parser)
+    add_output_arguments(parser)
     parser.add_argument("--traceback", action="store_true",
                         help="show the full traceback of each plugin error")
 
@@ -87,48 +89,59 @@ def _status(plugin: dict[str, Any], errors: list[dict[str, Any]]) -> str:
     return "error" if any(e["plugin"] == plugin["name"] for e in errors) else "ok"
 
 
-def run(args: argparse.Namespace) -> int:
-    data = collect(args)
-    if args.json:
-        print_json(data)
-        return 0
-    print(f"platform (detected): {data['platform']}")
-    print("\nlibraries")
-    print(table(("distribution", "version"),
-                [(k, v or "not installed") for k, v in data["libraries"].items()]))
-    print("\nenvironment")
-    print(table(("variable", "value"),
-                [(k, "(unset)" if v is None else repr(v)) for k, v in data["environment"].items()]))
+def render(data: dict[str, Any], *, traceback: bool = False, width: int | None = None) -> str:
+    """The human form: one table per part, then warnings and plugin errors."""
+    lines = [f"platform (detected): {data['platform']}", "", "libraries",
+             table(("distribution", "version"),
+                   [(k, v or "not installed") for k, v in data["libraries"].items()]),
+             "", "environment",
+             table(("variable", "value"),
+                   [(k, "(unset)" if v is None else repr(v))
+                    for k, v in data["environment"].items()],
+                   wrap_columns=("value",), width=width)]
     limits = data["limits"]
-    print(f"\nplugins (startup limits: {limits['slow_seconds']:g} s per plugin; heavy "
-          f"libraries: {', '.join(limits['heavy_modules']) or 'none'})")
-    print(table(("plugin", "distribution", "module", "status", "import", "hook",
-                 "heavy imports", "hooks"),
-                [(p["name"], _dist(p), p["module"], _status(p, data["errors"]),
-                  _ms(p["import_seconds"]),
-                  _ms(p["hook_seconds"]) if p["call_order"] is not None else "-",
-                  ", ".join(p["heavy_imports"]) or "-", ",".join(p["hooks"]) or "-")
-                 for p in data["plugins"]]))
-    print("\nbackends")
-    print(table(("backend", "plugin", "distribution", "runtime", "resolves"),
-                [(name, b["plugin"], _dist(b), b["runtime"],
-                  b["runtime_check"]["state"].replace("_", " ")
-                  + (f": {b['runtime_check']['detail']}" if b["runtime_check"]["detail"]
-                     else ""))
-                 for name, b in data["backends"].items()]))
+    lines += ["", *wrap(f"plugins (startup limits: {limits['slow_seconds']:g} s per plugin; "
+                        f"heavy libraries: {', '.join(limits['heavy_modules']) or 'none'})",
+                        width, "  ")]
+    lines.append(table(
+        ("plugin", "distribution", "status", "import", "hook", "heavy imports",
+         "module, hooks"),
+        [(p["name"], _dist(p), _status(p, data["errors"]), _ms(p["import_seconds"]),
+          _ms(p["hook_seconds"]) if p["call_order"] is not None else "-",
+          ", ".join(p["heavy_imports"]) or "-",
+          # one line each when wrapping (they are long), one line together with --wide
+          ("\n" if width else ", ").join([p["module"], *p["hooks"]]))
+         for p in data["plugins"]],
+        wrap_columns=("distribution", "heavy imports", "module, hooks"), width=width))
+    lines += ["", "backends", table(
+        ("backend", "plugin", "distribution", "runtime", "resolves"),
+        [(name, b["plugin"], _dist(b), b["runtime"],
+          b["runtime_check"]["state"].replace("_", " ")
+          + (f": {b['runtime_check']['detail']}" if b["runtime_check"]["detail"] else ""))
+         for name, b in data["backends"].items()],
+        wrap_columns=("runtime", "resolves"), width=width)]
     if data["disabled"]:
-        print(f"\ndisabled: {', '.join(data['disabled'])}")
+        lines += ["", *wrap(f"disabled: {', '.join(data['disabled'])}", width, "  ")]
     if data["warnings"]:
-        print(f"\nwarnings and notes: {len(data['warnings'])}")
+        lines += ["", f"warnings and notes: {len(data['warnings'])}"]
         for w in data["warnings"]:
-            print(f"  - {w['message']}")
-    print(f"\nplugin errors: {len(data['errors'])}")
+            lines += wrap(f"  - {w['message']}", width, "    ")
+    lines += ["", f"plugin errors: {len(data['errors'])}"]
     for err in data["errors"]:
         who = f"{err['plugin']} ({_dist(err) if err['distribution'] else 'no distribution found'})"
         if err["backend"]:
             who += f", backend {err['backend']!r}"
-        print(f"  - {who}: {err['kind']}: {err['cause']}")
-        print(f"    silence it: {err['silence']}")
-        if args.traceback and err["traceback"]:
-            print("    " + err["traceback"].rstrip().replace("\n", "\n    "))
+        lines += wrap(f"  - {who}: {err['kind']}: {err['cause']}", width, "    ")
+        lines += wrap(f"    silence it: {err['silence']}", width, "      ")
+        if traceback and err["traceback"]:
+            # as Python wrote it: wrapping a traceback would garble it
+            lines.append("    " + err["traceback"].rstrip().replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    data = collect(args)
+    emit_json(args, data)
+    if not args.json:
+        print(render(data, traceback=args.traceback, width=width_of(args)))
     return 0

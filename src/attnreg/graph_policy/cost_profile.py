@@ -137,7 +137,7 @@ class CostProfileError(AttnregError, ValueError):
     def __init__(self, source: str, problem: str, *, hint: str = "") -> None:
         self.source = source
         self.problem = problem
-        hint = hint or ("regenerate it with `attnreg calibrate --backend NAME --out PATH` on "
+        hint = hint or ("regenerate it with `attnreg calibrate --backend NAME --output PATH` on "
                         "the device it describes, or pass another profile")
         super().__init__(f"cost profile {source}: {problem}; {hint}")
 
@@ -462,17 +462,23 @@ def _calibrated_heads(raw: Any, problems: list[str]) -> int | None:
 def load_profile(path: str | os.PathLike[str]) -> CostProfile:
     """Read and validate a profile JSON file.
 
+    ``path`` is a file, or the bare file name of a profile shipped with
+    attnreg (in ``attnreg/data/profiles``; a file of that name in the working
+    directory comes first).
+
     Raises
     ------
     CostProfileError
         The file is missing, not JSON, or not a valid profile; the message
         names the file and the problem.
     """
-    p = Path(path)
+    p = _shipped_by_name(Path(path))
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CostProfileError(str(p), "no such file") from None
+        shipped = ", ".join(q.name for q in shipped_profile_paths()) or "none"
+        raise CostProfileError(str(p), "no such file", hint=(
+            f"give a path to a profile, or the name of a shipped one ({shipped})")) from None
     except OSError as exc:
         raise CostProfileError(str(p), f"cannot be read ({exc.strerror or exc})") from None
     try:
@@ -492,6 +498,14 @@ def save_profile(profile: CostProfile | Mapping[str, Any], path: str | os.PathLi
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return p
+
+
+def _shipped_by_name(path: Path) -> Path:
+    """``path``, or the shipped profile it names when it is a bare file name not found here."""
+    if path.parent != Path("") or path.exists():
+        return path
+    shipped = shipped_profile_dir() / path.name
+    return shipped if shipped.is_file() else path
 
 
 def shipped_profile_dir() -> Path:
