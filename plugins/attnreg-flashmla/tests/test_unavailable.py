@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 from attnreg import BackendUnavailableError
@@ -49,9 +50,10 @@ def test_creating_it_on_cpu_raises_unavailable_before_importing_anything(registr
 
 
 @pytest.mark.skipif(HAS_FLASH_MLA, reason="flash_mla is installed here")
-def test_backends_command_prints_the_hint_on_this_machine(cli):
-    proc = cli("backends")  # the detected platform: an explicit one assumes libraries installed
+def test_backends_command_gives_the_hint_on_this_machine(cli):
+    # the detected platform: an explicit one would assume the libraries installed
+    proc = cli("backends", "--json")
     assert proc.returncode == 0, proc.stderr
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith(BACKEND_NAME)]
-    assert " no: " in line
-    assert "sgl-flash-mla not installed" in line and "pip install --no-deps" in line
+    (entry,) = [b for b in json.loads(proc.stdout)["backends"] if b["name"] == BACKEND_NAME]
+    assert entry["available"] is False
+    assert f"sgl-flash-mla not installed: {FLASH_MLA.install_hint()}" in entry["unavailable_reason"]
