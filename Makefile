@@ -23,9 +23,14 @@ $(VENV)/.demo-installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e ".[torch]"
 	touch $@
 
-$(VENV)/.test-installed: pyproject.toml | $(PY)
+# The FlashMLA plugin without its kernel library (--no-deps): sgl-flash-mla needs
+# CUDA and does not install here; the plugin's CPU tests run without it.
+FLASHMLA_PLUGIN := plugins/attnreg-flashmla
+
+$(VENV)/.test-installed: pyproject.toml $(FLASHMLA_PLUGIN)/pyproject.toml | $(PY)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,bench]" ruff
+	$(PIP) install -q --no-deps -e $(FLASHMLA_PLUGIN)
 	touch $@ $(VENV)/.demo-installed
 
 venv: $(PY)
@@ -37,6 +42,7 @@ demo: $(VENV)/.demo-installed
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(FLASHMLA_PLUGIN)/tests
 	$(MAKE) test-sglang
 
 # sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
@@ -57,7 +63,7 @@ test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_PY) -m pytest -q tests/integrations/sglang
 
 lint: $(VENV)/.test-installed
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests $(FLASHMLA_PLUGIN)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

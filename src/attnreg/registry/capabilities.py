@@ -430,6 +430,15 @@ class KernelConstraints:
     over materialised K/V).  ``head_counts`` empty means any count from 1 to
     ``max_heads``.  ``max_seq_len`` is the longest sequence (cached + new
     tokens) the kernel serves, None for no declared limit.
+
+    ``q_compute_dtype`` is set when the kernel takes q in one of ``q_dtypes``
+    but computes with it rounded to another dtype, e.g. an FP8-KV decode
+    kernel that multiplies fp8 by fp8 and so quantises a bf16 q to fp8 e4m3.
+    The rounding is attnreg's convention for it: one power-of-two scale per
+    batch, the smallest with ``max|q| / scale <= 448`` over the batch's real
+    query rows, then one round-to-nearest to fp8.  The conformance oracle
+    rounds q the same way, so the tolerance measures the kernel and not the
+    quantisation it declared.
     """
 
     method: ForwardMethod
@@ -444,6 +453,7 @@ class KernelConstraints:
     kernel: str = ""
     split_kv: SplitKV = SplitKV.NONE
     max_seq_len: int | None = None
+    q_compute_dtype: DType | None = None
 
     def accepts_heads(self, num_heads: int) -> bool:
         if self.head_counts:
@@ -464,6 +474,7 @@ class KernelConstraints:
             "kernel": self.kernel,
             "split_kv": self.split_kv.value,
             "max_seq_len": self.max_seq_len,
+            "q_compute_dtype": self.q_compute_dtype.value if self.q_compute_dtype else None,
         }
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "expand_claims",
     "declares_kernels",
     "head_dims_config",
+    "kernel_q_compute_dtype",
     "other_platform_claims",
     "unavailable_claim",
 ]
@@ -325,6 +326,16 @@ def _combos(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
     return out
 
 
+def kernel_q_compute_dtype(caps: Capabilities, combo: Combo) -> DType | None:
+    """The ``q_compute_dtype`` of the declared kernel that serves ``combo`` (None: q as given)."""
+    for k in caps.kernels_for(combo.method, combo.phase):
+        if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes \
+                and (not k.page_sizes or combo.page_size in k.page_sizes) \
+                and k.accepts_heads(combo.num_heads):
+            return k.q_compute_dtype
+    return None
+
+
 def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
                device: str, heads: Sequence[int] | None = None) -> Combo | None:
     """The base configuration of ``method`` in ``phase`` (None if not declared)."""
@@ -516,9 +527,12 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
                 continue
             kv_variants = [base]
             if exhaustive or device != "cpu":
-                kv_variants += [replace(base, kv_dtype=kv, q_dtype=q)
-                                for q, kv in _pairs_for(caps, method, phase)
-                                if (q, kv) != (base.q_dtype, base.kv_dtype)]
+                for q, kv in _pairs_for(caps, method, phase):
+                    if (q, kv) != (base.q_dtype, base.kv_dtype):
+                        variant = _declared_variant(caps, replace(base, kv_dtype=kv, q_dtype=q),
+                                                    device, heads)
+                        if variant is not None:
+                            kv_variants.append(variant)
             for combo in kv_variants:
                 add(Check.REPLAY,
                     f"{where}, {method} captured once replays {', '.join(replay_specs)} "
@@ -555,6 +569,23 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
                     "short sequences replays long ones correctly",
                     batches=(short,) + longs)
     return claims
+
+
+def _declared_variant(caps: Capabilities, combo: Combo, device: str,
+                      heads: Sequence[int] | None) -> Combo | None:
+    """``combo`` if the declaration accepts it, else the base configuration of the
+    kernel that serves its dtypes (a kernel may take other head counts or page
+    sizes than the base's, e.g. an fp8-pool kernel proven for fewer head counts)."""
+    if not _refused(caps, combo, head_dims=combo.head_dims, q_dtype=combo.q_dtype,
+                    kv_dtype=combo.kv_dtype, page_size=combo.page_size,
+                    num_heads=combo.num_heads):
+        return combo
+    for k in caps.kernels_for(combo.method, combo.phase):
+        if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes:
+            for candidate in _combos(caps, k, combo.phase, device, False, heads):
+                if (candidate.q_dtype, candidate.kv_dtype) == (combo.q_dtype, combo.kv_dtype):
+                    return candidate
+    return None
 
 
 def _pairs_for(caps: Capabilities, method: ForwardMethod,

@@ -28,7 +28,7 @@ from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig,
 
 from .batches import BatchSpec, batch_spec
 from .capture_harness import AllocatorChurn, CapturedForward, Served
-from .claims import Check, Claim, ClaimKind, Combo
+from .claims import Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import (
     Workload,
@@ -157,8 +157,10 @@ class Harness:
         pool = make_pool(config, specs)
         problems: list[str] = []
         written: list[int] = []
+        q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
-            work = make_workload(config, pool, spec, combo.method, seed=100 + i)
+            work = make_workload(config, pool, spec, combo.method, seed=100 + i,
+                                 q_compute_dtype=q_compute)
             with explained(f"{spec.describe()}, eager"):
                 out = self.eager_forward(backend, work, pool)
                 self.sync()
@@ -362,8 +364,11 @@ class Harness:
         # Every input is built (and every prefix written) before capture: nothing the
         # harness needs may be allocated after capture, where a block freed during
         # capture could be handed to it and overwritten by a replay.
-        capture_work = make_workload(config, pool, specs[0], method, seed=1)
-        works = [make_workload(config, pool, spec, method, seed=200 + i)
+        q_compute = kernel_q_compute_dtype(captured.backend.capabilities, combo)
+        capture_work = make_workload(config, pool, specs[0], method, seed=1,
+                                     q_compute_dtype=q_compute)
+        works = [make_workload(config, pool, spec, method, seed=200 + i,
+                               q_compute_dtype=q_compute)
                  for i, spec in enumerate(specs)]
         written = list(capture_work.written_slots)
         for w in works:

@@ -21,6 +21,7 @@ import torch
 
 from attnreg.registry import DType, ForwardMethod, Phase
 from attnreg.runtime import (
+    FP8_E4M3_MAX,
     ForwardBatch,
     MLAConfig,
     MLAKVPool,
@@ -42,6 +43,7 @@ __all__ = [
     "make_pool",
     "make_workload",
     "oracle_attention",
+    "round_q",
 ]
 
 #: fp8 pools use a non-trivial scale so a kernel that ignores ``kv_scale`` is caught.
@@ -138,13 +140,38 @@ def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen)
 
 
+def round_q(q: torch.Tensor, dtype: DType | None) -> torch.Tensor:
+    """``q`` as a kernel whose ``q_compute_dtype`` is ``dtype`` computes with it (float32).
+
+    attnreg's convention (``KernelConstraints.q_compute_dtype``): one
+    power-of-two scale for the whole batch, the smallest with
+    ``max|q| / scale <= 448``, then one round to the nearest fp8 e4m3 value.
+    Every row of a workload is a real query row, so all of them set the scale.
+    ``dtype`` None: ``q`` unchanged.
+    """
+    if dtype is None:
+        return q
+    if DType.parse(dtype) is not DType.FP8_E4M3:
+        raise ValueError(f"the oracle rounds q only to fp8_e4m3, not {dtype}")
+    qf = q.float()
+    # float32 arithmetic, as on the device: the same scale bit for bit
+    ratio = torch.clamp(qf.abs().amax() / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    mantissa, exponent = torch.frexp(ratio)
+    power = int(exponent) - (1 if float(mantissa) == 0.5 else 0)
+    scale = 2.0 ** power
+    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: ForwardMethod,
-                  *, seed: int, q_dtype: DType | None = None) -> Workload:
+                  *, seed: int, q_dtype: DType | None = None,
+                  q_compute_dtype: DType | None = None) -> Workload:
     """Write the prefixes of ``spec`` into ``pool``, build the batch, compute the oracle.
 
     Pages are taken from the pool in shuffled order (a kernel assuming
     contiguous pages is caught).  ``q_dtype`` overrides the config's (refusal
-    claims pass undeclared dtypes through here).
+    claims pass undeclared dtypes through here).  ``q_compute_dtype``: the
+    declared kernel computes with q rounded to it (:func:`round_q`), so the
+    oracle does too.
     """
     gen = torch.Generator().manual_seed(seed)
     dev = pool.device
@@ -181,7 +208,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     k = v = None
     if method is ForwardMethod.MLA:
         q = _randn(gen, rows, heads, pool.row_dim).to(qdt).to(dev)
-        expected = oracle_mla(q, seq_rows, spec, pool.kv_lora_rank, config.softmax_scale)
+        expected = oracle_mla(round_q(q, q_compute_dtype), seq_rows, spec,
+                              pool.kv_lora_rank, config.softmax_scale)
     else:
         qk, dv = config.mha_head_dims
         q = _randn(gen, rows, heads, qk).to(qdt).to(dev)

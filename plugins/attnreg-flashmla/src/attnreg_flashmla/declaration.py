@@ -1,0 +1,279 @@
+"""What ``flashmla`` declares: a pure function of the platform, importing only attnreg.registry.
+
+attnreg calls :func:`capabilities` at startup (``attnreg backends``,
+``attnreg compat``) on machines without torch or a GPU, and the conformance
+suite turns every value here into a test on the device.  The runtime
+(:mod:`attnreg_flashmla.runtime`) imports its constants and its capture
+memory arithmetic from this module, so each fact has one source.
+
+Facts (sgl-flash-mla 1.0.0: its Python interface ``flash_mla_interface.py``
+and the dense decode entry it calls; measured on an H200 on 2026-12-01):
+
+* Dense MLA decode exists only in the *legacy* kernels
+  (``flash_mla_with_kvcache(..., use_legacy=True)``), which are built for
+  sm90a only ("Dense decode MLA is only supported on SM90a").  The current
+  kernels (sm100) are sparse only: without ``indices`` they assert that sparse
+  attention is required.  So: declared on cuda:sm90, nowhere else.
+* Page size: 64 only (``Currently page_block_size must be 64``); every other
+  size (1, 16, 32, 128, 256 were tried) raises inside the library.
+* Heads: 1, 2, 4, 8, 16, 32, 64 and 128 ran, max relative error
+  2.4e-3..3.3e-3 against a float64 oracle.  Other counts were not run.
+* bf16 q over a bf16 cache ``[num_pages, 64, 1, 576]``.  fp16 ran once but
+  its accuracy was not checked: not declared.
+* FP8 cache: the dense FP8 kernel reads a plain float8_e4m3fn cache with one
+  per-tensor dequantisation scale (attnreg's own FP8 pool, viewed with one KV
+  head) but refuses a bf16 q: q must be fp8 too, with one per-tensor scale.
+  The runtime rounds q on the device (``q_compute_dtype`` fp8); with q rounded
+  the relative error was 2.9e-2..3.5e-2 for 16, 32, 64 and 128 heads, the
+  heads declared for it.  Output bf16.
+* Split-KV: the kernel's grid is ``num_sm_parts`` thread-block groups, each
+  working through the (sequence, KV block) ranges a scheduler kernel
+  (``get_mla_decoding_metadata``) assigns from the *device* sequence lengths.
+  Scheduler output frozen at capture gave relative errors 0.17 and 5.6 on
+  replays at other lengths (sglang #26019); recomputed before each replay it
+  was correct at every length.
+* Per call the kernel allocates its output, LSE and the split-KV accumulators
+  (``out_accum`` / ``lse_accum``, ``batch + num_sm_parts`` rows); under a CUDA
+  graph they come from the graph's memory pool.  :func:`decode_call_bytes`
+  is that arithmetic.
+"""
+
+from __future__ import annotations
+
+from attnreg.registry import (
+    Capabilities,
+    CaptureMemory,
+    CaptureShape,
+    CaptureSupport,
+    DeclarationContext,
+    DType,
+    ForwardMethod,
+    GraphMode,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    Requirement,
+    SplitKV,
+    Vendor,
+)
+
+__all__ = [
+    "BACKEND_NAME",
+    "FLASH_MLA",
+    "FP8_HEAD_COUNTS",
+    "FP8_KERNEL",
+    "HEAD_COUNTS",
+    "KERNEL",
+    "MAX_SM90_SMS",
+    "PAGE_SIZE",
+    "SCHEDULER_INTS",
+    "SM",
+    "TORCH",
+    "capabilities",
+    "capture_bytes",
+    "decode_call_bytes",
+    "fp8_query_bytes",
+    "num_sm_parts",
+    "scheduler_bytes",
+    "scheduler_shapes",
+]
+
+BACKEND_NAME = "flashmla"
+
+#: The kernel library.  Its 1.0.0 metadata asks for torch >= 2.14.1, but its
+#: libraries use torch's stable ABI and load on older torch (2.11 on the H200),
+#: so the hint installs it without its dependencies.
+FLASH_MLA = Requirement("flash_mla", "sgl-flash-mla", min_version="1.0.0",
+                        install="pip install --no-deps 'sgl-flash-mla>=1.0.0'")
+TORCH = Requirement("torch", "torch", min_version="2.4")
+
+#: The only architecture with a dense MLA decode kernel in sgl-flash-mla 1.0.0.
+SM = 90
+PAGE_SIZE = 64
+#: Head counts run on the H200 (2026-12-01); nothing else is claimed.
+HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Head counts the FP8 kernel was run with.
+FP8_HEAD_COUNTS = (16, 32, 64, 128)
+KERNEL = "flash_mla_with_kvcache (legacy dense decode, sm90)"
+FP8_KERNEL = "flash_mla_with_kvcache(is_fp8_kvcache=True) (legacy dense fp8 decode, sm90)"
+
+#: SMs of the largest sm90 part (H100 SXM, H200): the scheduler's partition count
+#: grows with the SM count, so capture memory is declared for the largest.
+MAX_SM90_SMS = 132
+#: Query rows per tile of the kernel (the scheduler divides the SMs by the tiles).
+_BLOCK_M = 64
+#: int32 words per scheduler partition (``tile_scheduler_metadata`` is ``[parts, 8]``).
+SCHEDULER_INTS = 8
+_LATENT = 512
+#: Sizes the CUDA caching allocator hands out are multiples of this.
+_ALLOC_GRANULE = 512
+
+_DECODE_ONLY = ("FlashMLA serves MLA decode only: its dense prefill is Blackwell MHA "
+                "(flash_attn_varlen_func, sm100) and its sparse prefill needs DSA top-k "
+                "indices; pair it with a prefill backend (e.g. --prefill-backend "
+                "flashinfer_mla)")
+_SCHEDULER_NOTE = ("split-KV schedule re-planned before every replay: the scheduler kernel "
+                   "runs on the replay's device sequence lengths into the buffers the graph "
+                   "reads (never frozen at capture: sglang #26019)")
+
+
+def num_sm_parts(num_heads: int, tokens_per_seq: int = 1, num_sms: int = MAX_SM90_SMS) -> int:
+    """Partitions FlashMLA's scheduler splits the KV work into (its ``num_sm_parts``).
+
+    With one KV head the dense decode entry uses
+    ``max(num_sms // ceil(tokens_per_seq * num_heads / 64), 1)``: 132 at 16
+    heads and 66 at 128 heads on a 132-SM H200.
+    """
+    tiles = -(-(tokens_per_seq * num_heads) // _BLOCK_M)
+    return max(num_sms // tiles, 1)
+
+
+def _granules(nbytes: int) -> int:
+    return -(-nbytes // _ALLOC_GRANULE) * _ALLOC_GRANULE
+
+
+def scheduler_shapes(max_batch_size: int, num_heads: int, tokens_per_seq: int = 1,
+                     num_sms: int = MAX_SM90_SMS) -> tuple[tuple[int, int], tuple[int]]:
+    """Shapes of the scheduler buffers the runtime allocates once for graphs.
+
+    ``tile_scheduler_metadata`` int32 ``[num_sm_parts, 8]`` (the same for every
+    batch size) and ``num_splits`` int32 ``[max_batch_size + 1]`` (a captured
+    batch of ``bs`` reads the first ``bs + 1``).
+    """
+    return ((num_sm_parts(num_heads, tokens_per_seq, num_sms), SCHEDULER_INTS),
+            (max_batch_size + 1,))
+
+
+def scheduler_bytes(max_batch_size: int, num_heads: int, tokens_per_seq: int = 1,
+                    num_sms: int = MAX_SM90_SMS) -> dict[str, int]:
+    """Bytes of :func:`scheduler_shapes`' buffers, by name (allocator-rounded)."""
+    meta, splits = scheduler_shapes(max_batch_size, num_heads, tokens_per_seq, num_sms)
+    return {"tile_scheduler_metadata": _granules(meta[0] * meta[1] * 4),
+            "num_splits": _granules(splits[0] * 4)}
+
+
+def decode_call_bytes(batch_size: int, num_heads: int, tokens_per_seq: int = 1,
+                      num_sms: int = MAX_SM90_SMS, out_itemsize: int = 2) -> dict[str, int]:
+    """What one decode call allocates inside the library, by name (bytes, allocator-rounded).
+
+    The output ``[B, s_q * H, 512]`` (bf16), the LSE ``[B, s_q * H]`` float32
+    and the split-KV accumulators for ``B + num_sm_parts`` splits: ``lse_accum``
+    ``[splits, s_q * H]`` and ``out_accum`` ``[splits, s_q * H, 512]`` float32.
+    Several query tokens per sequence with several heads also reorder the LSE
+    into ``[B, H, s_q]`` (a copy).  They are freed when the call returns, so
+    the layers of one captured step reuse one set.
+    """
+    rows = tokens_per_seq * num_heads
+    splits = batch_size + num_sm_parts(num_heads, tokens_per_seq, num_sms)
+    sizes = {
+        "out": batch_size * rows * _LATENT * out_itemsize,
+        "lse": batch_size * rows * 4,
+        "lse_accum": splits * rows * 4,
+        "out_accum": splits * rows * _LATENT * 4,
+    }
+    if tokens_per_seq > 1 and num_heads > 1:
+        sizes["lse_reordered"] = batch_size * rows * 4
+    return {name: _granules(n) for name, n in sizes.items()}
+
+
+def fp8_query_bytes(batch_size: int, num_heads: int, tokens_per_seq: int = 1) -> dict[str, int]:
+    """What the runtime allocates per FP8 call besides the library: q rounded to fp8 and its scale.
+
+    (The bf16 product q / scale it is cast from is freed before the kernel
+    allocates its accumulators, which are larger, so it adds nothing to the peak.)
+    """
+    return {"q_fp8": _granules(batch_size * tokens_per_seq * num_heads * 576),
+            "q_descale": _granules(4)}
+
+
+def capture_bytes(shape: CaptureShape) -> int:
+    """Capture memory of FULL decode at ``shape``: scheduler buffers plus one call's allocations.
+
+    The policy's estimate and the runtime's allocation both come from here
+    (``CaptureMemory.bytes_fn``).  Graphs captured into one shared pool
+    (largest batch first) reuse the largest one's memory.
+    """
+    tokens = max(1, shape.max_num_tokens // max(1, shape.max_batch_size))
+    sms = shape.num_sms or MAX_SM90_SMS
+    total = (sum(scheduler_bytes(shape.max_batch_size, shape.num_heads, tokens, sms).values())
+             + sum(decode_call_bytes(shape.max_batch_size, shape.num_heads, tokens,
+                                     sms).values()))
+    if DType.parse(shape.kv_dtype) is DType.FP8_E4M3:
+        total += sum(fp8_query_bytes(shape.max_batch_size, shape.num_heads, tokens).values())
+    return total
+
+
+_CAPTURE_MEMORY = CaptureMemory(
+    bytes_fn=capture_bytes,
+    formula=("scheduler int32 [num_sm_parts, 8] + [B+1], plus per captured call bf16 out "
+             "[B, H, 512], fp32 lse [B, H], fp32 split-KV accumulators [B + num_sm_parts, H, "
+             "512 + 1]; num_sm_parts = max(SMs // ceil(H / 64), 1), 132 SMs when unknown; "
+             "an fp8 pool adds q rounded to fp8 [B, H, 576]"))
+
+
+def _platform_reason(ctx: DeclarationContext) -> str:
+    plat = ctx.platform
+    if plat.vendor is not Vendor.CUDA:
+        return f"FlashMLA is a CUDA library (dense MLA decode on sm90); this is {plat}"
+    if plat.sm is None:
+        return (f"FlashMLA's dense MLA decode needs sm{SM}; the platform {plat} names no "
+                f"architecture (give one, e.g. cuda:sm{SM})")
+    if plat.sm != SM:
+        if plat.sm >= 100:
+            return (f"FlashMLA's dense MLA decode exists only in its legacy sm{SM} kernels; "
+                    f"its {plat.arch} kernels are sparse (DSA top-k) attention, which "
+                    f"attnreg's capability model cannot declare; this is {plat}")
+        return f"FlashMLA's dense MLA decode needs sm{SM} (Hopper); this is {plat}"
+    return ""
+
+
+def capabilities(ctx: DeclarationContext) -> Capabilities:
+    """The declaration of ``flashmla`` on ``ctx.platform``.
+
+    Parameters
+    ----------
+    ctx
+        The platform and the installed library versions.  Read only these:
+        importing torch or ``flash_mla`` here would slow every startup query.
+    """
+    plat = ctx.platform
+    reason = _platform_reason(ctx)
+    kernels: tuple[KernelConstraints, ...] = ()
+    unavailable: tuple[tuple[str, str], ...] = ()
+    if not reason:
+        bf16 = frozenset({DType.BF16})
+        kernels = (
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
+                              q_dtypes=bf16, kv_dtypes=bf16, page_sizes=(PAGE_SIZE,),
+                              max_heads=max(HEAD_COUNTS), head_counts=HEAD_COUNTS,
+                              kernel=KERNEL, split_kv=SplitKV.HOST_PLANNED),
+            # The engine hands bf16 q; the kernel computes with it rounded to fp8.
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
+                              q_dtypes=bf16, kv_dtypes=frozenset({DType.FP8_E4M3}),
+                              page_sizes=(PAGE_SIZE,), max_heads=max(FP8_HEAD_COUNTS),
+                              head_counts=FP8_HEAD_COUNTS, kernel=FP8_KERNEL,
+                              split_kv=SplitKV.HOST_PLANNED, q_compute_dtype=DType.FP8_E4M3),
+        )
+        unavailable = (("prefill / extend", _DECODE_ONLY),)
+    unserved = CaptureSupport.unsupported(_DECODE_ONLY)
+    modes = (
+        GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(_SCHEDULER_NOTE),
+                         pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED,
+                         capture_memory=_CAPTURE_MEMORY),
+        GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, unserved),
+        GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, unserved),
+    )
+    return Capabilities(
+        backend=BACKEND_NAME, platform=plat, vendors=frozenset({Vendor.CUDA}),
+        kernels=kernels, graph_modes=modes,
+        unavailable_kernels=unavailable, platform_reason=reason,
+        # Above flashinfer_mla (30), its sm90 alternative: on the H200 FlashMLA
+        # decoded the P1 shapes in 0.975x fa3's time (geometric mean).  Below
+        # trtllm_mla (40), which runs only where this does not.
+        priority=35,
+        notes=(f"decode only, page size {PAGE_SIZE} only; bf16 pool: heads "
+               f"{', '.join(map(str, HEAD_COUNTS))}; fp8 pool: heads "
+               f"{', '.join(map(str, FP8_HEAD_COUNTS))}, q rounded to fp8 per tensor on the "
+               "device (q_compute_dtype fp8)",
+               _SCHEDULER_NOTE),
+    )

@@ -1,0 +1,138 @@
+"""The calls into FlashMLA, and nothing else; imported only by the runtime.
+
+Each function takes attnreg's tensors (queries ``[rows, H, 576]``, the pool
+buffer ``[pages, 64, 576]``, int32 page table and sequence lengths) and
+calls the library the way the H200 probe did (legacy dense decode, one KV
+head).  Nothing here checks a request: the runtime has refused everything
+outside the declaration before any of this runs.  Nothing here reads a value
+back to the host either, so every function may run inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from attnreg.registry import BackendUnavailableError
+
+from .declaration import BACKEND_NAME, FLASH_MLA
+
+__all__ = ["FP8_MAX", "Schedule", "decode", "load_library", "quantize_q", "schedule"]
+
+#: Largest finite float8_e4m3fn value.
+FP8_MAX = 448.0
+_LATENT = 512
+
+
+def load_library() -> ModuleType:
+    """Import ``flash_mla``, or raise :class:`BackendUnavailableError` with the install hint.
+
+    The library loads its CUDA extensions at import; a build without the legacy
+    kernels imports but has no dense decode, which is refused here too.
+    """
+    try:
+        import flash_mla
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise BackendUnavailableError(
+            BACKEND_NAME, f"flash_mla could not be imported ({type(exc).__name__}: {exc}); "
+                          f"install {FLASH_MLA.distribution}: {FLASH_MLA.install_hint()}"
+        ) from exc
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    if has_legacy is None or not has_legacy():
+        raise BackendUnavailableError(
+            BACKEND_NAME, "this flash_mla build has no legacy kernels, which hold the only "
+                          "dense MLA decode (sm90); install a build with them "
+                          f"({FLASH_MLA.distribution} wheels have them)")
+    return flash_mla
+
+
+@dataclass
+class Schedule:
+    """The split-KV schedule one decode call reads: FlashMLA's scheduler output.
+
+    ``tile_scheduler_metadata`` int32 ``[num_sm_parts, 8]`` and ``num_splits``
+    int32 ``[batch + 1]``.  Graph buffers are allocated once and refreshed in
+    place (:meth:`refresh`) before every replay; an eager batch gets fresh ones.
+    """
+
+    tile_scheduler_metadata: torch.Tensor
+    num_splits: torch.Tensor
+
+    def refresh(self, fresh: Schedule) -> None:
+        """Copy ``fresh`` into these buffers (the addresses a captured graph recorded)."""
+        self.tile_scheduler_metadata.copy_(fresh.tile_scheduler_metadata)
+        self.num_splits[: fresh.num_splits.shape[0]].copy_(fresh.num_splits)
+
+    def for_batch(self, batch_size: int) -> Schedule:
+        """The views one captured batch size reads (``num_splits`` has ``batch + 1`` entries)."""
+        return Schedule(self.tile_scheduler_metadata, self.num_splits[: batch_size + 1])
+
+
+def schedule(lib: ModuleType, seq_lens: torch.Tensor, num_heads: int, *,
+             tokens_per_seq: int = 1, fp8: bool = False) -> Schedule:
+    """Run FlashMLA's scheduler on the device sequence lengths ``seq_lens`` (int32 ``[B]``).
+
+    The FP8 kernel has its own scheduler (``is_fp8_kvcache=True``); both are
+    legacy ops and must match the decode call they serve.
+    """
+    meta, splits = lib.get_mla_decoding_metadata(seq_lens, tokens_per_seq * num_heads, 1,
+                                                 is_fp8_kvcache=fp8, use_legacy=True)
+    return Schedule(meta, splits)
+
+
+def quantize_q(q: torch.Tensor, live_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round ``q`` to float8_e4m3fn with one power-of-two scale, on the device.
+
+    The scale is the smallest power of two ``s`` with ``amax / s <= 448``, where
+    ``amax`` is the largest ``|q|`` over the rows where ``live_rows`` is True
+    (padded rows of a replayed graph hold stale values and are left out).  A
+    power of two makes ``q / s`` exact in q's own dtype, so the only rounding
+    is the one to fp8 and the conformance oracle can repeat it bit for bit
+    (attnreg's convention for a kernel whose ``q_compute_dtype`` is fp8).
+
+    Returns ``(q_fp8, descale)``: ``descale`` float32 ``(1,)`` with ``q ~ q_fp8 * descale``.
+    No host read, so it runs inside a captured graph.
+    """
+    row_amax = q.abs().amax(dim=tuple(range(1, q.dim()))).float()
+    # torch.where, not a product: a stale padded row holding inf or NaN must not leak in
+    amax = torch.where(live_rows, row_amax, torch.zeros_like(row_amax)).amax()
+    ratio = torch.clamp(amax / FP8_MAX, min=torch.finfo(torch.float32).tiny)
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is kept
+    # 2**exponent built from its float32 bits: exact on every device (pow/exp2 need not be)
+    descale = ((exponent.to(torch.int32) + 127) << 23).view(torch.float32).reshape(1)
+    q_fp8 = (q * torch.reciprocal(descale).to(q.dtype)).to(torch.float8_e4m3fn)
+    return q_fp8, descale
+
+
+def decode(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+           seq_lens: torch.Tensor, sched: Schedule, *, softmax_scale: float,
+           tokens_per_seq: int = 1, causal: bool = True, q_descale: torch.Tensor | None = None,
+           kv_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode of ``q [B * tokens_per_seq, H, 576]`` over the paged ``cache``.
+
+    ``cache`` is the pool buffer ``[pages, 64, 576]`` (bf16, or float8_e4m3fn
+    with ``kv_descale``; an fp8 cache needs fp8 ``q`` with ``q_descale``).
+    With several tokens per sequence and ``causal``, token ``i`` of a sequence
+    of length ``L`` sees keys ``0 .. L - tokens_per_seq + i``.
+
+    Returns ``(out [rows, H, 512] bf16, lse [rows, H] float32)``, both fresh
+    tensors the library allocated.
+    """
+    batch = seq_lens.shape[0]
+    rows, heads, dim = q.shape
+    q4 = q.view(batch, tokens_per_seq, heads, dim)
+    k4 = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[2])
+    meta = lib.get_mla_metadata()[0]
+    meta.tile_scheduler_metadata = sched.tile_scheduler_metadata
+    meta.num_splits = sched.num_splits
+    fp8 = q_descale is not None
+    extra = {"is_fp8_kvcache": True, "descale_q": q_descale, "descale_k": kv_descale} \
+        if fp8 else {}
+    out, lse = lib.flash_mla_with_kvcache(q4, k4, page_table, seq_lens, _LATENT, meta,
+                                          softmax_scale=softmax_scale,
+                                          causal=causal and tokens_per_seq > 1,
+                                          use_legacy=True, **extra)
+    # out [B, s_q, H, 512]; lse [B, H, s_q] -> the runtime's [rows, H]
+    return out.reshape(rows, heads, _LATENT), lse.transpose(1, 2).reshape(rows, heads)

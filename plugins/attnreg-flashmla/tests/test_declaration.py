@@ -1,0 +1,202 @@
+"""The declaration says exactly what was measured on the H200, on every platform, and is pure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from attnreg.registry import (
+    CaptureShape,
+    DeclarationContext,
+    DType,
+    ForwardMethod,
+    GraphMode,
+    Phase,
+    Platform,
+    SplitKV,
+    validate_capabilities,
+)
+from attnreg.testing.claims import Check, ClaimKind, expand_claims
+
+from attnreg_flashmla.declaration import (
+    BACKEND_NAME,
+    FP8_HEAD_COUNTS,
+    HEAD_COUNTS,
+    PAGE_SIZE,
+    capabilities,
+    capture_bytes,
+    decode_call_bytes,
+    fp8_query_bytes,
+    num_sm_parts,
+    scheduler_bytes,
+)
+
+PLATFORMS = ["cpu", "cuda", "cuda:sm80", "cuda:sm90", "cuda:sm100", "cuda:sm103",
+             "rocm:gfx942", "npu", "xpu"]
+
+
+def _caps(platform: str):
+    return capabilities(DeclarationContext(Platform.parse(platform)))
+
+
+def test_plugin_registers_through_its_entry_point(registry):
+    spec = registry.get(BACKEND_NAME)
+    assert (spec.plugin, spec.distribution) == ("flashmla", "attnreg-flashmla")
+    assert spec.runtime == "attnreg_flashmla.runtime:FlashMLABackend"
+    assert [r.distribution for r in spec.requires] == ["torch", "sgl-flash-mla"]
+    assert not [e for e in registry.errors if e.plugin == "flashmla"]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_declaration_is_valid_on_every_platform(platform):
+    assert validate_capabilities(_caps(platform), BACKEND_NAME) == []
+
+
+@pytest.mark.parametrize("platform,needle", [
+    ("cpu", "FlashMLA is a CUDA library"),
+    ("rocm:gfx942", "FlashMLA is a CUDA library"),
+    ("cuda", "names no architecture"),
+    ("cuda:sm80", "needs sm90"),
+    # sm100: the library's current kernels exist there, but they are sparse only
+    ("cuda:sm100", "exists only in its legacy sm90 kernels"),
+    ("cuda:sm103", "exists only in its legacy sm90 kernels"),
+])
+def test_nothing_is_declared_off_sm90_and_the_reason_says_why(platform, needle):
+    caps = _caps(platform)
+    assert caps.kernels == ()
+    assert needle in caps.platform_reason
+
+
+def test_sm90_declares_the_measured_decode_kernels_only():
+    caps = _caps("cuda:sm90")
+    assert caps.platform_reason == ""
+    bf16, fp8 = caps.kernels
+    for kernel in (bf16, fp8):
+        assert kernel.method is ForwardMethod.MLA
+        assert kernel.phases == frozenset({Phase.DECODE})
+        assert kernel.head_dims == ((576, 512),)
+        assert kernel.page_sizes == (PAGE_SIZE,) == (64,)
+        # the engine's q is bf16 for both; fp16 ran once without an accuracy check
+        assert kernel.q_dtypes == frozenset({DType.BF16})
+        assert kernel.split_kv is SplitKV.HOST_PLANNED
+    assert bf16.kv_dtypes == frozenset({DType.BF16}) and bf16.q_compute_dtype is None
+    assert bf16.head_counts == HEAD_COUNTS == (1, 2, 4, 8, 16, 32, 64, 128)
+    # fp8: attnreg's own single-scale pool, q rounded to fp8 on the device
+    assert fp8.kv_dtypes == frozenset({DType.FP8_E4M3})
+    assert fp8.q_compute_dtype is DType.FP8_E4M3
+    assert fp8.head_counts == FP8_HEAD_COUNTS == (16, 32, 64, 128)
+    assert caps.methods(Phase.PREFILL) == ()
+
+
+def test_decode_capture_replans_split_kv_before_every_replay_and_prefill_is_refused():
+    caps = _caps("cuda:sm90")
+    full = caps.graph_support(Phase.DECODE, GraphMode.FULL)
+    assert full.capture.is_native
+    assert full.pinned_method is ForwardMethod.MLA
+    assert full.split_kv is SplitKV.HOST_PLANNED
+    assert "sglang #26019" in full.capture.reason
+    for mode in (GraphMode.BREAKABLE, GraphMode.TC_PIECEWISE):
+        prefill = caps.graph_support(Phase.PREFILL, mode)
+        assert prefill.capture.is_unsupported
+        assert "decode only" in prefill.capture.reason
+
+
+@pytest.mark.parametrize("request_,needle", [
+    ({"page_size": 1}, "page size 1 not in [64]"),
+    ({"page_size": 128}, "page size 128 not in [64]"),
+    ({"num_heads": 3}, "3 heads not in [1, 2, 4, 8, 16, 32, 64, 128]"),
+    ({"num_heads": 256}, "256 heads not in"),
+    ({"q_dtype": "fp16"}, "q dtype fp16 not in ['bf16']"),
+    ({"kv_dtype": "fp16"}, "kv dtype fp16 not in"),
+    # 8 heads ran over a bf16 pool only (either kernel's reason may be the one shown)
+    ({"kv_dtype": "fp8_e4m3", "num_heads": 8}, "not in"),
+])
+def test_requests_outside_the_measurements_are_refused_by_the_declaration(request_, needle):
+    reasons = _caps("cuda:sm90").check_request(ForwardMethod.MLA, Phase.DECODE,
+                                               **{"page_size": 64, "num_heads": 16,
+                                                  "q_dtype": "bf16", "kv_dtype": "bf16",
+                                                  **request_})
+    assert any(needle in r for r in reasons), reasons
+
+
+def test_prefill_requests_name_the_reason():
+    (reason,) = _caps("cuda:sm90").check_request(ForwardMethod.MLA, Phase.PREFILL)
+    assert "no mla kernel for prefill" in reason and "decode only" in reason
+
+
+def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
+    claims = expand_claims(_caps("cuda:sm90"), "cuda")
+    eager = [c.combo for c in claims if c.kind is ClaimKind.EAGER]
+    assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.BF16) == list(HEAD_COUNTS)
+    assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.FP8_E4M3) \
+        == list(FP8_HEAD_COUNTS)
+    assert {(c.page_size, c.q_dtype, c.phase) for c in eager} \
+        == {(64, DType.BF16, Phase.DECODE)}
+    refused = {c.check for c in claims if c.kind is ClaimKind.REFUSAL}
+    assert {Check.PAGE_SIZE, Check.NUM_HEADS, Check.Q_DTYPE, Check.KV_DTYPE,
+            Check.INDEX_DTYPE} <= refused
+    capture = [c for c in claims if c.kind is ClaimKind.CAPTURE]
+    assert {(c.graph_mode, c.check) for c in capture} >= {(GraphMode.FULL, Check.SPLIT_KV),
+                                                          (GraphMode.FULL, Check.REPLAY)}
+    # one replay claim per pool dtype, each with a head count its kernel was run with
+    assert sorted((c.combo.kv_dtype.value, c.combo.num_heads) for c in capture
+                  if c.check is Check.REPLAY) == [("bf16", 1), ("fp8_e4m3", 16)]
+    assert all(c.combo.phase is Phase.DECODE for c in claims)
+
+
+def test_scheduler_partitions_follow_the_library_formula():
+    # max(132 // ceil(s_q * H / 64), 1) on a 132-SM H200: [132, 8] at H=16 was measured
+    assert num_sm_parts(16) == 132
+    assert num_sm_parts(64) == 132
+    assert num_sm_parts(128) == 66
+    assert num_sm_parts(16, tokens_per_seq=8) == 66
+    assert num_sm_parts(128, num_sms=1) == 1
+
+
+def test_capture_memory_counts_the_scheduler_and_one_calls_allocations():
+    # B=4, H=16: 132 partitions, 136 split rows; allocator granules of 512 bytes
+    assert scheduler_bytes(4, 16) == {"tile_scheduler_metadata": 4608, "num_splits": 512}
+    assert decode_call_bytes(4, 16) == {"out": 4 * 16 * 512 * 2, "lse": 512,
+                                        "lse_accum": 136 * 16 * 4,
+                                        "out_accum": 136 * 16 * 512 * 4}
+    # DeepSeek-V3 on one GPU: 128 heads, 256 slots -> 66 partitions, 322 split rows
+    big = decode_call_bytes(256, 128)
+    assert big["out_accum"] == 322 * 128 * 512 * 4
+    assert big["out"] == 256 * 128 * 512 * 2
+    shape = CaptureShape(max_batch_size=256, max_num_tokens=256, max_seq_len=32768,
+                         num_heads=128, page_size=64)
+    assert capture_bytes(shape) == sum(big.values()) + sum(scheduler_bytes(256, 128).values())
+
+
+def test_the_policy_estimate_is_the_same_formula():
+    shape = CaptureShape(max_batch_size=8, max_num_tokens=8, max_seq_len=4096, num_heads=16,
+                         page_size=64)
+    memory = _caps("cuda:sm90").graph_support(Phase.DECODE, GraphMode.FULL).capture_memory
+    assert memory.estimate(shape) == capture_bytes(shape) > 0
+    assert "num_sm_parts" in memory.formula
+
+
+def test_verify_shapes_count_the_reordered_lse():
+    # several query tokens per sequence: the LSE is reordered to [B, H, s_q] (a copy)
+    assert "lse_reordered" not in decode_call_bytes(4, 16)
+    assert decode_call_bytes(4, 16, tokens_per_seq=2)["lse_reordered"] == 512
+
+
+def test_an_fp8_pool_adds_the_rounded_queries():
+    bf16 = CaptureShape(max_batch_size=64, max_num_tokens=64, max_seq_len=4096, num_heads=128,
+                        page_size=64)
+    fp8 = CaptureShape(max_batch_size=64, max_num_tokens=64, max_seq_len=4096, num_heads=128,
+                       page_size=64, kv_dtype=DType.FP8_E4M3)
+    assert fp8_query_bytes(64, 128) == {"q_fp8": 64 * 128 * 576, "q_descale": 512}
+    assert capture_bytes(fp8) - capture_bytes(bf16) == 64 * 128 * 576 + 512
+
+
+def test_the_declaration_and_the_hook_import_neither_torch_nor_the_library():
+    code = ("import sys, attnreg_flashmla.declaration, attnreg_flashmla.plugin\n"
+            "heavy = sorted(m for m in ('torch', 'flash_mla', 'attnreg.backends', "
+            "'attnreg.runtime', 'attnreg.testing') if m in sys.modules)\n"
+            "print(','.join(heavy))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert proc.stdout.strip() == ""

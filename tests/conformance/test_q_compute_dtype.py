@@ -1,0 +1,80 @@
+"""Kernels of one backend that differ per pool dtype: an oracle that rounds q as a kernel's
+``q_compute_dtype`` declares, and capture claims run with what each kernel accepts."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attnreg.registry import (
+    Capabilities,
+    CaptureSupport,
+    DType,
+    ForwardMethod,
+    GraphMode,
+    GraphModeSupport,
+    KernelConstraints,
+    Phase,
+    Platform,
+    SplitKV,
+    Vendor,
+)
+from attnreg.testing.claims import Check, ClaimKind, Combo, expand_claims, kernel_q_compute_dtype
+from attnreg.testing.workload import round_q
+
+BF16 = frozenset({DType.BF16})
+
+
+def _caps() -> Capabilities:
+    def kernel(kv: DType, compute: DType | None, heads: tuple[int, ...]) -> KernelConstraints:
+        return KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
+                                 BF16, frozenset({kv}), page_sizes=(64,), head_counts=heads,
+                                 q_compute_dtype=compute)
+    full = GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
+                            pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED)
+    return Capabilities("demo", Platform.parse("cuda:sm90"), frozenset({Vendor.CUDA}),
+                        (kernel(DType.BF16, None, (1, 16, 128)),
+                         kernel(DType.FP8_E4M3, DType.FP8_E4M3, (16, 128))), (full,))
+
+
+def _combo(kv: DType) -> Combo:
+    return Combo(ForwardMethod.MLA, Phase.DECODE, DType.BF16, kv, 64, 16, (576, 512))
+
+
+def test_the_kernel_serving_the_combination_decides():
+    assert kernel_q_compute_dtype(_caps(), _combo(DType.FP8_E4M3)) is DType.FP8_E4M3
+    assert kernel_q_compute_dtype(_caps(), _combo(DType.BF16)) is None
+    assert kernel_q_compute_dtype(_caps(), _combo(DType.FP16)) is None  # no kernel serves it
+
+
+def test_round_q_uses_one_power_of_two_scale_and_one_rounding():
+    q = (torch.randn(5, 16, 576, generator=torch.Generator().manual_seed(0)) * 7).bfloat16()
+    got = round_q(q, DType.FP8_E4M3)
+    amax = float(q.float().abs().max())
+    scale = 2.0 ** torch.ceil(torch.log2(torch.tensor(amax / 448.0))).item()
+    assert amax / scale <= 448.0 < 2 * amax / scale
+    want = (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(got, want)
+    # the rounding is real: fp8 keeps 3 mantissa bits
+    assert not torch.equal(got, q.float())
+
+
+def test_an_exact_power_of_two_ratio_keeps_its_scale():
+    q = torch.full((1, 1, 576), 448.0 * 8).bfloat16()
+    assert torch.equal(round_q(q, DType.FP8_E4M3), q.float())
+
+
+def test_no_compute_dtype_leaves_q_alone_and_other_dtypes_are_refused():
+    q = torch.randn(2, 3, 576).bfloat16()
+    assert round_q(q, None) is q
+    with pytest.raises(ValueError, match="only to fp8_e4m3"):
+        round_q(q, DType.FP16)
+
+
+def test_a_capture_claim_for_another_pool_uses_a_head_count_its_kernel_accepts():
+    # the bf16 kernel's base has 1 head, which the fp8 kernel does not take
+    replays = [c.combo for c in expand_claims(_caps(), "cuda")
+               if c.kind is ClaimKind.CAPTURE and c.check is Check.REPLAY]
+    assert sorted((c.kv_dtype.value, c.num_heads) for c in replays) == [("bf16", 1),
+                                                                       ("fp8_e4m3", 16)]
