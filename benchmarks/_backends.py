@@ -32,11 +32,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Variant:
-    """A backend row: registry name, a label for tables and the create options."""
+    """A backend row: registry name, a label for tables and the create options.
+
+    ``page_size`` is the KV-pool page size the row runs at; None means the
+    section's own (P1: page 1).  A backend that declares other page sizes only
+    (FlashMLA: 64) gets its own pool of the same data layout at that size.
+    """
 
     label: str
     backend: str
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    page_size: int | None = None
 
 
 #: Decode rows of P1.  flashinfer on sm90 defaults to fa3; fa2 is its other kernel.
@@ -46,6 +52,10 @@ DECODE_VARIANTS: tuple[Variant, ...] = (
     Variant("flashinfer_mla/fa2", "flashinfer_mla", {"mla_backend": "fa2"}),
     Variant("trtllm_mla", "trtllm_mla"),
     Variant("flash_attn_cute", "flash_attn_cute"),
+    # FlashMLA's dense decode takes page size 64 only (plugins/attnreg-flashmla); triton
+    # beside it at the same page size, so both peers of issue 20 are in one run.
+    Variant("triton (page 64)", "triton", page_size=64),
+    Variant("flashmla (page 64)", "flashmla", page_size=64),
 )
 
 #: Backends of the prefill and P4 comparisons (each with its default kernels).

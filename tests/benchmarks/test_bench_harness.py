@@ -187,8 +187,11 @@ def test_dry_run_drives_flashinfer_variants_and_its_direct_baseline(tmp_path, fa
     doc = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, doc
     p1 = doc["sections"]["P1"]["data"]
-    assert p1["variants"] == ["triton", "flashinfer_mla/fa3", "flashinfer_mla/fa2"]
+    assert p1["variants"] == ["triton", "flashinfer_mla/fa3", "flashinfer_mla/fa2",
+                              "triton (page 64)"]
     assert "Blackwell" in p1["skipped_variants"]["trtllm_mla"]
+    # the FlashMLA plugin is not loaded here (tests turn plugin autoload off): a row saying why
+    assert "flashmla (page 64)" in p1["skipped_variants"]
     for row in p1["rows"]:
         for label in p1["variants"]:
             res = row["results"][label]

@@ -105,8 +105,22 @@ def test_p1_ratio_is_triton_over_fa3_geomean_over_shapes_with_both():
     assert s["triton_over_fa3_geomean"] == pytest.approx(1.0)
     assert (s["shapes_with_both"], s["shapes_total"]) == (2, 3)
     assert [p["best"] for p in s["per_shape"]] == ["flashinfer_mla/fa3", "triton", "triton"]
-    (check,) = decode.p1_checks(data)
-    assert check.status == "goal met" and "2 of 3" in check.detail
+    check = decode.p1_checks(data)[0]
+    assert check.id == "P1" and check.status == "goal met" and "2 of 3" in check.detail
+
+
+def test_p1_peer_ratio_takes_the_faster_triton_and_the_faster_hopper_peer_per_shape():
+    data = {"rows": [
+        _row((1, 2, 16), **{"triton": 200.0, "triton (page 64)": 150.0,
+                            "flashinfer_mla/fa3": 100.0, "flashmla (page 64)": 120.0}),
+        _row((1, 4, 16), **{"triton": 40.0, "flashmla (page 64)": 80.0}),
+        _row((1, 8, 16), **{"triton (page 64)": 10.0})]}
+    s = decode.summarize_p1(data)
+    assert [p["triton_over_best_peer"] for p in s["per_shape"]] == [1.5, 0.5, None]
+    assert s["triton_over_best_peer_worst"] == 1.5
+    peer = next(c for c in decode.p1_checks(data) if c.id == "P1-peer")
+    assert peer.measured == pytest.approx((1.5 * 0.5) ** 0.5)
+    assert peer.status == "target met" and "2 of 3" in peer.detail and "1.50x" in peer.detail
 
 
 def test_p1_wrong_results_are_not_timed_figures():
