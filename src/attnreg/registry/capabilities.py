@@ -429,7 +429,10 @@ class KernelConstraints:
     ``page_sizes`` is empty for kernels that read no paged cache (ragged MHA
     over materialised K/V).  ``head_counts`` empty means any count from 1 to
     ``max_heads``.  ``max_seq_len`` is the longest sequence (cached + new
-    tokens) the kernel serves, None for no declared limit.
+    tokens) the kernel serves, None for no declared limit.  ``lse`` says the
+    kernel returns the float32 log-sum-exp per (token, head) beside the
+    output when asked (``forward_*(..., return_lse=True)``; natural log, see
+    ``attnreg.runtime.lse``); a request for it elsewhere is refused.
     """
 
     method: ForwardMethod
@@ -444,6 +447,7 @@ class KernelConstraints:
     kernel: str = ""
     split_kv: SplitKV = SplitKV.NONE
     max_seq_len: int | None = None
+    lse: bool = False
 
     def accepts_heads(self, num_heads: int) -> bool:
         if self.head_counts:
@@ -464,6 +468,7 @@ class KernelConstraints:
             "kernel": self.kernel,
             "split_kv": self.split_kv.value,
             "max_seq_len": self.max_seq_len,
+            "lse": self.lse,
         }
 
 

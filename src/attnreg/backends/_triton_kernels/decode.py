@@ -54,6 +54,7 @@ from ..declarations.triton_sizing import (  # noqa: F401
 )
 from ._common import (
     KV_FP8_DTYPE,
+    LN2,
     LOG2E,
     Q_DTYPES,
     _dot,
@@ -134,6 +135,7 @@ def _mla_decode_kernel(
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr,
+    LSE=None, stride_lse_b=0, STORE_LSE: tl.constexpr = False,
 ):
     pid0 = tl.program_id(0)
     sid = tl.program_id(1)
@@ -255,6 +257,12 @@ def _mla_decode_kernel(
     else:
         out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_own[None, :]
         tl.store(out, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        if STORE_LSE:
+            # natural log of the scaled scores' sum (m_i, l_i are in the log2 domain);
+            # with two V halves both programs hold the same sums: the first one stores
+            if dv == 0:
+                row_lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+                tl.store(LSE + b.to(tl.int64) * stride_lse_b + offs_h, row_lse, mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_chunk"])
@@ -266,6 +274,7 @@ def _mla_merge_kernel(
     H, num_splits, min_chunk,
     BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, CHUNK_S: tl.constexpr,
     BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LSE=None, stride_lse_b=0, STORE_LSE: tl.constexpr = False,
 ):
     # One program per (BLOCK_HM heads, sequence, BLOCK_D output columns); the host picks
     # the shape so that there are neither too few programs (one per head and 128 columns
@@ -307,6 +316,11 @@ def _mla_merge_kernel(
         out = acc * inv
         tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
                  out.to(OUT.dtype.element_ty), mask=offs_d * 0 + h < H)
+        if STORE_LSE:
+            if dblk == 0:
+                if h < H:
+                    row_lse = tl.where(w_sum > 0.0, (m + tl.log2(w_sum)) * LN2, float("-inf"))
+                    tl.store(LSE + b.to(tl.int64) * stride_lse_b + h, row_lse)
 
 
 def _merge_config(batch: int, heads: int) -> tuple[int, int, int]:
@@ -380,7 +394,8 @@ def _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, for
 
 
 def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
-                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None):
+                     num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None,
+                     lse=None):
     B, H, _ = q.shape
     if B == 0 or H == 0:
         return out
@@ -417,6 +432,7 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
         SPLIT=split, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
         UPCAST=dot_upcast(q.dtype), ISOLATE_QK=cfg.isolate_qk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_lse_args(lse, not split),
     )
     if split:
         block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
@@ -428,12 +444,29 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
             BLOCK_N=cfg.block_n, SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=chunk_s,
             BLOCK_HM=block_hm, BLOCK_D=block_d,
             num_warps=4, num_stages=2,
+            **_lse_args(lse, True),
         )
     return out
 
 
+def _lse_args(lse, store: bool) -> dict:
+    """The LSE keywords of a launch: store into ``lse`` [rows, H] float32 when given."""
+    if lse is None or not store:
+        return {}
+    return {"LSE": lse, "stride_lse_b": lse.stride(0), "STORE_LSE": True}
+
+
+def check_lse(lse, rows: int, heads: int, device) -> None:
+    """``lse`` must be None or a float32 ``[rows, heads]`` tensor on ``device``, heads contiguous."""
+    if lse is None:
+        return
+    check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=device)
+    if tuple(lse.shape) != (rows, heads):
+        raise ValueError(f"lse: expected shape {(rows, heads)}, got {tuple(lse.shape)}")
+
+
 def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0,
-               max_splits, workspace=None, force_num_splits=None):
+               max_splits, workspace=None, force_num_splits=None, lse=None):
     """Absorbed MLA decode over a paged latent cache; CUDA-graph capturable.
 
     Parameters
@@ -465,6 +498,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
     force_num_splits : int, optional
         Use exactly this static split count (chunks of ``roundup(cdiv(L, n), BLOCK_N)``,
         no minimum chunk).  ``1`` runs the one-pass kernel that writes ``out`` directly.
+    lse : Tensor [B, H] float32, optional
+        Also write each (sequence, head)'s log-sum-exp: natural log of the summed
+        ``exp(sm_scale * kv_scale * q . k)``; ``-inf`` for a zero-length sequence.
 
     Returns
     -------
@@ -479,6 +515,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
     """
     _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace, force_num_splits,
               kv_scale)
+    check_lse(lse, q.shape[0], q.shape[1], q.device)
     cfg = decode_config(q.shape[1], kv_cache.dtype)
     if force_num_splits is not None:
         num_splits, min_chunk = force_num_splits, cfg.block_n
@@ -486,4 +523,4 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
         num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
     return _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, sm_scale=sm_scale,
                             kv_scale=kv_scale, num_splits=num_splits, min_chunk=min_chunk,
-                            workspace=workspace, cfg=cfg)
+                            workspace=workspace, cfg=cfg, lse=lse)
