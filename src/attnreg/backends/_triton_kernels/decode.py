@@ -319,7 +319,8 @@ def _mla_merge_kernel(
         if STORE_LSE:
             if dblk == 0:
                 if h < H:
-                    row_lse = tl.where(w_sum > 0.0, (m + tl.log2(w_sum)) * LN2, float("-inf"))
+                    row_lse = tl.where(w_sum > 0.0, (m + tl.log2(tl.maximum(w_sum, 1e-30))) * LN2,
+                                       float("-inf"))
                     tl.store(LSE + b.to(tl.int64) * stride_lse_b + h, row_lse)
 
 

@@ -265,7 +265,8 @@ def _mla_extend_merge_kernel(
              (acc * inv).to(OUT.dtype.element_ty))
     if STORE_LSE:
         if dblk == 0:
-            row_lse = tl.where(w_sum > 0.0, (m + tl.log2(w_sum)) * LN2, float("-inf"))
+            row_lse = tl.where(w_sum > 0.0, (m + tl.log2(tl.maximum(w_sum, 1e-30))) * LN2,
+                               float("-inf"))
             tl.store(LSE + t.to(tl.int64) * stride_lse_t + h, row_lse)
 
 
