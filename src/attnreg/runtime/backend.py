@@ -118,7 +118,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         #: captured shapes: (forward mode, bs, num_tokens) -> their graph metadata
         self._graph_metadata: dict[tuple[ForwardMode, int, int], ForwardMetadata[PlanT]] = {}
         #: (forward mode, graph mode, query tokens) already found served by the declaration
-        self._served: set[tuple[ForwardMode, GraphMode, int]] = set()
+        self._served: set[tuple[ForwardMode, GraphMode, int | None]] = set()
 
     # ------------------------------------------------------------------------------
     # capture mode
@@ -891,6 +891,8 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         """Refuse a forward mode the declaration does not serve under ``mode`` (DISABLED:
         ``eager_forward_modes``; a capture mode: that entry's ``forward_modes``) with
         ``query_len`` tokens per sequence, or unevenly where it must be uniform."""
+        if (fmode, mode, None) in self._served:  # served at any length
+            return
         uniform = extend_lens is None or len(set(extend_lens)) <= 1
         key = (fmode, mode, query_len if uniform else -query_len)
         if key in self._served:
@@ -916,7 +918,9 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                 "run it where it is declared (Capabilities.eager_forward_modes, "
                 "GraphModeSupport.forward_modes: "
                 + (", ".join(f.describe() for f in declared) or "nothing") + ")")
-        self._served.add(key)
+        # an unbounded entry (ragged extend) is cached once, not once per length
+        assert entry is not None
+        self._served.add((fmode, mode, None) if entry.max_query_len is None else key)
 
     def _layer(self, pool: MLAKVPool, layer_id: int) -> MLAKVLayer:
         try:
