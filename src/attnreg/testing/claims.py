@@ -671,12 +671,13 @@ def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: Fo
         f"{where}, a graph captured for the largest of {', '.join(replay)} "
         "replays the smaller ones with every output row of the padding exactly zero",
         needs_graphs=False)
-    add(Check.MULTI_LAYER,
-        f"{where}, {MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales) "
-        "captured in one graph over one captured plan replay "
-        f"{', '.join(replay[:2])} with every layer matching its own oracle",
-        combo=_multi_layer_combo(caps, method, phase, device, heads) or base,
-        needs_graphs=False, batches=replay[:2])
+    if method is ForwardMethod.MLA:  # the layer decides what MLA reads (MHA: k / v given)
+        add(Check.MULTI_LAYER,
+            f"{where}, {MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales) "
+            "captured in one graph over one captured plan replay "
+            f"{', '.join(replay[:2])} with every layer matching its own oracle",
+            combo=_multi_layer_combo(caps, method, phase, device, heads) or base,
+            needs_graphs=False, batches=replay[:2])
     add(Check.ALLOCATOR_CHURN,
         f"{where}, replays stay correct after large tensors are allocated and "
         "freed between them (storage the graph recorded was not freed)")
