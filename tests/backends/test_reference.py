@@ -5,6 +5,7 @@ backend inherits from the base class."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -228,9 +229,12 @@ def test_mha_q_given_to_mla_and_undeclared_method_are_refused() -> None:
     backend = reference(cfg)
     with pytest.raises(UnsupportedError, match=r"head dims \(192, 512\)"):
         backend.forward_extend(sc.q, None, None, sc.pool, sc.batch, method="mla")
+    caps = backend.capabilities
+    no_chunked = dataclasses.replace(caps, kernels=tuple(
+        k for k in caps.kernels if k.method is not ForwardMethod.MHA_CHUNKED_KV))
     with pytest.raises(UnsupportedError, match="no mha_chunked_kv kernel"):
-        backend.forward_extend(sc.q, None, None, None, sc.batch, method="mha_chunked_kv",
-                               k=sc.k, v=sc.v)
+        type(backend)(cfg, capabilities=no_chunked).forward_extend(
+            sc.q, None, None, None, sc.batch, method="mha_chunked_kv", k=sc.k, v=sc.v)
 
 
 def test_wrong_shapes_and_mismatched_pool_are_refused() -> None:

@@ -12,6 +12,7 @@ and records every call.
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 from dataclasses import dataclass, field
@@ -19,21 +20,23 @@ from typing import Any
 
 import torch
 
-from attnreg.backends.reference import causal_attention
+from attnreg.backends.reference import attention_with_lse, causal_attention
 
 NUM_SMS = 132
+#: flashinfer's kernels return base-2 LSEs unless asked for natural logs
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 attention of ``q [E, H, D]`` over one sequence's ``keys [L, D]``, and its
+    natural-log LSE ``[E, H]``."""
+    return attention_with_lse(q, keys[:, None, :], values[:, None, :], scale, causal=causal)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
             causal: bool) -> torch.Tensor:
-    """float32 attention of ``q [E, H, D]`` over one sequence's ``keys [L, D]``."""
-    if keys.shape[0] == 0:
-        return torch.zeros(q.shape[0], q.shape[1], values.shape[-1])
-    k, v = keys[:, None, :], values[:, None, :]
-    if causal:
-        return causal_attention(q, k, v, scale)
-    scores = torch.einsum("ehd,ld->hel", q.float(), keys.float()) * scale
-    return torch.einsum("hel,ld->ehd", torch.softmax(scores, dim=-1), values.float())
+    return _attend_lse(q, keys, values, scale, causal)[0]
 
 
 def _paged_rows(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -101,13 +104,20 @@ class _FakeMLAWrapperBase:
             "q_dtype": q_data_type, "kv_dtype": kv_data_type, "grid": tuple(self._plan_info)})
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
-            kpe_cache: torch.Tensor, out: torch.Tensor | None = None, **kwargs: Any
-            ) -> torch.Tensor:
+            kpe_cache: torch.Tensor, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False,
+            return_lse_base_on_e: bool = False, **kwargs: Any) -> Any:
         if self._plan_info is None:
             raise RuntimeError("run() before plan()")
         if (q_nope.dtype, ckv_cache.dtype) != self._dtypes:
             raise ValueError(f"planned {self._dtypes}, got {(q_nope.dtype, ckv_cache.dtype)}")
-        self.calls.mla_runs.append({"wrapper": self, "rows": q_nope.shape[0], **kwargs})
+        if return_lse and lse is not None and (tuple(lse.shape) != tuple(q_nope.shape[:2])
+                                               or lse.dtype != torch.float32):
+            raise ValueError(f"lse must be float32 {tuple(q_nope.shape[:2])}")
+        if return_lse and lse is None:
+            lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+        self.calls.mla_runs.append({"wrapper": self, "rows": q_nope.shape[0],
+                                    "causal": self._causal, "lse": return_lse, **kwargs})
         qo, kv, lens = self._host
         indices = self._bufs[2] if self.use_cuda_graph else self._indices
         scale = float(kwargs.get("ckv_scale") or 1.0)
@@ -121,9 +131,13 @@ class _FakeMLAWrapperBase:
                 continue
             pages = indices[int(kv[i]):int(kv[i + 1])]
             keys = _paged_rows(cache, pages, int(lens[i]))
-            o = _attend(q[rows].float(), keys, keys[:, :latent], self._scale, self._causal)
+            o, row_lse = _attend_lse(q[rows].float(), keys, keys[:, :latent], self._scale,
+                                     self._causal)
             out[rows] = o.to(out.dtype)
-        return out
+            if return_lse:
+                assert lse is not None
+                lse[rows] = row_lse if return_lse_base_on_e else row_lse * _LOG2E
+        return (out, lse) if return_lse else out
 
 
 class FakeMLAWrapper06(_FakeMLAWrapperBase):
@@ -172,14 +186,16 @@ class FakeMLAWrapper07(_FakeMLAWrapperBase):
                       causal, sm_scale, q_data_type, kv_data_type)
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
-            kpe_cache: torch.Tensor, out: torch.Tensor | None = None, *,
+            kpe_cache: torch.Tensor, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False, *,
             ckv_scale: float | None = None, kpe_scale: float | None = None,
-            **kwargs: Any) -> torch.Tensor:
+            return_lse_base_on_e: bool = False, **kwargs: Any) -> Any:
         if (ckv_cache.dtype == torch.float8_e4m3fn) != (ckv_scale is not None):
             raise ValueError("ckv_scale goes with an FP8 cache, and only with one")
         if ckv_scale is not None:
             kwargs.update(ckv_scale=ckv_scale, kpe_scale=kpe_scale)
-        return super().run(q_nope, q_pe, ckv_cache, kpe_cache, out, **kwargs)
+        return super().run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
+                           return_lse_base_on_e, **kwargs)
 
 
 class FakeRaggedWrapper:
@@ -197,19 +213,31 @@ class FakeRaggedWrapper:
              q_data_type: Any = "float16", kv_data_type: Any = None, **kwargs: Any) -> None:
         self._plan = (qo_indptr.cpu().clone(), kv_indptr.cpu().clone(), causal, sm_scale)
         self.calls.ragged_plans.append({"causal": causal, "head_dims": (head_dim_qk,
-                                                                        head_dim_vo)})
+                                                                        head_dim_vo),
+                                        "wrapper": self, "kv_lens":
+                                        (kv_indptr[1:] - kv_indptr[:-1]).tolist()})
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
-            out: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False, **kwargs: Any) -> Any:
         qo, kv, causal, scale = self._plan
-        assert causal, "attnreg's MHA prefill is causal"
         self.calls.ragged_runs.append((q.shape[-1], k.shape[-1], v.shape[-1]))
         assert out is not None
+        if int(qo[-1]) != q.shape[0] or int(kv[-1]) != k.shape[0]:
+            raise ValueError(f"planned {int(qo[-1])} queries / {int(kv[-1])} keys, got "
+                             f"{q.shape[0]} / {k.shape[0]}")
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for i in range(len(qo) - 1):
             rows, keys = slice(int(qo[i]), int(qo[i + 1])), slice(int(kv[i]), int(kv[i + 1]))
             if rows.stop > rows.start:
-                out[rows] = causal_attention(q[rows], k[keys], v[keys], scale).to(out.dtype)
-        return out
+                o, row_lse = attention_with_lse(q[rows], k[keys], v[keys], scale,
+                                                causal=causal)
+                out[rows] = o.to(out.dtype)
+                if return_lse:
+                    assert lse is not None
+                    lse[rows] = row_lse * _LOG2E  # base 2, as the real kernels
+        return (out, lse) if return_lse else out
 
 
 def _fake_trtllm_decode(calls: Calls) -> Any:

@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from attnreg.registry import DType, ForwardMethod, GraphMode, Phase, SupportKind, get_registry
+from attnreg.registry import (
+    DType,
+    ForwardMethod,
+    ForwardMode,
+    GraphMode,
+    Phase,
+    SupportKind,
+    get_registry,
+)
 from attnreg.testing.claims import (
     CPU_RUNNABLE_CAPTURE_CHECKS,
     Check,
@@ -82,10 +90,10 @@ def test_unsupported_capture_modes_become_refusal_claims():
 
 def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     claims = _claims("triton", "cuda:sm90", "cuda")
-    full = {c.check for c in claims if c.graph_mode is GraphMode.FULL}
+    full = {c.check for c in claims if c.graph_mode is GraphMode.FULL and not c.speculative}
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                     Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
-                    Check.CAPTURE_MEMORY}
+                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER}
     breakable = {c.check for c in claims if c.graph_mode is GraphMode.BREAKABLE}
     assert Check.PINNING in breakable and Check.SPLIT_KV in breakable  # split extend
     # a replay claim per declared kv dtype of the pinned kernel (fp8 + graphs broke engines)
@@ -153,8 +161,9 @@ def test_exhaustive_is_the_full_product_and_a_superset():
     cover = {c.id for c in _claims("triton", "cuda:sm90", "cuda")}
     full = {c.id for c in _claims("triton", "cuda:sm90", "cuda", exhaustive=True)}
     assert cover < full
-    # decode MLA: 4 (q, kv) pairs x 4 page sizes x 2 head counts x 1 dims
-    decode = [i for i in full if i.startswith("triton/eager/decode/")]
+    # decode MLA: 4 (q, kv) pairs x 4 page sizes x 2 head counts x 1 dims (the plain
+    # matches_reference ids: backend/eager/phase/method/dtypes/page/heads/dims)
+    decode = [i for i in full if i.startswith("triton/eager/decode/") and i.count("/") == 7]
     assert len(decode) == 4 * 4 * 2
 
 
@@ -193,3 +202,45 @@ def test_fallback_modes_claim_that_the_declared_fallback_serves_them():
     # native-only declarations make no such claim
     assert not [c for c in _claims("triton", "cuda:sm90", "cuda")
                 if c.check is Check.FALLBACK_SERVED]
+
+
+# -- the engine contract: speculative modes, LSE, layers ------------------------------
+
+def test_full_decode_graphs_claim_each_declared_speculative_mode_at_its_draft_tokens():
+    claims = _claims("triton", "cuda:sm90", "cuda")
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        spec = [c for c in claims if c.forward_mode is mode]
+        capture = {c.check for c in spec if c.kind is ClaimKind.CAPTURE}
+        assert capture == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
+                           Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
+                           Check.CAPTURE_MEMORY, Check.MULTI_LAYER}
+        assert all(c.query_len == 8 and c.graph_mode in (GraphMode.FULL, GraphMode.DISABLED)
+                   for c in spec)
+        assert any(c.kind is ClaimKind.EAGER for c in spec)
+        replay = next(c for c in spec if c.check is Check.REPLAY)
+        assert replay.batches[0].endswith("_ragged") and f"/full/{mode}/replay/" in replay.id
+    # a backend that declares no speculative mode makes no such claim
+    assert not [c for c in _claims("trtllm_mla", "cuda:sm100", "cuda") if c.speculative]
+
+
+def test_reference_claims_speculative_modes_eagerly_only():
+    claims = _claims("reference", "cpu", "cpu")
+    spec = [c for c in claims if c.speculative]
+    assert spec and all(c.kind is ClaimKind.EAGER for c in spec)
+
+
+def test_lse_is_claimed_per_method_and_phase_where_a_kernel_declares_it():
+    claims = _claims("triton", "cuda:sm90", "cuda")
+    lse = {(c.combo.method, c.combo.phase) for c in claims if c.check is Check.LSE}
+    assert lse == {(ForwardMethod.MLA, Phase.DECODE), (ForwardMethod.MLA, Phase.PREFILL),
+                   (ForwardMethod.MHA, Phase.PREFILL),
+                   (ForwardMethod.MHA_CHUNKED_KV, Phase.PREFILL)}
+    assert not [c for c in _claims("trtllm_mla", "cuda:sm100", "cuda") if c.check is Check.LSE]
+
+
+def test_multi_layer_claims_use_an_fp8_pool_where_declared():
+    claims = _claims("triton", "cuda:sm90", "cuda")
+    multi = [c for c in claims if c.check is Check.MULTI_LAYER]
+    assert {c.kind for c in multi} == {ClaimKind.EAGER, ClaimKind.CAPTURE}
+    assert all(c.combo.kv_dtype is DType.FP8_E4M3 for c in multi)
+    assert all(not c.needs_device_graphs for c in multi)

@@ -57,6 +57,8 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
             "int64 seq_lens (outside the declaration) was accepted without UnsupportedError "
             "and its output is wrong",
         "refusal/prefill/mha/index_dtype/int64": "was accepted without UnsupportedError",
+        "refusal/prefill/mha_chunked_kv/index_dtype/int64":
+            "was accepted without UnsupportedError",
     },
     # (f) MLA pinned under breakable, MHA companion runs anyway
     "planted_pin_mismatch": {
@@ -83,8 +85,10 @@ MODULES = ("ragged_absorbed", "split_assert", "dispose", "frozen_splits", "int64
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("planted")
-    # capture-mode paths and index-dtype refusals; the MHA piecewise path has no defect
-    args = ["--device", "cpu", "-k", "(capture and not /mha/) or index_dtype"]
+    # capture-mode paths and index-dtype refusals; the MHA piecewise path has no defect,
+    # and the engine-contract claims (speculative, multi-layer) have their own run below
+    args = ["--device", "cpu", "-k", "((capture and not /mha/) or index_dtype) and not "
+                                     "target_verify and not draft_extend and not multi_layer"]
     for module in MODULES:
         args += ["--plugin", f"planted.{module}"]
     for name in CPU_DEFECTS:
@@ -111,6 +115,54 @@ def test_each_cpu_defect_is_refuted_where_it_is_and_nowhere_else(cpu_run, backen
         assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
     verified = [c for c in by_status(data, "verified") if c.startswith(backend + "/")]
     assert verified, "a planted backend must still verify its unbroken claims"
+
+
+# (h)-(j) the engine contract: layer_id ignored, drafts not causal, a base-2 LSE
+FP8 = "bf16-fp8_e4m3/p16/h2/576x512"
+ENGINE_DEFECTS: dict[str, dict[str, str]] = {
+    "planted_layer0": {
+        f"eager/decode/mla/multi_layer/{FP8}": "layer 1: single_decode (bs=1, seq_lens=[38]): "
+                                               "output differs",
+        f"capture/decode/full/multi_layer/mla/{FP8}":
+            "new tokens were not written to their out_cache_loc slots of layer 0",
+    },
+    "planted_verify_noncausal": {
+        f"eager/decode/mla/target_verify/{P}": "verify_single (bs=1, seq_lens=[45]): output "
+                                               "differs",
+        f"capture/decode/full/target_verify/capture_path/mla/{P}":
+            "warm-up under capture: verify_ragged",
+    },
+    "planted_lse_base2": {
+        f"eager/decode/mla/lse/{P}": "a base-2 LSE would be",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    args = ["--device", "cpu", "--plugin", "planted.engine",
+            "-k", "(decode/full/multi_layer or decode/mla/multi_layer) or "
+                  "(target_verify and (eager/ or capture_path)) or decode/mla/lse"]
+    for name in ENGINE_DEFECTS:
+        args += ["--backend", name]
+    return conformance(tmp, *args)
+
+
+@pytest.mark.parametrize("backend", sorted(ENGINE_DEFECTS))
+def test_each_engine_contract_defect_is_refuted_where_it_is_and_nowhere_else(engine_run,
+                                                                           backend):
+    code, out, data = engine_run
+    assert code == 1 and data is not None, out
+    refuted = {cid.removeprefix(backend + "/"): msg
+               for cid, msg in by_status(data, "refuted").items()
+               if cid.startswith(backend + "/")}
+    expected = ENGINE_DEFECTS[backend]
+    assert set(refuted) == set(expected), out
+    for cid, needle in expected.items():
+        assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
+    verified = [c for c in by_status(data, "verified") if c.startswith(backend + "/")]
+    assert len(verified) >= 2, "the same run verifies the claims the defect does not touch"
 
 
 GPU_DEFECTS: dict[str, tuple[str, dict[str, str]]] = {

@@ -179,10 +179,12 @@ def test_engine_facts_and_capture_sizes_reach_the_plan(
             engine["kv_pool_bytes"]) == (1, 32768, 4, 100 * 10 ** 9)
     decode = data["phases"]["decode"]  # type: ignore[index]
     assert decode["backend"] == "flashinfer_mla"  # trtllm_mla declares pages of 32/64 only
-    (captured,) = decode["captured"]
-    assert captured["batch_sizes"] == [1, 8, 64] and captured["max_seq_len"] == 32768
+    captured = decode["captured"]  # decode, then the verify / draft graphs flashinfer declares
+    assert [c["forward_mode"] for c in captured] == ["decode", "target_verify", "draft_extend"]
+    assert captured[0]["batch_sizes"] == [1, 8, 64] and captured[0]["max_seq_len"] == 32768
+    assert captured[1]["num_tokens"] == [4, 32, 256] and captured[1]["query_len"] == 4
     assert data["phases"]["prefill"]["captured"][0]["num_tokens"] == [256, 1024]  # type: ignore[index]
-    assert [s["how"] for s in data["speculative"]] == ["unserved", "unserved"]  # type: ignore[union-attr]
+    assert [s["how"] for s in data["speculative"]] == ["graph", "graph"]  # type: ignore[union-attr]
     assert data["capture_budget"]["source"] == "platform"  # type: ignore[index]
     assert data["capture_budget"]["device_memory_bytes"] == 180 * 10 ** 9  # type: ignore[index]
 

@@ -120,12 +120,16 @@ def test_otherwise_they_run_eagerly_and_the_plan_says_why(engine, features, conf
     assert not ok and reason.rule == "gate.spec_forward_mode" and why in reason.message
 
 
-def test_built_in_backends_declare_no_verify_batches_yet() -> None:
+def test_built_in_backends_replay_verify_batches_up_to_their_declared_draft_tokens() -> None:
     plan = sim("cuda:sm90", TEXT_MLA, engine=spec(4))
     verify = plan.speculative_for(VERIFY)
-    assert verify is not None and verify.how == "unserved"
-    assert "flashinfer_mla does not declare target_verify batches" in verify.message
+    assert verify is not None and verify.how == "graph"
+    assert "flashinfer_mla declares target_verify (<= 8 tokens per sequence" in verify.message
     assert plan.decode.mode is GraphMode.FULL  # plain decode graphs are unaffected
+    # more drafts than any built-in declares (8): neither graphs nor eager serve them
+    verify = sim("cuda:sm90", TEXT_MLA, engine=spec(9)).speculative_for(VERIFY)
+    assert verify is not None and verify.how == "unserved"
+    assert "does not declare target_verify batches of 9 tokens" in verify.message
 
 
 def test_speculative_decoding_off_plans_nothing_for_it() -> None:

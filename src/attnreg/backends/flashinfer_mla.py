@@ -25,6 +25,14 @@ whose grid still differs is refused rather than run wrong.  The filler's rows
 (and any row beyond the replayed batch) are zeroed inside the graph after the
 kernel, so a padded replay gives zero output rows for the missing sequences.
 
+Speculative batches (target verify, draft extend) are decode-phase batches
+with several causal query tokens per request: the same MLA wrapper, planned
+with ``causal=True`` and their ``qo_indptr``, eagerly or in a FULL decode graph
+(one graph wrapper per captured forward mode and shape).  Chunked-prefix MHA
+plans one ragged wrapper for the new tokens and one (``causal=False``) per
+prefix chunk, once per batch for every layer.  LSE outputs are converted to
+natural logs (the kernels work in base 2).
+
 flashinfer 0.6 plans with positional arguments; the 0.7 wrapper takes
 keywords (``metadata=MLAPlanMetadata.csr(...)``).  The form is picked from the
 installed ``plan`` signature.  FP8 KV pools need ``run(..., ckv_scale=,
@@ -37,8 +45,9 @@ import array
 import importlib
 import inspect
 import itertools
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -48,7 +57,7 @@ from attnreg.registry import (
     BackendUnavailableError,
     CaptureShape,
     ForwardMethod,
-    Phase,
+    ForwardMode,
     UnsupportedError,
 )
 from attnreg.registry.spec import installed_version
@@ -60,7 +69,8 @@ from attnreg.runtime import (
     GraphState,
     KernelErrors,
     MLAConfig,
-    MLAKVPool,
+    MLAKVLayer,
+    PrefixChunk,
     torch_dtype,
 )
 
@@ -83,6 +93,8 @@ MLA_BACKENDS = ("auto", "fa3", "fa2")
 INSTALL_HINT = "install attnreg[flashinfer]"
 
 _REFUSED_HINT = "flashinfer refused the inputs before launching"
+#: flashinfer's LSEs are base 2 (``log2(sum(exp2(...)))``); attnreg's are natural logs.
+_LN2 = math.log(2.0)
 
 
 def import_flashinfer(backend: str) -> ModuleType:
@@ -181,10 +193,16 @@ class PlannedRagged:
 
 @dataclass
 class FlashInferPlan:
-    """What flashinfer planned for one batch or captured shape (each planned on first use)."""
+    """What flashinfer planned for one batch or captured shape (each planned on first use).
+
+    ``chunk_new`` / ``chunks``: chunked-prefix MHA's ragged wrappers for the new
+    tokens and per prefix chunk (by chunk index), planned once for every layer.
+    """
 
     mla: PlannedMLA | None = None
     ragged: PlannedRagged | None = None
+    chunk_new: PlannedRagged | None = None
+    chunks: dict[int, PlannedRagged] = field(default_factory=dict)
 
 
 @dataclass
@@ -243,11 +261,16 @@ class FlashInferMLAKernels:
             self.plan_style = "metadata" if self.plan_metadata_cls is not None else "keywords"
         else:
             self.plan_style = "positional"
-        self.run_takes_kv_scales = "ckv_scale" in _parameters(self.mla_wrapper_cls.run)
+        run_params = _parameters(self.mla_wrapper_cls.run)
+        self.run_takes_kv_scales = "ckv_scale" in run_params
+        #: flashinfer >= 0.6.13 returns a natural-log LSE itself when asked
+        self.run_lse_base_e = "return_lse_base_on_e" in run_params
         self.workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._eager_mla: Any = None
         self._eager_ragged: Any = None
-        self._graph_wrappers: dict[tuple[Phase, int, int], Any] = {}
+        #: chunked-prefix MHA: the new tokens' wrapper, then one per prefix chunk
+        self._chunk_wrappers: list[Any] = []
+        self._graph_wrappers: dict[tuple[ForwardMode, int, int], Any] = {}
 
     # -- errors ------------------------------------------------------------------------
     def errors(self, what: str) -> KernelErrors:
@@ -378,7 +401,7 @@ class FlashInferMLAKernels:
                                    "plan graphs with init_forward_metadata_capture / _replay")
         if self._eager_mla is None:
             self._eager_mla = self.mla_wrapper_cls(self.workspace, backend=self.mla_backend)
-        causal = md.phase is Phase.PREFILL
+        causal = _causal(md)
         inputs = self.plan_inputs(md.seq_lens_cpu, md.extend_lens_cpu, md.page_table)
         self._plan(self._eager_mla, inputs, causal=causal, q_dtype=q_dtype, kv_dtype=kv_dtype)
         plan.mla = PlannedMLA(self._eager_mla, q_dtype, kv_dtype, causal)
@@ -407,7 +430,7 @@ class FlashInferMLAKernels:
                      kv_dtype: torch.dtype) -> PlannedMLA:
         """Create (once) and plan the ``use_cuda_graph`` wrapper of ``md``'s shape."""
         bs, nt = md.batch_size, md.num_tokens
-        key = (md.phase, bs, nt)
+        key = (md.forward_mode, bs, nt)
         wrapper = self._graph_wrappers.get(key)
         if wrapper is None:
             wrapper = self.mla_wrapper_cls(
@@ -415,7 +438,7 @@ class FlashInferMLAKernels:
                 kv_indptr=buffers.kv_indptr[:bs + 2], kv_indices=buffers.kv_indices,
                 kv_len_arr=buffers.kv_lens[:bs + 1], backend=self.mla_backend)
             self._graph_wrappers[key] = wrapper
-        planned = PlannedMLA(wrapper, q_dtype, kv_dtype, md.phase is Phase.PREFILL, graph=True)
+        planned = PlannedMLA(wrapper, q_dtype, kv_dtype, _causal(md), graph=True)
         assert md.batch is not None
         self._plan_graph(planned, md, md.batch)
         planned.grid = _plan_grid(wrapper)
@@ -447,12 +470,14 @@ class FlashInferMLAKernels:
 
     # -- run ---------------------------------------------------------------------------
     def run_mla(self, q: torch.Tensor, kv: torch.Tensor, md: ForwardMetadata[Any],
-                plan: FlashInferPlan, out: torch.Tensor, *, kv_scale: float = 1.0) -> None:
-        """Absorbed MLA of ``q [rows, H, 576]`` over the paged cache ``kv`` into ``out``.
+                plan: FlashInferPlan, out: torch.Tensor, *, kv_scale: float = 1.0,
+                lse: torch.Tensor | None = None) -> None:
+        """Absorbed MLA of ``q [rows, H, 576]`` over the paged cache ``kv`` into ``out``
+        (and the natural-log LSE into ``lse`` when given).
 
         Eager: plans ``plan.mla`` on first use (once per batch for all layers).
         """
-        causal = md.phase is Phase.PREFILL
+        causal = _causal(md)
         planned = plan.mla
         if planned is None or (planned.q_dtype, planned.kv_dtype, planned.causal) != \
                 (q.dtype, kv.dtype, causal):
@@ -465,37 +490,106 @@ class FlashInferMLAKernels:
                     f"{kv.dtype}", "capture with the MLAConfig dtypes the forward uses")
             planned = self.plan_eager(md, plan, q_dtype=q.dtype, kv_dtype=kv.dtype)
         latent = self.config.kv_lora_rank
-        scales: dict[str, float] = {}
+        extra: dict[str, Any] = {}
         if kv.dtype == torch.float8_e4m3fn:
-            scales = {"ckv_scale": float(kv_scale), "kpe_scale": float(kv_scale)}
+            extra = {"ckv_scale": float(kv_scale), "kpe_scale": float(kv_scale)}
+        if lse is not None:
+            extra.update(lse=lse, return_lse=True)
+            if self.run_lse_base_e:
+                extra["return_lse_base_on_e"] = True
         with KernelErrors(self.owner, "MLA inputs", _REFUSED_HINT):
             planned.wrapper.run(q_nope=q[..., :latent], q_pe=q[..., latent:],
                                 ckv_cache=kv[..., :latent], kpe_cache=kv[..., latent:],
-                                out=out, **scales)
+                                out=out, **extra)
+        if lse is not None and not self.run_lse_base_e:
+            lse.mul_(_LN2)
+
+    def _plan_ragged(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                     what: str) -> None:
+        heads = q.shape[1]
+        with self.errors(what):
+            wrapper.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr, num_qo_heads=heads,
+                         num_kv_heads=heads, head_dim_qk=q.shape[-1],
+                         head_dim_vo=v.shape[-1], causal=causal,
+                         sm_scale=self.config.softmax_scale, q_data_type=q.dtype,
+                         kv_data_type=k.dtype)
+
+    def _run_ragged(self, planned: PlannedRagged, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                    what: str) -> None:
+        with self.errors(what):
+            if lse is None:
+                planned.wrapper.run(q, k, v, out=out)
+            else:
+                planned.wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+        if lse is not None:
+            lse.mul_(_LN2)  # the ragged kernels' LSE is base 2
+
+    def _host_lens(self, md: ForwardMetadata[Any], what: str
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if md.is_graph or md.seq_lens_cpu is None or md.extend_lens_cpu is None:
+            raise UnsupportedError(
+                self.owner, f"{what} under a captured graph",
+                "flashinfer's ragged prefill is planned per batch on the host and is "
+                "never captured here", "run MHA batches eagerly, or capture MLA")
+        return md.seq_lens_cpu, md.extend_lens_cpu
 
     def run_ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   md: ForwardMetadata[Any], plan: FlashInferPlan, out: torch.Tensor) -> None:
+                   md: ForwardMetadata[Any], plan: FlashInferPlan, out: torch.Tensor, *,
+                   lse: torch.Tensor | None = None) -> None:
         """Eager ragged MHA (bottom-right causal over prefix + new tokens) into ``out``."""
         key = (q.dtype, k.dtype, q.shape[-1], v.shape[-1])
         planned = plan.ragged
         if planned is None or planned.key != key:
-            if md.is_graph or md.seq_lens_cpu is None or md.extend_lens_cpu is None:
-                raise UnsupportedError(
-                    self.owner, "ragged MHA prefill under a captured graph",
-                    "flashinfer's ragged prefill is planned per batch on the host and is "
-                    "never captured here", "run MHA batches eagerly, or capture MLA")
+            seq_lens, extend_lens = self._host_lens(md, "ragged MHA prefill")
             if self._eager_ragged is None:
                 self._eager_ragged = self.ragged_wrapper_cls(self.workspace, kv_layout="NHD")
-            heads = q.shape[1]
-            with self.errors("ragged MHA plan"):
-                self._eager_ragged.plan(
-                    qo_indptr=_cumsum(md.extend_lens_cpu), kv_indptr=_cumsum(md.seq_lens_cpu),
-                    num_qo_heads=heads, num_kv_heads=heads, head_dim_qk=q.shape[-1],
-                    head_dim_vo=v.shape[-1], causal=True, sm_scale=self.config.softmax_scale,
-                    q_data_type=q.dtype, kv_data_type=k.dtype)
+            self._plan_ragged(self._eager_ragged, _cumsum(extend_lens), _cumsum(seq_lens),
+                              q, k, v, causal=True, what="ragged MHA plan")
             planned = plan.ragged = PlannedRagged(key, self._eager_ragged)
-        with self.errors("ragged MHA inputs"):
-            planned.wrapper.run(q, k, v, out=out)
+        self._run_ragged(planned, q, k, v, out, lse, "ragged MHA inputs")
+
+    def _chunk_wrapper(self, slot: int) -> Any:
+        while len(self._chunk_wrappers) <= slot:
+            self._chunk_wrappers.append(self.ragged_wrapper_cls(self.workspace,
+                                                                kv_layout="NHD"))
+        return self._chunk_wrappers[slot]
+
+    def run_chunk_new(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      md: ForwardMetadata[Any], plan: FlashInferPlan, out: torch.Tensor,
+                      lse: torch.Tensor) -> None:
+        """Chunked-prefix MHA: the new tokens, causal, over the new tokens' own k / v."""
+        key = (q.dtype, k.dtype, q.shape[-1], v.shape[-1])
+        planned = plan.chunk_new
+        if planned is None or planned.key != key:
+            _, extend_lens = self._host_lens(md, "chunked-prefix MHA")
+            indptr = _cumsum(extend_lens)
+            wrapper = self._chunk_wrapper(0)
+            self._plan_ragged(wrapper, indptr, indptr, q, k, v, causal=True,
+                              what="chunked-prefix MHA plan (new tokens)")
+            planned = plan.chunk_new = PlannedRagged(key, wrapper)
+        self._run_ragged(planned, q, k, v, out, lse, "chunked-prefix MHA inputs")
+
+    def run_prefix_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         md: ForwardMetadata[Any], chunk: PrefixChunk, plan: FlashInferPlan,
+                         out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Chunked-prefix MHA: the new tokens over one prefix chunk, ``causal=False``."""
+        key = (q.dtype, k.dtype, q.shape[-1], v.shape[-1])
+        planned = plan.chunks.get(chunk.index)
+        if planned is None or planned.key != key:
+            _, extend_lens = self._host_lens(md, "chunked-prefix MHA")
+            wrapper = self._chunk_wrapper(1 + chunk.index)
+            self._plan_ragged(wrapper, _cumsum(extend_lens), _cumsum(chunk.kv_lens_cpu), q, k,
+                              v, causal=False, what=f"prefix chunk {chunk.index} plan")
+            planned = plan.chunks[chunk.index] = PlannedRagged(key, wrapper)
+        self._run_ragged(planned, q, k, v, out, lse, f"prefix chunk {chunk.index} inputs")
+
+
+def _causal(md: ForwardMetadata[Any]) -> bool:
+    """Whether a forward's queries are causal among themselves: every forward mode with
+    several new tokens per sequence (decode's one token sees the whole sequence)."""
+    return not md.is_decode
 
 
 class FlashInferMLABackend(AttentionBackend[FlashInferPlan, FlashInferGraphBuffers]):
@@ -545,27 +639,36 @@ class FlashInferMLABackend(AttentionBackend[FlashInferPlan, FlashInferGraphBuffe
             md.plan = FlashInferPlan()
         return md.plan
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
-                             md: ForwardMetadata[FlashInferPlan], out: torch.Tensor) -> None:
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
+                             md: ForwardMetadata[FlashInferPlan], out: torch.Tensor, *,
+                             lse: torch.Tensor | None = None) -> None:
         self.kernels.run_mla(q, pool.buffer, md, self._plan_of(md), out,
-                             kv_scale=pool.kv_scale)
+                             kv_scale=pool.kv_scale, lse=lse)
         # the filler request of a padded plan computed the padding rows: zero them
         self.zero_padded_rows(out, md)
 
-    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[FlashInferPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
-                             v: torch.Tensor | None) -> None:
+                             v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
         if md.num_tokens == 0:
             return
-        if method is ForwardMethod.MLA:
+        if method is ForwardMethod.MLA:  # extend, target verify, draft extend
             assert pool is not None  # checked by the base class
             self.kernels.run_mla(q, pool.buffer, md, self._plan_of(md), out,
-                                 kv_scale=pool.kv_scale)
+                                 kv_scale=pool.kv_scale, lse=lse)
             self.zero_padded_rows(out, md)
+        elif method is ForwardMethod.MHA_CHUNKED_KV:
+            assert k is not None and v is not None and lse is not None
+            self.kernels.run_chunk_new(q, k, v, md, self._plan_of(md), out, lse)
         else:
             assert k is not None and v is not None
-            self.kernels.run_ragged(q, k, v, md, self._plan_of(md), out)
+            self.kernels.run_ragged(q, k, v, md, self._plan_of(md), out, lse=lse)
+
+    def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   md: ForwardMetadata[FlashInferPlan], chunk: PrefixChunk,
+                                   out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.kernels.run_prefix_chunk(q, k, v, md, chunk, self._plan_of(md), out, lse)
 
 
 def warm_jit_cache(sm: int, *, dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float16),

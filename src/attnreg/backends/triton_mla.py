@@ -6,7 +6,13 @@
 * extend, MLA: ``mla_extend`` over the paged pool (causal within the new tokens),
   split-KV on the same static-grid / device-side-count scheme when a short extend
   over a long prefix would leave the GPU idle (a few new tokens at B=1);
-* extend, MHA: ``mha_prefill`` over ragged k / v (bottom-right causal).
+* extend, MHA: ``mha_prefill`` over ragged k / v (bottom-right causal);
+  chunked-prefix MHA: ``mha_prefill`` causal over the new tokens, then unmasked
+  over each prefix chunk (the base class merges by LSE);
+* speculative batches (target verify, draft extend): ``mla_extend`` with the
+  prefix, eagerly and in the FULL decode graphs (see the class docstring).
+
+Every kernel writes the log-sum-exp when asked (``return_lse=True``).
 
 Under capture the split counts and the workspaces are fixed in
 ``init_cuda_graph_state`` / ``init_forward_metadata_capture``; the captured
@@ -29,7 +35,8 @@ from attnreg.runtime import (
     ForwardMetadata,
     GraphState,
     MLAConfig,
-    MLAKVPool,
+    MLAKVLayer,
+    PrefixChunk,
     device_num_sms,
 )
 
@@ -45,7 +52,7 @@ from ._triton_kernels import (
 from .declarations.triton_sizing import (
     LATENT,
     SplitOptions,
-    decode_partial_rows,
+    decode_graph_rows,
     default_extend_splits,
     default_max_splits,
     extend_partial_rows,
@@ -82,6 +89,17 @@ class TritonGraphBuffers:
 
 class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
     """MLA decode / extend and MHA prefill with the Triton kernels of ``_triton_kernels``.
+
+    Speculative batches run the extend kernel, not the decode kernel with
+    several query rows, because it is the faster design and already exact:
+    it packs ``queries x heads`` into its 64-row MMA tile (``extend_tile``), so
+    at 16 heads the 4 draft tokens of a sequence share one pass over its KV,
+    where a decode program per query would stream the KV 4 times; at 128 heads
+    both stream it ``drafts x 2`` times (one 64-head block per pass).  It
+    also has the bottom-right causal mask among the drafts, split-KV with
+    device-side chunks (a graph captured once replays any prefix length) and
+    a static grid bounded by the captured tokens per sequence.  The decode
+    kernel would need a causal mask and a query-row axis first.
 
     Parameters
     ----------
@@ -131,9 +149,9 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
                        num_sms=self.num_sms)
 
     def _init_metadata_impl(self, md: ForwardMetadata[TritonPlan]) -> None:
-        if md.phase is Phase.PREFILL:
-            # The workspace is allocated by the first MLA extend forward: an MHA prefill
-            # batch never needs it.
+        if not md.is_decode:
+            # Extend, verify and draft extend run the extend kernel.  Its workspace is
+            # allocated by the first MLA forward: an MHA prefill batch never needs it.
             md.plan = TritonPlan(self._extend_splits_for(md.batch_size, md.num_tokens,
                                                          md.max_seq_len))
             return
@@ -155,7 +173,8 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
             return torch.empty(n, dtype=torch.float32, device=self.device)
 
         if Phase.DECODE in state.graph_modes:
-            rows = decode_partial_rows(shape, options)
+            # one flat workspace for decode and speculative graphs (they replay one at a time)
+            rows = decode_graph_rows(shape, options)
             buffers.decode_partial_out = floats(rows * heads * LATENT)
             buffers.decode_partial_lse = floats(rows * heads)
         if Phase.PREFILL in state.graph_modes:
@@ -181,17 +200,27 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
                     pl[:nt * splits * heads].view(nt, splits, heads))
             return
         bs = md.batch_size
+        po, pl = buffers.decode_partial_out, buffers.decode_partial_lse
+        if not md.is_decode:  # a verify / draft-extend graph: the split extend kernel
+            nt = md.num_tokens
+            splits = self._extend_splits_for(bs, nt, state.max_seq_len)
+            md.plan = TritonPlan(splits)
+            if splits > 1:
+                assert po is not None and pl is not None, "sized for every captured shape"
+                md.plan.workspace = MLAExtendWorkspace(
+                    po[:nt * splits * heads * latent].view(nt, splits, heads, latent),
+                    pl[:nt * splits * heads].view(nt, splits, heads))
+            return
         splits = self._splits_for(bs, state.max_seq_len)
         md.plan = TritonPlan(splits)
         if splits > 1:
-            po, pl = buffers.decode_partial_out, buffers.decode_partial_lse
             assert po is not None and pl is not None, "sized for every captured shape"
             md.plan.workspace = MLADecodeWorkspace(
                 po[:bs * splits * heads * latent].view(bs, splits, heads, latent),
                 pl[:bs * splits * heads].view(bs, splits, heads))
 
     # -- forward -----------------------------------------------------------------------
-    def _kv_scale(self, pool: MLAKVPool) -> float | torch.Tensor:
+    def _kv_scale(self, pool: MLAKVLayer) -> float | torch.Tensor:
         # A device tensor keeps a captured launch reading the pool's current scale.
         return pool.scale_tensor if pool.is_fp8 else 1.0
 
@@ -201,22 +230,23 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
         assert md.plan is not None
         return md.plan
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
-                             md: ForwardMetadata[TritonPlan], out: torch.Tensor) -> None:
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
+                             md: ForwardMetadata[TritonPlan], out: torch.Tensor, *,
+                             lse: torch.Tensor | None = None) -> None:
         plan = self._plan(md)
         with self.kernel_errors("decode inputs"):
             mla_decode(q, pool.buffer, md.page_table, md.seq_lens, out,
                        sm_scale=self.config.softmax_scale, kv_scale=self._kv_scale(pool),
                        max_splits=plan.splits, workspace=plan.workspace,
                        force_num_splits=plan.splits if self.force_kv_splits is not None
-                       else None)
+                       else None, lse=lse)
         # padded sequences have length 0: the kernel writes zeros for them already
 
-    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[TritonPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
-                             v: torch.Tensor | None) -> None:
-        if method is ForwardMethod.MLA:
+                             v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
+        if method is ForwardMethod.MLA:  # extend, target verify, draft extend
             assert pool is not None
             plan = self._plan(md)
             if plan.splits > 1 and plan.workspace is None:
@@ -228,12 +258,23 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
                            md.qo_indptr, out, sm_scale=self.config.softmax_scale,
                            kv_scale=self._kv_scale(pool), max_extend_len=md.max_extend_len,
                            num_splits=plan.splits, workspace=plan.workspace,
-                           min_chunk=1 if self.force_kv_splits is not None else None)
+                           min_chunk=1 if self.force_kv_splits is not None else None, lse=lse)
         else:
             assert k is not None and v is not None
+            # MHA: k / v of prefix + new tokens (kv_indptr); MHA_CHUNKED_KV: of the new
+            # tokens only, ragged like the queries
+            kv_indptr = md.qo_indptr if method is ForwardMethod.MHA_CHUNKED_KV else md.kv_indptr
             with self.kernel_errors("MHA prefill inputs"):
-                mha_prefill(q, k, v, md.qo_indptr, md.kv_indptr, out,
+                mha_prefill(q, k, v, md.qo_indptr, kv_indptr, out,
                             sm_scale=self.config.softmax_scale, causal=True,
-                            max_q_len=md.max_extend_len)
+                            max_q_len=md.max_extend_len, lse=lse)
         # rows of padding tokens belong to no sequence: the kernels never write them
         self.zero_padded_rows(out, md)
+
+    def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   md: ForwardMetadata[TritonPlan], chunk: PrefixChunk,
+                                   out: torch.Tensor, lse: torch.Tensor) -> None:
+        with self.kernel_errors("prefix chunk inputs"):
+            mha_prefill(q, k, v, md.qo_indptr, chunk.kv_indptr, out,
+                        sm_scale=self.config.softmax_scale, causal=False,
+                        max_q_len=md.max_extend_len, lse=lse)

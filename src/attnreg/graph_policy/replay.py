@@ -42,7 +42,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union, cast
 
-from ..registry.capabilities import ForwardMethod, ForwardMode, GraphMode, Phase
+from ..registry.capabilities import (
+    PHASE_FORWARD_MODES,
+    ForwardMethod,
+    ForwardMode,
+    GraphMode,
+    Phase,
+)
 from .cost_profile import (
     CostComparison,
     CostProfile,
@@ -64,8 +70,9 @@ logger = logging.getLogger("attnreg.graph_policy")
 CostProfileArg = Union[CostProfile, str, "os.PathLike[str]", None]
 
 _SPEC_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
-_PHASE_OF_MODE = {ForwardMode.DECODE: Phase.DECODE, ForwardMode.TARGET_VERIFY: Phase.DECODE,
-                  ForwardMode.DRAFT_EXTEND: Phase.DECODE, ForwardMode.EXTEND: Phase.PREFILL}
+# one source for which phase serves a forward mode: the registry's PHASE_FORWARD_MODES
+# (the runtime's phase_of reads it too)
+_PHASE_OF_MODE = {mode: phase for phase, modes in PHASE_FORWARD_MODES.items() for mode in modes}
 
 
 class HiddenCapture(enum.IntEnum):

@@ -429,7 +429,10 @@ class KernelConstraints:
     ``page_sizes`` is empty for kernels that read no paged cache (ragged MHA
     over materialised K/V).  ``head_counts`` empty means any count from 1 to
     ``max_heads``.  ``max_seq_len`` is the longest sequence (cached + new
-    tokens) the kernel serves, None for no declared limit.
+    tokens) the kernel serves, None for no declared limit.  ``lse`` says the
+    kernel returns the float32 log-sum-exp per (token, head) beside the
+    output when asked (``forward_*(..., return_lse=True)``; natural log, see
+    ``attnreg.runtime.lse``); a request for it elsewhere is refused.
 
     ``q_compute_dtype`` is set when the kernel takes q in one of ``q_dtypes``
     but computes with it rounded to another dtype, e.g. an FP8-KV decode
@@ -454,6 +457,7 @@ class KernelConstraints:
     split_kv: SplitKV = SplitKV.NONE
     max_seq_len: int | None = None
     q_compute_dtype: DType | None = None
+    lse: bool = False
 
     def accepts_heads(self, num_heads: int) -> bool:
         if self.head_counts:
@@ -475,6 +479,7 @@ class KernelConstraints:
             "split_kv": self.split_kv.value,
             "max_seq_len": self.max_seq_len,
             "q_compute_dtype": self.q_compute_dtype.value if self.q_compute_dtype else None,
+            "lse": self.lse,
         }
 
 

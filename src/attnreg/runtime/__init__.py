@@ -7,15 +7,25 @@ goes through :class:`GraphRunner`.  Importing this package imports torch.
 See docs/runtime.md.
 
 Modules: :mod:`.config` (``MLAConfig``, no torch), :mod:`.dtypes` (torch dtype
-and device helpers), :mod:`.pool` (``MLAKVPool``), :mod:`.batch`
-(``ForwardBatch`` and its builders), :mod:`.metadata` (``ForwardMetadata``),
+and device helpers), :mod:`.pool` (``MLAKVPool`` of N layers, ``MLAKVLayer``),
+:mod:`.batch` (``ForwardBatch`` and its builders: decode, extend, verify,
+draft extend), :mod:`.lse` (the log-sum-exp convention, ``merge_attention_states``),
+:mod:`.metadata` (``ForwardMetadata``),
 :mod:`.validation` (pure input checks), :mod:`.graph_buffers` (``GraphState``),
 :mod:`.errors` (kernel-error translation), :mod:`.backend`
 (``AttentionBackend``), :mod:`.graph_runner` (``GraphRunner``).
 """
 
 from .backend import AttentionBackend
-from .batch import ForwardBatch, decode_batch, extend_batch
+from .batch import (
+    SPECULATIVE_MODES,
+    ForwardBatch,
+    PrefixChunk,
+    decode_batch,
+    draft_extend_batch,
+    extend_batch,
+    verify_batch,
+)
 from .config import MLAConfig
 from .dtypes import (
     FP8_E4M3_MAX,
@@ -38,8 +48,9 @@ from .graph_runner import (
     GraphRunner,
     UnreplayableBreakError,
 )
+from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
-from .pool import PADDING_PAGE, MLAKVPool
+from .pool import PADDING_PAGE, MLAKVLayer, MLAKVPool
 
 __all__ = [
     "ATTENTION_CAPTURE_MODES",
@@ -47,6 +58,7 @@ __all__ = [
     "DEFAULT_CAPTURE_MODE",
     "FP8_E4M3_MAX",
     "PADDING_PAGE",
+    "SPECULATIVE_MODES",
     "AttentionBackend",
     "CaptureStats",
     "CapturedGraph",
@@ -60,15 +72,21 @@ __all__ = [
     "GraphState",
     "KernelErrors",
     "MLAConfig",
+    "MLAKVLayer",
     "MLAKVPool",
+    "PrefixChunk",
+    "PrefixDecompress",
     "UnreplayableBreakError",
     "decode_batch",
     "device_num_sms",
     "device_sm",
+    "draft_extend_batch",
     "dtype_from_torch",
     "extend_batch",
+    "merge_attention_states",
     "phase_of",
     "resolve_device",
     "tensor_bytes",
     "torch_dtype",
+    "verify_batch",
 ]

@@ -20,6 +20,7 @@ Lifecycle (see docs/runtime.md)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Generic
 
@@ -40,11 +41,12 @@ from attnreg.registry import (
 )
 
 from . import validation
-from .batch import ForwardBatch
+from .batch import SPECULATIVE_MODES, ForwardBatch, PrefixChunk
 from .config import MLAConfig
 from .dtypes import device_num_sms, dtype_from_torch, resolve_device
 from .errors import KernelErrors
 from .graph_buffers import BuffersT, GraphState, tensor_bytes
+from .lse import PrefixDecompress, merge_attention_states
 from .metadata import (
     ATTENTION_CAPTURE_MODES,
     DEFAULT_CAPTURE_MODE,
@@ -52,7 +54,7 @@ from .metadata import (
     PlanT,
     phase_of,
 )
-from .pool import MLAKVPool
+from .pool import MLAKVLayer, MLAKVPool
 
 __all__ = ["AttentionBackend"]
 
@@ -108,11 +110,15 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         #: requests already found inside the declaration: the declaration is
         #: frozen, so the eager hot path checks each distinct request once
         self._accepted_requests: set[tuple[object, ...]] = set()
+        self._lse_caps: Capabilities | None = None
         self.name = capabilities.backend
         self.device = resolve_device(config.device)
         self.forward_metadata: ForwardMetadata[PlanT] | None = None
         self.graph_state: GraphState[BuffersT] | None = None
-        self._graph_metadata: dict[tuple[Phase, int, int], ForwardMetadata[PlanT]] = {}
+        #: captured shapes: (forward mode, bs, num_tokens) -> their graph metadata
+        self._graph_metadata: dict[tuple[ForwardMode, int, int], ForwardMetadata[PlanT]] = {}
+        #: (forward mode, graph mode, query tokens) already found served by the declaration
+        self._served: set[tuple[ForwardMode, GraphMode, int | None]] = set()
 
     # ------------------------------------------------------------------------------
     # capture mode
@@ -314,12 +320,25 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         Parameters
         ----------
         bs, num_tokens : int
-            The captured shape: q has ``bs`` (decode) or ``num_tokens`` (extend) rows.
+            The captured shape: q has ``bs`` (decode) or ``num_tokens`` (extend,
+            target verify, draft extend) rows.  Speculative shapes are captured
+            in the decode phase with ``num_tokens = bs * draft tokens``: a
+            TARGET_VERIFY graph serves exactly that many tokens per sequence, a
+            DRAFT_EXTEND graph 1 up to that many.
         batch : ForwardBatch, optional
             A representative batch that fits the shape (padded up to it).  None:
             a dummy batch whose tokens live in the reserved padding page.
         forward_mode : ForwardMode, optional
-            Default: the batch's mode, or DECODE.
+            Default: the batch's mode, or DECODE.  Graphs are kept per (forward
+            mode, bs, num_tokens): a decode and a verify graph of one batch size
+            are two shapes.
+
+        Raises
+        ------
+        UnsupportedError
+            When the declaration does not serve ``forward_mode`` under the
+            phase's graph mode (``GraphModeSupport.forward_modes``) with that
+            many tokens per sequence, or the shape exceeds the graph state.
 
         After this, ``forward_decode`` / ``forward_extend`` (with this batch or
         None) record launches that read the graph buffers, so a later
@@ -342,17 +361,23 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                 f"init_cuda_graph_state sized the buffers for max_bs={state.max_bs}, "
                 f"max_num_tokens={state.max_num_tokens}",
                 "call init_cuda_graph_state with larger bounds")
-        if phase is Phase.DECODE and num_tokens != bs:
+        if fmode is ForwardMode.DECODE and num_tokens != bs:
             raise UnsupportedError(self.name, f"decode capture with num_tokens={num_tokens}",
                                    f"a decode batch has one token per sequence (bs={bs})",
                                    "pass num_tokens=bs")
+        if fmode in SPECULATIVE_MODES and num_tokens % bs:
+            raise UnsupportedError(self.name, f"{fmode} capture with num_tokens={num_tokens}",
+                                   f"a {fmode} graph is captured for the same number of query "
+                                   f"tokens per sequence: num_tokens must be a multiple of "
+                                   f"bs={bs}", "pass num_tokens=bs * draft tokens")
+        self._check_forward_mode(fmode, phase, mode, state.query_bound(fmode, bs, num_tokens))
         if batch is None:
             batch = state.dummy_batch(fmode, bs, num_tokens, self.config.page_size, self.device)
         self._validate_batch(batch)
         md: ForwardMetadata[PlanT] = state.views(fmode, bs, num_tokens, mode)
         self._fill_graph_buffers(state, md, batch)
         self._init_capture_impl(md)
-        self._graph_metadata[(phase, bs, num_tokens)] = md
+        self._graph_metadata[(fmode, bs, num_tokens)] = md
         self.forward_metadata = md
 
     def init_forward_metadata_replay(self, bs: int, num_tokens: int, batch: ForwardBatch,
@@ -371,11 +396,10 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         """
         fmode = ForwardMode.parse(forward_mode) if forward_mode is not None \
             else batch.forward_mode
-        phase = phase_of(fmode)
-        md = self._graph_metadata.get((phase, bs, num_tokens))
+        md = self._graph_metadata.get((fmode, bs, num_tokens))
         if md is None:
-            have = sorted((str(p), b, t) for p, b, t in self._graph_metadata)
-            raise UnsupportedError(self.name, f"replay of {phase} bs={bs}, "
+            have = sorted((str(m), b, t) for m, b, t in self._graph_metadata)
+            raise UnsupportedError(self.name, f"replay of {fmode} bs={bs}, "
                                    f"num_tokens={num_tokens}",
                                    f"no graph metadata was captured for it (captured: {have})",
                                    "call init_forward_metadata_capture for this shape first")
@@ -438,8 +462,9 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     # ------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, latent_new: torch.Tensor | None,
                 rope_new: torch.Tensor | None, pool: MLAKVPool | None,
-                batch: ForwardBatch | None = None, **kwargs: Any) -> torch.Tensor:
-        """Dispatch on the batch's forward mode, like sglang's ``forward``."""
+                batch: ForwardBatch | None = None, **kwargs: Any) -> Any:
+        """Dispatch on the batch's forward mode, like sglang's ``forward``: DECODE to
+        :meth:`forward_decode`, EXTEND / TARGET_VERIFY / DRAFT_EXTEND to :meth:`forward_extend`."""
         md = self._metadata_for(batch)
         if md.forward_mode is ForwardMode.DECODE:
             if pool is None:
@@ -451,8 +476,9 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     def forward_decode(self, q: torch.Tensor, latent_new: torch.Tensor | None,
                        rope_new: torch.Tensor | None, pool: MLAKVPool,
                        batch: ForwardBatch | None = None, *,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """Write each sequence's new token into ``pool``, then attend (absorbed MLA).
+                       out: torch.Tensor | None = None, layer_id: int = 0,
+                       return_lse: bool = False, lse: torch.Tensor | None = None) -> Any:
+        """Write each sequence's new token into layer ``layer_id`` of ``pool``, then attend.
 
         Parameters
         ----------
@@ -466,69 +492,143 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
             the batch given to ``init_forward_metadata_capture``, or None.
         out : Tensor [B, H, 512], optional
             Output buffer (default: a new tensor of q's dtype).
+        layer_id : int
+            The pool layer attended (and written); every layer of a step shares
+            the step's metadata, planned once.
+        return_lse, lse : bool, Tensor [B, H] float32, optional
+            Also return the log-sum-exp per (token, head): ``(out, lse)``.
+            ``lse`` is a preallocated float32 buffer (implies ``return_lse``).
+            Natural log of the sum over the visible keys of ``exp(sm_scale *
+            q . k)`` (``-inf`` for a row with no key, and for padding rows);
+            only where the kernel declares ``lse`` (else UnsupportedError).
+
+        Returns
+        -------
+        Tensor, or (Tensor, Tensor) with ``return_lse``
         """
         md = self._metadata_for(batch)
         if md.forward_mode is not ForwardMode.DECODE:
-            raise UnsupportedError(self.name, "forward_decode on an extend batch",
+            what = "an extend" if md.forward_mode is ForwardMode.EXTEND else \
+                f"a {md.forward_mode}"
+            raise UnsupportedError(self.name, f"forward_decode on {what} batch",
                                    f"the metadata is for {md.forward_mode}",
-                                   "call forward_extend for extend batches")
+                                   "call forward_extend for extend, target-verify and "
+                                   "draft-extend batches")
         mode = self.active_graph_mode(Phase.DECODE)
         if mode is not GraphMode.DISABLED:  # eager pins nothing: nothing to check
             self.check_graph_mode(Phase.DECODE, mode, ForwardMethod.MLA)
-        self._check_declared(ForwardMethod.MLA, Phase.DECODE, q, (q.shape[-1], pool.kv_lora_rank),
-                             kv_dtype=pool.kv_dtype, page_size=pool.page_size)
-        self._raise_if("KV pool", validation.pool_problems(pool, self.config, self.device),
+        kv = self._layer(pool, layer_id)
+        want_lse = return_lse or lse is not None
+        self._check_declared(ForwardMethod.MLA, Phase.DECODE, q, (q.shape[-1], kv.kv_lora_rank),
+                             kv_dtype=kv.kv_dtype, page_size=kv.page_size, lse=want_lse)
+        self._raise_if("KV pool", validation.pool_problems(kv, self.config, self.device),
                        "build the pool with config.make_pool(num_pages)")
         self._check_q(q, md.batch_size, self.config.kv_row_dim, "q")
-        self._check_new_rows(latent_new, rope_new, md.num_tokens, pool)
+        self._check_new_rows(latent_new, rope_new, md.num_tokens, kv)
         out = self._output(out, q, (md.batch_size, q.shape[1], self.config.kv_lora_rank))
+        lse_out = self._lse_output(lse, q, md.batch_size) if want_lse else None
         if latent_new is not None and rope_new is not None:
-            self._write_kv(pool, md, latent_new, rope_new)
-        self._forward_decode_impl(q, pool, md, out)
-        return out
+            self._write_kv(kv, md, latent_new, rope_new)
+        if lse_out is None:
+            self._forward_decode_impl(q, kv, md, out)
+            return out
+        self._forward_decode_impl(q, kv, md, out, lse=lse_out)
+        self._mask_padded_lse(lse_out, md)
+        return out, lse_out
 
     def forward_extend(self, q: torch.Tensor, latent_new: torch.Tensor | None,
                        rope_new: torch.Tensor | None, pool: MLAKVPool | None,
                        batch: ForwardBatch | None = None, *,
                        method: ForwardMethod | str = ForwardMethod.MLA,
                        k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """Write the new tokens into ``pool`` (when given), then attend.
+                       out: torch.Tensor | None = None, layer_id: int = 0,
+                       return_lse: bool = False, lse: torch.Tensor | None = None,
+                       decompress: PrefixDecompress | None = None,
+                       chunk_tokens: int | None = None) -> Any:
+        """Write the new tokens into layer ``layer_id`` of ``pool`` (when given), then attend.
+
+        Serves EXTEND (prefill) batches and the decode-phase speculative batches
+        (TARGET_VERIFY: the draft tokens of each sequence, causal among
+        themselves over the whole prefix; DRAFT_EXTEND: the accepted tokens),
+        which run absorbed MLA.
 
         Parameters
         ----------
         q : Tensor
-            MLA: ``[T, H, 576]``; MHA: ``[T, H, 192]``.
+            MLA: ``[T, H, 576]``; MHA and MHA_CHUNKED_KV: ``[T, H, 192]``.
         latent_new, rope_new : Tensor [T, 512], [T, 64], or None
-            Written at ``batch.out_cache_loc`` (the MHA method writes them too, so
+            Written at ``batch.out_cache_loc`` (the MHA methods write them too, so
             later decode steps see the tokens).  None: already written.
         pool : MLAKVPool or None
-            Required for MLA (it attends over the pool) and for writing.
+            Required for MLA (it attends over the pool), for MHA_CHUNKED_KV with a
+            prefix (read from it) and for writing.
         method : ForwardMethod
-            MLA (absorbed, over the paged pool) or MHA (ragged ``k`` / ``v``).
-        k, v : Tensor [Tk, H, 192], [Tk, H, 128]
-            MHA only: prefix plus new tokens of every sequence, ragged by
-            ``kv_indptr``.
+            MLA (absorbed, over the paged pool), MHA (ragged ``k`` / ``v`` of prefix
+            + new tokens) or MHA_CHUNKED_KV (see below).
+        k, v : Tensor
+            MHA: ``[Tk, H, 192]``, ``[Tk, H, 128]``, prefix plus new tokens of every
+            sequence, ragged by ``kv_indptr``.  MHA_CHUNKED_KV: ``[T, H, 192]``,
+            ``[T, H, 128]``, the new tokens only, ragged by ``qo_indptr``.
         out : Tensor, optional
             ``[T, H, 512]`` (MLA) or ``[T, H, 128]`` (MHA).
+        layer_id : int
+            The pool layer attended (and written).
+        return_lse, lse : bool, Tensor [T, H] float32, optional
+            Also return the log-sum-exp per (token, head), as for
+            :meth:`forward_decode`.
+        decompress : callable, MHA_CHUNKED_KV only
+            ``decompress(latent [n, 512], rope [n, 64]) -> (k [n, H, 192], v [n, H,
+            128])`` in q's dtype: the engine's ``kv_b_proj`` applied to cached prefix
+            rows (read from ``pool`` in q's dtype).
+        chunk_tokens : int, MHA_CHUNKED_KV only
+            Prefix tokens per sequence decompressed at once (default: the whole
+            prefix in one chunk).
+
+        MHA_CHUNKED_KV (sglang's chunked-prefix MHA) computes what MHA computes
+        without materialising the whole prefix's K / V: causal ragged MHA of
+        the new tokens over the new tokens, then for every prefix chunk
+        (:meth:`ForwardBatch.prefix_chunks`) the rows are read from the pool,
+        decompressed, attended without a mask, and merged by their log-sum-exp
+        (:func:`attnreg.runtime.merge_attention_states`).  Eager only.
+
+        Returns
+        -------
+        Tensor, or (Tensor, Tensor) with ``return_lse``
         """
         method = ForwardMethod.parse(method)
         md = self._metadata_for(batch)
-        if md.forward_mode is ForwardMode.DECODE:
+        fmode = md.forward_mode
+        if fmode is ForwardMode.DECODE:
             raise UnsupportedError(self.name, "forward_extend on a decode batch",
                                    "the metadata is for decode",
                                    "call forward_decode for decode batches")
-        mode = self.active_graph_mode(Phase.PREFILL)
+        phase = md.phase
+        mode = self.active_graph_mode(phase)
+        if fmode in SPECULATIVE_MODES and method is not ForwardMethod.MLA:
+            raise UnsupportedError(self.name, f"{fmode} with method {method}",
+                                   "speculative batches attend the paged pool with absorbed "
+                                   "MLA", "call forward_extend(..., method=ForwardMethod.MLA)")
         if mode is not GraphMode.DISABLED:  # eager pins nothing: nothing to check
-            self.check_graph_mode(Phase.PREFILL, mode, method)
+            self.check_graph_mode(phase, mode, method)
+        self._check_forward_mode(fmode, phase, mode, md.max_extend_len, md.extend_lens_cpu)
+        want_lse = return_lse or lse is not None
+        kv = self._layer(pool, layer_id) if pool is not None else None
+        if method is ForwardMethod.MHA_CHUNKED_KV:
+            return self._forward_chunked(q, latent_new, rope_new, kv, md, k=k, v=v, out=out,
+                                         lse=lse, want_lse=want_lse, decompress=decompress,
+                                         chunk_tokens=chunk_tokens)
+        if decompress is not None or chunk_tokens is not None:
+            raise UnsupportedError(self.name, f"decompress / chunk_tokens with method {method}",
+                                   "only the MHA_CHUNKED_KV method reads a prefix in chunks",
+                                   "pass method=ForwardMethod.MHA_CHUNKED_KV")
         if method is ForwardMethod.MLA:
-            if pool is None:
+            if kv is None:
                 raise UnsupportedError(self.name, "MLA extend without a KV pool",
                                        "absorbed MLA attends over the paged pool",
                                        "pass the pool")
-            self._check_declared(method, Phase.PREFILL, q, (q.shape[-1], pool.kv_lora_rank),
-                                 kv_dtype=pool.kv_dtype, page_size=pool.page_size)
-            self._raise_if("KV pool", validation.pool_problems(pool, self.config, self.device),
+            self._check_declared(method, phase, q, (q.shape[-1], kv.kv_lora_rank),
+                                 kv_dtype=kv.kv_dtype, page_size=kv.page_size, lse=want_lse)
+            self._raise_if("KV pool", validation.pool_problems(kv, self.config, self.device),
                            "build the pool with config.make_pool(num_pages)")
             self._check_q(q, md.num_tokens, self.config.kv_row_dim, "q")
             v_dim = self.config.kv_lora_rank
@@ -537,34 +637,117 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                 raise UnsupportedError(self.name, f"{method} extend without k and v",
                                        "the MHA method attends over ragged k / v",
                                        "pass k=[Tk, H, 192] and v=[Tk, H, 128]")
-            kv_dt = dtype_from_torch(k.dtype)
-            if kv_dt is None:
-                raise UnsupportedError(self.name, f"{method} k dtype",
-                                       f"k dtype {k.dtype} has no attnreg name",
-                                       "use bf16, fp16 or fp32 k / v")
-            self._check_declared(method, Phase.PREFILL, q, (q.shape[-1], v.shape[-1]),
-                                 kv_dtype=kv_dt)
+            self._check_declared(method, phase, q, (q.shape[-1], v.shape[-1]),
+                                 kv_dtype=self._ragged_kv_dtype(method, k), lse=want_lse)
             qk_dim, v_dim = self.config.mha_head_dims
             self._check_q(q, md.num_tokens, qk_dim, "q")
             self._raise_if("ragged MHA k / v",
                            validation.ragged_kv_problems(q, k, v, self.config, md.num_kv_tokens,
                                                          self.device),
                            "k and v cover prefix + new tokens, ragged by kv_indptr")
-            if pool is not None:
+            if kv is not None:
                 self._raise_if("KV pool",
-                               validation.pool_problems(pool, self.config, self.device),
+                               validation.pool_problems(kv, self.config, self.device),
                                "build the pool with config.make_pool(num_pages)")
-        if latent_new is not None or rope_new is not None:
-            if pool is None:
-                raise UnsupportedError(self.name, "KV write without a pool",
-                                       "latent_new / rope_new were given but pool is None",
-                                       "pass the pool, or None for latent_new and rope_new")
-            self._check_new_rows(latent_new, rope_new, md.num_tokens, pool)
+        self._write_new_rows(kv, md, latent_new, rope_new)
         out = self._output(out, q, (md.num_tokens, q.shape[1], v_dim))
-        if pool is not None and latent_new is not None and rope_new is not None:
-            self._write_kv(pool, md, latent_new, rope_new)
-        self._forward_extend_impl(q, pool, md, out, method=method, k=k, v=v)
-        return out
+        lse_out = self._lse_output(lse, q, md.num_tokens) if want_lse else None
+        if lse_out is None:
+            self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v)
+            return out
+        self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v, lse=lse_out)
+        self._mask_padded_lse(lse_out, md)
+        return out, lse_out
+
+    def _forward_chunked(self, q: torch.Tensor, latent_new: torch.Tensor | None,
+                         rope_new: torch.Tensor | None, kv: MLAKVLayer | None,
+                         md: ForwardMetadata[PlanT], *, k: torch.Tensor | None,
+                         v: torch.Tensor | None, out: torch.Tensor | None,
+                         lse: torch.Tensor | None, want_lse: bool,
+                         decompress: PrefixDecompress | None,
+                         chunk_tokens: int | None) -> Any:
+        """MHA_CHUNKED_KV: new tokens causally, then each prefix chunk, merged by LSE."""
+        method = ForwardMethod.MHA_CHUNKED_KV
+        if md.is_graph:
+            raise UnsupportedError(self.name, f"{method} under graph capture",
+                                   "the prefix chunks are planned per batch on the host",
+                                   "run chunked-prefix MHA batches eagerly")
+        if k is None or v is None:
+            raise UnsupportedError(self.name, f"{method} extend without k and v",
+                                   "the new tokens' k / v are attended causally first",
+                                   "pass k=[T, H, 192] and v=[T, H, 128] of the new tokens")
+        # the chunks are merged by their LSE: the kernel must produce it
+        self._check_declared(method, Phase.PREFILL, q, (q.shape[-1], v.shape[-1]),
+                             kv_dtype=self._ragged_kv_dtype(method, k), lse=True)
+        qk_dim, v_dim = self.config.mha_head_dims
+        self._check_q(q, md.num_tokens, qk_dim, "q")
+        self._raise_if("new tokens' k / v",
+                       validation.ragged_kv_problems(q, k, v, self.config, md.num_tokens,
+                                                     self.device),
+                       "with MHA_CHUNKED_KV, k and v hold the new tokens only, ragged by "
+                       "qo_indptr")
+        has_prefix = any(md.prefix_lens_cpu or ())
+        if has_prefix and (kv is None or decompress is None):
+            raise UnsupportedError(self.name, f"{method} over a cached prefix",
+                                   "the prefix is read from the pool and decompressed by the "
+                                   "engine", "pass pool= and decompress=(latent, rope) -> (k, v)")
+        if kv is not None:
+            self._raise_if("KV pool", validation.pool_problems(kv, self.config, self.device),
+                           "build the pool with config.make_pool(num_pages)")
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise UnsupportedError(self.name, f"{method} chunk size",
+                                   f"chunk_tokens must be >= 1, got {chunk_tokens}",
+                                   "pass a positive chunk size, or None for one chunk")
+        self._write_new_rows(kv, md, latent_new, rope_new)
+        out = self._output(out, q, (md.num_tokens, q.shape[1], v_dim))
+        lse_out = self._lse_output(lse, q, md.num_tokens)
+        self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v, lse=lse_out)
+        if has_prefix:
+            assert kv is not None and decompress is not None
+            acc = out.float()
+            heads = q.shape[1]
+            for chunk in self._prefix_chunks(md, chunk_tokens):
+                if chunk.num_tokens == 0:
+                    continue
+                rows = kv.read_slots(chunk.slots, q.dtype)
+                k_c, v_c = decompress(rows[:, :kv.kv_lora_rank], rows[:, kv.kv_lora_rank:])
+                n = chunk.num_tokens
+                self._raise_if("decompressed prefix chunk",
+                               [f"decompress returned k {tuple(k_c.shape)} {k_c.dtype} and v "
+                                f"{tuple(v_c.shape)} {v_c.dtype}, expected "
+                                f"[{n}, {heads}, {qk_dim}] and [{n}, {heads}, {v_dim}] in "
+                                f"{q.dtype}"] if (tuple(k_c.shape) != (n, heads, qk_dim)
+                                                  or tuple(v_c.shape) != (n, heads, v_dim)
+                                                  or k_c.dtype != q.dtype
+                                                  or v_c.dtype != q.dtype) else [],
+                               "return one k / v row per prefix row, in q's dtype")
+                o_c = torch.empty_like(out)
+                lse_c = torch.empty_like(lse_out)
+                self._forward_prefix_chunk_impl(q, k_c, v_c, md, chunk, o_c, lse_c)
+                if 0 in chunk.kv_lens_cpu:
+                    # sequences without a token in this chunk: nothing to merge, whatever a
+                    # kernel leaves for a zero-length key set
+                    empty = torch.tensor([n == 0 for n in chunk.kv_lens_cpu], device=q.device)
+                    rows = torch.repeat_interleave(
+                        empty, torch.tensor(md.extend_lens_cpu, device=q.device),
+                        output_size=md.num_tokens)
+                    o_c.masked_fill_(rows[:, None, None], 0)
+                    lse_c.masked_fill_(rows[:, None], float("-inf"))
+                merge_attention_states(acc, lse_out, o_c, lse_c, out=acc, lse_out=lse_out)
+            out.copy_(acc)
+        return (out, lse_out) if want_lse else out
+
+    def _prefix_chunks(self, md: ForwardMetadata[PlanT], chunk_tokens: int | None
+                       ) -> list[PrefixChunk]:
+        """The batch's prefix chunks, computed once per batch (every layer reuses them)."""
+        longest = max(md.prefix_lens_cpu or (0,))
+        size = int(chunk_tokens) if chunk_tokens else max(1, longest)
+        found = md.prefix_chunk_cache.get(size)
+        if found is None:
+            assert md.batch is not None  # eager metadata always has its batch
+            found = md.batch.prefix_chunks(size, self.config.page_size)
+            md.prefix_chunk_cache[size] = found
+        return found
 
     # ------------------------------------------------------------------------------
     # hooks for subclasses
@@ -585,22 +768,47 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     def _init_replay_impl(self, md: ForwardMetadata[PlanT], batch: ForwardBatch) -> None:
         """Per-replay host planning into existing buffers (runs outside the graph)."""
 
-    def _write_kv(self, pool: MLAKVPool, md: ForwardMetadata[PlanT], latent_new: torch.Tensor,
+    def _write_kv(self, pool: MLAKVLayer, md: ForwardMetadata[PlanT], latent_new: torch.Tensor,
                   rope_new: torch.Tensor) -> None:
-        """Write new tokens' rows at ``md.out_cache_loc`` (override for a fused kernel)."""
+        """Write new tokens' rows at ``md.out_cache_loc`` of one layer (override for a fused
+        kernel)."""
         pool.write(md.out_cache_loc, latent_new, rope_new)
 
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
-                             md: ForwardMetadata[PlanT], out: torch.Tensor) -> None:
-        """Absorbed decode into ``out`` [B, H, 512]; new tokens are already in ``pool``."""
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
+                             md: ForwardMetadata[PlanT], out: torch.Tensor, *,
+                             lse: torch.Tensor | None = None) -> None:
+        """Absorbed decode into ``out`` [B, H, 512]; new tokens are already in ``pool``.
+
+        ``pool`` is the layer the forward reads (:class:`MLAKVLayer`: ``buffer``,
+        ``kv_scale``, ``scale_tensor``).  ``lse`` (float32 [B, H]) is passed only
+        when the caller asked for it, which the base class allows only where the
+        decode kernel declares ``lse``: a backend declaring none need not accept it.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not implement decode")
 
-    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[PlanT], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
-                             v: torch.Tensor | None) -> None:
-        """Extend attention into ``out``; for MLA the new tokens are already in ``pool``."""
+                             v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
+        """Extend attention into ``out``; for MLA the new tokens are already in ``pool``.
+
+        ``md.forward_mode`` is EXTEND, TARGET_VERIFY or DRAFT_EXTEND (the latter
+        two: MLA over the pool, causal within each sequence's new tokens, as an
+        extend with a prefix).  MHA_CHUNKED_KV: causal ragged MHA of the new
+        tokens over ``k`` / ``v`` of the new tokens only (both ragged by
+        ``md.qo_indptr``), always with ``lse``.  ``lse`` as for
+        :meth:`_forward_decode_impl`.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not implement extend")
+
+    def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   md: ForwardMetadata[PlanT], chunk: PrefixChunk,
+                                   out: torch.Tensor, lse: torch.Tensor) -> None:
+        """MHA_CHUNKED_KV: the new tokens (ragged by ``md.qo_indptr``) over one prefix chunk
+        (``k`` / ``v`` ragged by ``chunk.kv_indptr``), without a mask, into ``out`` and
+        ``lse`` (a row whose sequence has no token in the chunk: 0 and ``-inf``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement chunked-prefix "
+                                  "MHA")
 
     def kernel_errors(self, what: str) -> KernelErrors:
         """Turn a kernel library's pre-launch ``ValueError`` into :class:`UnsupportedError`.
@@ -635,12 +843,13 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
 
     def _check_declared(self, method: ForwardMethod, phase: Phase, q: torch.Tensor,
                         head_dims: tuple[int, int], *, kv_dtype: DType | str,
-                        page_size: int | None = None) -> None:
+                        page_size: int | None = None, lse: bool = False) -> None:
         # The cache is keyed on the raw request (torch dtype, kv dtype as given), so an
         # accepted request costs one tuple and one set lookup per forward.
         key = None
         if q.dim() == 3:
-            key = (method, phase, tuple(head_dims), q.dtype, kv_dtype, page_size, q.shape[1])
+            key = (method, phase, tuple(head_dims), q.dtype, kv_dtype, page_size, q.shape[1],
+                   lse)
             if key in self._accepted_requests:
                 return
         q_dt = dtype_from_torch(q.dtype)
@@ -652,12 +861,110 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
             raise UnsupportedError(self.name, f"{method} {phase} query shape",
                                    f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}",
                                    "reshape q to 3-d")
-        reasons = self.capabilities.check_request(
-            method, phase, head_dims=head_dims, q_dtype=q_dt, kv_dtype=kv_dtype,
-            page_size=page_size, num_heads=q.shape[1])
+        request = {"head_dims": head_dims, "q_dtype": q_dt, "kv_dtype": kv_dtype,
+                   "page_size": page_size, "num_heads": q.shape[1]}
+        reasons = self.capabilities.check_request(method, phase, **request)  # type: ignore[arg-type]
         if reasons:
             raise UnsupportedError(self.name, f"{method} {phase} request", reasons)
+        if lse:
+            # the same request against the kernels that declare an LSE output only
+            with_lse = self._lse_capabilities().check_request(method, phase, **request)  # type: ignore[arg-type]
+            if with_lse:
+                declared = [k.kernel or str(k.method) for k in
+                            self.capabilities.kernels_for(method, phase)]
+                raise UnsupportedError(
+                    self.name, f"{method} {phase} log-sum-exp output",
+                    f"no kernel that accepts this request declares an LSE output (kernels: "
+                    f"{', '.join(declared)}; KernelConstraints.lse)",
+                    "call without return_lse, or choose a backend whose kernel declares lse")
         self._accepted_requests.add(key)
+
+    def _lse_capabilities(self) -> Capabilities:
+        """The declaration restricted to the kernels that return the log-sum-exp."""
+        if self._lse_caps is None:
+            self._lse_caps = dataclasses.replace(
+                self.capabilities, kernels=tuple(k for k in self.capabilities.kernels if k.lse))
+        return self._lse_caps
+
+    def _check_forward_mode(self, fmode: ForwardMode, phase: Phase, mode: GraphMode,
+                            query_len: int, extend_lens: tuple[int, ...] | None = None) -> None:
+        """Refuse a forward mode the declaration does not serve under ``mode`` (DISABLED:
+        ``eager_forward_modes``; a capture mode: that entry's ``forward_modes``) with
+        ``query_len`` tokens per sequence, or unevenly where it must be uniform."""
+        if (fmode, mode, None) in self._served:  # served at any length
+            return
+        uniform = extend_lens is None or len(set(extend_lens)) <= 1
+        key = (fmode, mode, query_len if uniform else -query_len)
+        if key in self._served:
+            return
+        eager = mode is GraphMode.DISABLED or mode is GraphMode.TC_PIECEWISE
+        entry = (self.capabilities.eager_serving(fmode) if eager
+                 else self.capabilities.graph_support(phase, mode).serving(fmode))
+        where = "eagerly" if eager else f"in {phase} {mode} graphs"
+        problem = ""
+        if entry is None:
+            problem = f"{self.name} does not declare {fmode} batches {where}"
+        elif query_len > 0 and not entry.serves_query_len(query_len):
+            problem = (f"{self.name} declares {entry.describe()} {where}; this batch has "
+                       f"{query_len} tokens per sequence")
+        elif entry.uniform and not uniform and fmode is not ForwardMode.EXTEND:
+            problem = (f"{self.name} declares {entry.describe()} {where}; this batch has "
+                       "sequences of different lengths")
+        if problem:
+            declared = self.capabilities.eager_forward_modes if eager else \
+                self.capabilities.graph_support(phase, mode).forward_modes
+            raise UnsupportedError(
+                self.name, f"{fmode} batch {where}", problem,
+                "run it where it is declared (Capabilities.eager_forward_modes, "
+                "GraphModeSupport.forward_modes: "
+                + (", ".join(f.describe() for f in declared) or "nothing") + ")")
+        # an unbounded entry (ragged extend) is cached once, not once per length
+        assert entry is not None
+        self._served.add((fmode, mode, None) if entry.max_query_len is None else key)
+
+    def _layer(self, pool: MLAKVPool, layer_id: int) -> MLAKVLayer:
+        try:
+            return pool.layer(layer_id)
+        except IndexError as exc:
+            raise UnsupportedError(self.name, f"layer_id {layer_id}", str(exc),
+                                   "pass a layer_id of the pool") from exc
+
+    @staticmethod
+    def _ragged_kv_dtype(method: ForwardMethod, k: torch.Tensor) -> DType:
+        kv_dt = dtype_from_torch(k.dtype)
+        if kv_dt is None:
+            raise UnsupportedError("runtime", f"{method} k dtype",
+                                   f"k dtype {k.dtype} has no attnreg name",
+                                   "use bf16, fp16 or fp32 k / v")
+        return kv_dt
+
+    def _write_new_rows(self, kv: MLAKVLayer | None, md: ForwardMetadata[PlanT],
+                        latent_new: torch.Tensor | None, rope_new: torch.Tensor | None) -> None:
+        if latent_new is None and rope_new is None:
+            return
+        if kv is None:
+            raise UnsupportedError(self.name, "KV write without a pool",
+                                   "latent_new / rope_new were given but pool is None",
+                                   "pass the pool, or None for latent_new and rope_new")
+        self._check_new_rows(latent_new, rope_new, md.num_tokens, kv)
+        assert latent_new is not None and rope_new is not None
+        self._write_kv(kv, md, latent_new, rope_new)
+
+    def _lse_output(self, lse: torch.Tensor | None, q: torch.Tensor, rows: int) -> torch.Tensor:
+        shape = (rows, q.shape[1])
+        if lse is None:
+            return torch.empty(shape, dtype=torch.float32, device=q.device)
+        if tuple(lse.shape) != shape or lse.dtype != torch.float32 or lse.device != q.device:
+            raise UnsupportedError(self.name, "lse tensor",
+                                   f"got {tuple(lse.shape)} {lse.dtype} on {lse.device}, "
+                                   f"expected {shape} torch.float32 on {q.device}",
+                                   "pass lse=None to get a new tensor")
+        return lse
+
+    def _mask_padded_lse(self, lse: torch.Tensor, md: ForwardMetadata[PlanT]) -> None:
+        """Padding rows of a replayed graph get an LSE of -inf (they attend no key)."""
+        if md.is_graph and self.graph_state is not None:
+            self.graph_state.fill_padded_rows(lse, md, float("-inf"))
 
     def _validate_batch(self, batch: ForwardBatch) -> None:
         self._raise_if("batch", validation.batch_problems(batch, self.device,
@@ -671,7 +978,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                        "see the shapes in AttentionBackend's docstring")
 
     def _check_new_rows(self, latent: torch.Tensor | None, rope: torch.Tensor | None,
-                        rows: int, pool: MLAKVPool) -> None:
+                        rows: int, pool: MLAKVLayer) -> None:
         problems = validation.new_rows_problems(latent, rope, rows, pool)
         if problems and (latent is None) != (rope is None):
             raise UnsupportedError(self.name, "KV write", "latent_new and rope_new go together",

@@ -14,6 +14,12 @@ Conventions
   lists the flat KV-pool slots they are written to, in the same order.
 * ``kv_indptr`` (cumulative ``seq_lens``) indexes ragged K/V of the
   non-absorbed MHA method, which covers prefix and new tokens.
+* Speculative decoding: a TARGET_VERIFY batch carries ``num_draft`` new
+  tokens per sequence (the same for every sequence), causal among themselves
+  and attending the whole prefix; a DRAFT_EXTEND batch carries 1 or more new
+  tokens per sequence (the accepted ones, ragged).  Both are decode-phase
+  batches (``attnreg.registry.capabilities.PHASE_FORWARD_MODES``) that run absorbed MLA
+  through ``forward_extend``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,14 @@ from .dtypes import resolve_device
 if TYPE_CHECKING:
     from .pool import MLAKVPool
 
-__all__ = ["ForwardBatch", "decode_batch", "extend_batch"]
+__all__ = ["SPECULATIVE_MODES", "ForwardBatch", "PrefixChunk", "decode_batch", "draft_extend_batch", "extend_batch",
+           "verify_batch"]
+
+
+#: The speculative-decoding forward modes: decode-phase batches with several new tokens
+#: per sequence, run by ``forward_extend`` with absorbed MLA.
+SPECULATIVE_MODES: tuple[ForwardMode, ...] = (ForwardMode.TARGET_VERIFY,
+                                              ForwardMode.DRAFT_EXTEND)
 
 
 def _cumsum(values: Sequence[int]) -> list[int]:
@@ -106,6 +119,65 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return self.forward_mode is ForwardMode.DECODE
 
+    @property
+    def query_len(self) -> int | None:
+        """New tokens per sequence when every sequence has the same number (decode: 1;
+        target verify: the draft tokens), else None."""
+        lens = set(self.extend_lens_cpu)
+        return lens.pop() if len(lens) == 1 else None
+
+    @classmethod
+    def from_token_table(cls, forward_mode: ForwardMode | str, prefix_lens: Sequence[int],
+                         extend_lens: Sequence[int], token_table: torch.Tensor,
+                         out_cache_loc: torch.Tensor, page_size: int) -> ForwardBatch:
+        """A batch from an engine's per-token slot table (sglang's ``req_to_token``).
+
+        ``token_table[b, t]`` is the flat pool slot of token ``t`` of sequence
+        ``b`` (sglang: ``req_to_token_pool.req_to_token[req_pool_indices]``);
+        slots of one page are consecutive, so the page table is every
+        ``page_size``-th column divided by ``page_size`` (at page size 1, the
+        table itself, without a copy when it is int32).  ``out_cache_loc`` is
+        converted to int32 if needed.  Host lengths as in :meth:`build`.
+        """
+        if token_table.dim() != 2:
+            raise ValueError(f"token_table must be [B, tokens], got {tuple(token_table.shape)}")
+        table = token_table if page_size == 1 else \
+            torch.div(token_table[:, ::page_size], page_size, rounding_mode="floor")
+        table = table.to(torch.int32)
+        return cls.build(forward_mode, prefix_lens, extend_lens, table,
+                         out_cache_loc.to(device=table.device, dtype=torch.int32))
+
+    def prefix_chunks(self, chunk_tokens: int, page_size: int) -> list[PrefixChunk]:
+        """The cached prefixes cut into chunks of ``chunk_tokens`` tokens (chunked-prefix MHA).
+
+        Chunk ``c`` holds prefix positions ``c * chunk_tokens ..`` of every
+        sequence whose prefix reaches them (others contribute 0 tokens).  Each
+        chunk's pool slots are computed on the device from the page table, so
+        the host handles one value per sequence per chunk.
+        """
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        prefix = self.prefix_lens_cpu
+        dev = self.device
+        out: list[PrefixChunk] = []
+        for index, start in enumerate(range(0, max(prefix, default=0), chunk_tokens)):
+            lens = tuple(max(0, min(chunk_tokens, p - start)) for p in prefix)
+            total = sum(lens)
+            indptr = _cumsum(lens)
+            indptr_dev = torch.tensor(indptr, dtype=torch.int32, device=dev)
+            if total:
+                lens_dev = torch.tensor(lens, dtype=torch.long, device=dev)
+                seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_dev,
+                                              output_size=total)
+                pos = torch.arange(total, device=dev) - torch.repeat_interleave(
+                    indptr_dev[:-1].long(), lens_dev, output_size=total) + start
+                pages = self.page_table[seq, torch.div(pos, page_size, rounding_mode="floor")]
+                slots = (pages.long() * page_size + pos % page_size).to(torch.int32)
+            else:
+                slots = torch.zeros((0,), dtype=torch.int32, device=dev)
+            out.append(PrefixChunk(index, start, lens, indptr_dev, slots))
+        return out
+
     @classmethod
     def build(cls, forward_mode: ForwardMode | str, prefix_lens: Sequence[int],
               extend_lens: Sequence[int], page_table: torch.Tensor,
@@ -137,6 +209,12 @@ class ForwardBatch:
         if mode is ForwardMode.DECODE and any(e != 1 for e in extend):
             raise ValueError(f"a decode batch has exactly one new token per sequence, got "
                              f"extend_lens {list(extend)}")
+        if mode is ForwardMode.TARGET_VERIFY and (len(set(extend)) > 1 or 0 in extend):
+            raise ValueError(f"a target-verify batch has the same number (>= 1) of draft "
+                             f"tokens per sequence, got extend_lens {list(extend)}")
+        if mode is ForwardMode.DRAFT_EXTEND and 0 in extend:
+            raise ValueError(f"a draft-extend batch has >= 1 new token per sequence, got "
+                             f"extend_lens {list(extend)}")
         seq = tuple(p + e for p, e in zip(prefix, extend))
         dev = resolve_device(device) if device is not None else page_table.device
         if page_table.dim() != 2 or page_table.shape[0] != len(seq):
@@ -159,6 +237,33 @@ class ForwardBatch:
             kv_indptr=ints(_cumsum(seq)), page_table=page_table.to(dev),
             out_cache_loc=loc, seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=extend)
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """One chunk of every sequence's cached prefix (see :meth:`ForwardBatch.prefix_chunks`).
+
+    Attributes
+    ----------
+    index, start : int
+        Chunk number and the first prefix position it covers.
+    kv_lens_cpu : tuple[int, ...]
+        Tokens each sequence has in this chunk (0 when its prefix is shorter).
+    kv_indptr : int32 Tensor [B + 1]
+        Cumulative ``kv_lens_cpu``: sequence ``b``'s rows of the chunk's K / V.
+    slots : int32 Tensor [sum(kv_lens_cpu)]
+        Pool slots of the chunk's tokens, sequence by sequence.
+    """
+
+    index: int
+    start: int
+    kv_lens_cpu: tuple[int, ...]
+    kv_indptr: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.kv_lens_cpu)
 
 
 def _pages_for(pool: MLAKVPool, seq_lens: Sequence[int],
@@ -219,3 +324,36 @@ def extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int], extend_lens: Seque
         loc.extend(pool.slots(p, range(pre, n)))
     table = pool.page_table(owned, width=page_table_width)
     return ForwardBatch.build(forward_mode, prefix_lens, extend_lens, table, loc)
+
+
+def verify_batch(pool: MLAKVPool, prefix_lens: Sequence[int], num_draft: int, *,
+                 pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
+                 page_table_width: int | None = None) -> ForwardBatch:
+    """A TARGET_VERIFY batch: ``num_draft`` draft tokens after each sequence's prefix.
+
+    The draft tokens are causal among themselves and attend the whole prefix
+    (a chain of drafts, as MTP / EAGLE with one candidate per step verify).
+    Pages cover ``prefix + num_draft`` tokens; see :func:`extend_batch`.
+    """
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    return extend_batch(pool, prefix_lens, [int(num_draft)] * len(prefix_lens), pages=pages,
+                        shuffle=shuffle, page_table_width=page_table_width,
+                        forward_mode=ForwardMode.TARGET_VERIFY)
+
+
+def draft_extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int],
+                       extend_lens: Sequence[int], *,
+                       pages: Sequence[Sequence[int]] | None = None,
+                       shuffle: bool | int = False,
+                       page_table_width: int | None = None) -> ForwardBatch:
+    """A DRAFT_EXTEND batch: each sequence's accepted tokens (>= 1, ragged) after its prefix.
+
+    See :func:`extend_batch`.
+    """
+    if any(int(e) < 1 for e in extend_lens):
+        raise ValueError(f"a draft-extend batch has >= 1 new token per sequence, got "
+                         f"extend_lens {list(extend_lens)}")
+    return extend_batch(pool, prefix_lens, extend_lens, pages=pages, shuffle=shuffle,
+                        page_table_width=page_table_width,
+                        forward_mode=ForwardMode.DRAFT_EXTEND)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,8 +97,13 @@ class MLAConfig:
         return self.mla_head_dims if ForwardMethod.parse(method) is ForwardMethod.MLA \
             else self.mha_head_dims
 
-    def make_pool(self, num_pages: int, *, scale: float = 1.0) -> MLAKVPool:
-        """An :class:`~attnreg.runtime.MLAKVPool` of this config's page size, dtype and device."""
+    def make_pool(self, num_pages: int, *, num_layers: int = 1,
+                  scale: float | Sequence[float] = 1.0) -> MLAKVPool:
+        """An :class:`~attnreg.runtime.MLAKVPool` of this config's page size, dtype and device.
+
+        ``num_layers`` layers share the pages; ``scale`` is the FP8 scale of
+        every layer (a float) or of each (a sequence).
+        """
         from .pool import MLAKVPool
 
-        return MLAKVPool.from_config(self, num_pages, scale=scale)
+        return MLAKVPool.from_config(self, num_pages, num_layers=num_layers, scale=scale)

@@ -19,7 +19,7 @@ import torch
 from attnreg.registry import CaptureShape, ForwardMode, GraphMode, Phase
 
 from .batch import ForwardBatch
-from .metadata import ForwardMetadata, phase_of
+from .metadata import ForwardMetadata
 from .pool import PADDING_PAGE
 
 __all__ = ["BuffersT", "GraphState", "tensor_bytes"]
@@ -85,6 +85,19 @@ class GraphState(Generic[BuffersT]):
         return sum(getattr(self, name).nbytes for name in _BASE_FIELDS)
 
     # -- captured shapes ---------------------------------------------------------------
+    @staticmethod
+    def query_bound(forward_mode: ForwardMode, bs: int, num_tokens: int) -> int:
+        """New tokens one sequence may bring in the captured shape ``(bs, num_tokens)``.
+
+        DECODE: 1; TARGET_VERIFY / DRAFT_EXTEND: ``num_tokens / bs`` (the captured
+        draft tokens per sequence); EXTEND: ``num_tokens`` (ragged prefill).
+        """
+        if forward_mode is ForwardMode.DECODE:
+            return 1
+        if forward_mode is ForwardMode.EXTEND:
+            return num_tokens
+        return -(-num_tokens // max(1, bs))
+
     def views(self, forward_mode: ForwardMode, bs: int, num_tokens: int,
               mode: GraphMode) -> ForwardMetadata[Any]:
         """Graph metadata of the captured shape ``(bs, num_tokens)``: views of the buffers."""
@@ -94,17 +107,16 @@ class GraphState(Generic[BuffersT]):
             extend_lens=self.extend_lens[:bs], qo_indptr=self.qo_indptr[:bs + 1],
             kv_indptr=self.kv_indptr[:bs + 1], page_table=self.page_table[:bs],
             out_cache_loc=self.out_cache_loc[:num_tokens], max_seq_len=self.max_seq_len,
-            max_extend_len=1 if forward_mode is ForwardMode.DECODE else num_tokens,
-            graph_mode=mode)
+            max_extend_len=self.query_bound(forward_mode, bs, num_tokens), graph_mode=mode)
 
     def dummy_batch(self, forward_mode: ForwardMode, bs: int, num_tokens: int,
                     page_size: int, device: torch.device) -> ForwardBatch:
         """A batch of the captured shape whose every token sits in the padding page."""
-        if forward_mode is ForwardMode.DECODE:
-            extend = [1] * bs
-        else:
+        if forward_mode is ForwardMode.EXTEND:
             extend = [num_tokens // bs] * bs
             extend[0] += num_tokens - sum(extend)
+        else:  # decode-phase shapes: each sequence brings the captured query tokens
+            extend = [self.query_bound(forward_mode, bs, num_tokens)] * bs
         loc = [PADDING_PAGE * page_size + t % page_size for e in extend for t in range(e)]
         table = torch.full((bs, self.max_pages), PADDING_PAGE, dtype=torch.int32,
                            device=device)
@@ -114,12 +126,20 @@ class GraphState(Generic[BuffersT]):
         """Why ``batch`` cannot be replayed through the captured shape of ``md`` ([] if it can)."""
         problems = []
         bs, nt = md.batch_size, md.num_tokens
-        if phase_of(batch.forward_mode) is not md.phase:
+        if batch.forward_mode is not md.forward_mode:
             problems.append(f"batch is {batch.forward_mode}, the graph was captured for "
                             f"{md.forward_mode}")
         if batch.batch_size > bs or batch.num_tokens > nt:
             problems.append(f"batch has {batch.batch_size} sequences / {batch.num_tokens} "
                             f"tokens, the graph {bs} / {nt}")
+        q = md.max_extend_len
+        lens = set(batch.extend_lens_cpu)
+        if md.forward_mode is ForwardMode.TARGET_VERIFY and lens and lens != {q}:
+            problems.append(f"the verify graph was captured for {q} draft tokens per "
+                            f"sequence, the batch has {sorted(lens)}")
+        if md.forward_mode is ForwardMode.DRAFT_EXTEND and lens and max(lens) > q:
+            problems.append(f"the draft-extend graph was captured for up to {q} tokens per "
+                            f"sequence, the batch has {max(lens)}")
         if batch.max_seq_len > self.max_seq_len:
             problems.append(f"longest sequence {batch.max_seq_len} exceeds the capture bound "
                             f"max_seq_len={self.max_seq_len}")
@@ -160,12 +180,17 @@ class GraphState(Generic[BuffersT]):
         it neither allocates nor syncs: two launches, capture-safe.  A no-op
         for eager metadata, which has no padding.
         """
+        self.fill_padded_rows(out, md, 0.0)
+
+    def fill_padded_rows(self, t: torch.Tensor, md: ForwardMetadata[Any], value: float) -> None:
+        """Set the rows of ``t`` (output ``[rows, ...]`` or LSE ``[rows, H]``) that belong to
+        padding to ``value``, inside the graph (see :meth:`zero_padded_rows`)."""
         if not md.is_graph:
             return
-        rows = out.shape[0]
+        rows = t.shape[0]
         mask = self.pad_mask[:rows]
         torch.ge(self.row_index[:rows], md.qo_indptr[-1:], out=mask)
-        out.masked_fill_(mask.view((rows,) + (1,) * (out.dim() - 1)), 0)
+        t.masked_fill_(mask.view((rows,) + (1,) * (t.dim() - 1)), value)
 
 
 def tensor_bytes(*roots: object) -> int:

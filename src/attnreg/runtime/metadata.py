@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
 
 from attnreg.registry import ForwardMode, GraphMode, Phase
+from attnreg.registry.capabilities import PHASE_FORWARD_MODES
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, PrefixChunk
 
 __all__ = [
     "ATTENTION_CAPTURE_MODES",
@@ -36,10 +37,18 @@ DEFAULT_CAPTURE_MODE: Mapping[Phase, GraphMode] = {
 }
 
 
+#: Forward mode -> the phase whose graphs serve it, read from the registry's
+#: :data:`~attnreg.registry.capabilities.PHASE_FORWARD_MODES` (the one source of the mapping):
+#: DECODE, TARGET_VERIFY and DRAFT_EXTEND are decode-phase batches, EXTEND prefill.
+_PHASE_OF: Mapping[ForwardMode, Phase] = {
+    mode: phase for phase, modes in PHASE_FORWARD_MODES.items() for mode in modes}
+
+
 def phase_of(forward_mode: ForwardMode | str) -> Phase:
-    """DECODE batches are the decode phase; every other forward mode is prefill."""
-    return Phase.DECODE if ForwardMode.parse(forward_mode) is ForwardMode.DECODE \
-        else Phase.PREFILL
+    """The phase of a forward mode (``PHASE_FORWARD_MODES``): speculative batches
+    (TARGET_VERIFY, DRAFT_EXTEND) are decode-phase batches, captured with the decode
+    graphs; EXTEND is prefill."""
+    return _PHASE_OF[ForwardMode.parse(forward_mode)]
 
 
 @dataclass
@@ -74,10 +83,19 @@ class ForwardMetadata(Generic[PlanT]):
     extend_lens_cpu: tuple[int, ...] | None = None
     num_kv_tokens: int | None = None
     plan: PlanT | None = None
+    #: chunked-prefix MHA: the batch's prefix chunks per chunk size, computed once
+    #: for every layer of the step (eager metadata only)
+    prefix_chunk_cache: dict[int, list[PrefixChunk]] = field(default_factory=dict)
 
     @property
     def phase(self) -> Phase:
         return phase_of(self.forward_mode)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence (forward mode DECODE); verify and draft-extend
+        batches are decode-phase but carry several."""
+        return self.forward_mode is ForwardMode.DECODE
 
     @property
     def is_graph(self) -> bool:

@@ -1,20 +1,29 @@
-"""The paged MLA KV pool: one 576-wide latent row per token, O(1) page bookkeeping.
+"""The paged MLA KV pool: one 576-wide latent row per token per layer, O(1) page bookkeeping.
 
 Layout
 ------
+Every layer has its own buffer ``[num_pages, page_size, kv_lora_rank + rope_dim]``
+(sglang's ``MLATokenToKVPool`` keeps one tensor per layer too).  Row
 ``buffer[page, row, :]`` holds one token: ``kv_lora_rank`` (512) latent values
 (``c_kv``, used as both K and V by absorbed MLA) followed by ``qk_rope_head_dim``
 (64) rope values (``k_pe``).  Token ``t`` of a sequence lives at
 ``page_table[b, t // page_size]``, row ``t % page_size``; its *flat slot* is
-``page * page_size + row`` (what ``ForwardBatch.out_cache_loc`` holds).
+``page * page_size + row`` (what ``ForwardBatch.out_cache_loc`` holds), the same
+in every layer: pages are allocated once for all layers.
 
 Page 0 is reserved, as in sglang's token pool: padded requests of a replayed
 CUDA graph write their dummy tokens there, so it is never handed out by
 :meth:`MLAKVPool.allocate` and canary checks ignore it.
 
 FP8 pools store ``value / scale`` as ``float8_e4m3fn`` and read back
-``stored * scale``; ``scale`` is fixed per pool (per-tensor scaling, as the
-kernels take one ``kv_scale``).
+``stored * scale``, with one scale per layer (per-tensor scaling per layer, as
+engines keep a ``k_scale`` per attention layer).  Each layer's scale is also a
+1-element float32 device tensor (:attr:`MLAKVLayer.scale_tensor`), which
+kernels read on the device.
+
+A forward works on one layer: :meth:`MLAKVPool.layer` returns an
+:class:`MLAKVLayer`, the view a backend's kernels read (its ``buffer``,
+``kv_scale``, ``scale_tensor``, ``write``, ``read_slots``).
 """
 
 from __future__ import annotations
@@ -30,87 +39,58 @@ import torch
 
 from attnreg.registry import DType, UnsupportedError
 
-from .dtypes import FP8_E4M3_MAX, resolve_device, torch_dtype
+from .dtypes import FP8_E4M3_MAX, dtype_from_torch, resolve_device, torch_dtype
 
 if TYPE_CHECKING:
     from .config import MLAConfig
 
-__all__ = ["PADDING_PAGE", "MLAKVPool"]
+__all__ = ["PADDING_PAGE", "MLAKVLayer", "MLAKVPool"]
 
 #: The reserved page that padded graph replays write into.
 PADDING_PAGE = 0
 
 
-class MLAKVPool:
-    """A paged latent KV cache ``[num_pages, page_size, kv_lora_rank + rope_dim]``.
+def _check_scale(scale: float, is_fp8: bool, kv_dtype: DType, where: str) -> float:
+    scale = float(scale)
+    if not is_fp8 and scale != 1.0:
+        raise ValueError(f"{where}: scale={scale} is only meaningful for an fp8 pool; "
+                         f"this pool is {kv_dtype}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{where}: scale must be a positive finite float, got {scale}")
+    return scale
 
-    Parameters
-    ----------
-    num_pages : int
-        Pages in the pool, including the reserved padding page 0.
-    page_size : int
-        Tokens per page (1, 16, 32 or 64 for the built-in backends).
-    kv_dtype : DType or str
-        ``bf16``, ``fp16``, ``fp32`` or ``fp8_e4m3``.
-    device : str or torch.device
-    kv_lora_rank, rope_dim : int
-        Widths of the latent and rope parts (512 and 64 for DeepSeek).
-    scale : float
-        Dequantisation scale of an fp8 pool (ignored, and kept at 1.0, otherwise).
 
-    Examples
-    --------
-    >>> pool = MLAKVPool(num_pages=8, page_size=16, kv_dtype="bf16")
-    >>> pages = pool.allocate([20])            # 2 pages for a 20-token sequence
-    >>> slots = torch.tensor(pool.slots(pages[0], range(20)), dtype=torch.int32)
-    >>> pool.write(slots, torch.randn(20, 512), torch.randn(20, 64))
-    >>> pool.free(pages[0])
+class MLAKVLayer:
+    """One layer of an :class:`MLAKVPool`: its buffer, its FP8 scale, reads and writes.
+
+    What a backend's forward hooks receive as ``pool``: the kernels read
+    :attr:`buffer` (``[num_pages, page_size, 576]``) and :attr:`kv_scale` (a
+    float) or :attr:`scale_tensor` (the same value as a 1-element float32
+    device tensor, which a captured launch reads at replay time).  Geometry
+    (``page_size``, ``row_dim`` ...) is the pool's.  Build it with
+    :meth:`MLAKVPool.layer`, not directly.
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, kv_dtype: DType | str = DType.BF16,
-                 device: str | torch.device = "cpu", kv_lora_rank: int = 512,
-                 rope_dim: int = 64, scale: float = 1.0) -> None:
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page {PADDING_PAGE} is reserved for "
-                             f"padding), got {num_pages}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.kv_dtype = DType.parse(kv_dtype)
-        self.is_fp8 = self.kv_dtype is DType.FP8_E4M3
-        if not self.is_fp8 and scale != 1.0:
-            raise ValueError(f"scale={scale} is only meaningful for an fp8 pool; "
-                             f"this pool is {self.kv_dtype}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive finite float, got {scale}")
-        self.num_pages = int(num_pages)
-        self.page_size = int(page_size)
+    __slots__ = ("layer_id", "buffer", "scale", "scale_tensor", "kv_dtype", "is_fp8",
+                 "page_size", "num_pages", "kv_lora_rank", "rope_dim", "device")
+
+    def __init__(self, layer_id: int, buffer: torch.Tensor, scale: float, kv_dtype: DType,
+                 kv_lora_rank: int, rope_dim: int) -> None:
+        self.layer_id = int(layer_id)
+        self.buffer = buffer
+        self.kv_dtype = kv_dtype
+        self.is_fp8 = kv_dtype is DType.FP8_E4M3
+        self.scale = _check_scale(scale, self.is_fp8, kv_dtype, f"layer {layer_id}")
+        self.num_pages, self.page_size = int(buffer.shape[0]), int(buffer.shape[1])
         self.kv_lora_rank = int(kv_lora_rank)
         self.rope_dim = int(rope_dim)
-        self.device = resolve_device(device)
-        self.scale = float(scale)
-        self.buffer = torch.zeros((self.num_pages, self.page_size, self.row_dim),
-                                  dtype=torch_dtype(self.kv_dtype), device=self.device)
+        self.device = buffer.device
         #: ``scale`` as a 1-element float32 device tensor: kernels read it on the device,
-        #: so it can be passed to a captured launch.
+        #: so it can be passed to a captured launch (and changed between replays).
         self.scale_tensor = torch.full((1,), self.scale, dtype=torch.float32,
                                        device=self.device)
-        # Free pages as a stack (the next page handed out is at the end, so a fresh pool
-        # hands out 1, 2, 3, ...) and one flag byte per page: allocate and free are O(1)
-        # per page, and a double free or a foreign page is found without a search.
-        self._free_pages = list(range(self.num_pages - 1, PADDING_PAGE, -1))
-        self._is_free = bytearray(self.num_pages)
-        self._is_free[PADDING_PAGE + 1:] = b"\x01" * (self.num_pages - 1 - PADDING_PAGE)
-        self._canary: torch.Tensor | None = None
 
-    @classmethod
-    def from_config(cls, config: MLAConfig, num_pages: int, *, scale: float = 1.0) -> MLAKVPool:
-        """A pool shaped for an :class:`~attnreg.runtime.MLAConfig`."""
-        return cls(num_pages, config.page_size,
-                   kv_dtype=config.kv_dtype, device=config.device,
-                   kv_lora_rank=config.kv_lora_rank,
-                   rope_dim=config.qk_rope_head_dim, scale=scale)
-
-    # -- geometry --------------------------------------------------------------------
+    # -- geometry ----------------------------------------------------------------------
     @property
     def row_dim(self) -> int:
         """Width of one token's row: latent + rope (576)."""
@@ -134,6 +114,321 @@ class MLAKVPool:
         """The scale the kernels multiply stored values by (1.0 unless fp8)."""
         return self.scale
 
+    def set_scale(self, scale: float) -> None:
+        """Change this layer's FP8 scale (host float and device tensor, in place).
+
+        For engines that learn a layer's ``k_scale`` after allocating the pool
+        (loading a checkpoint).  Rows already written were quantised with the
+        old scale and now read back scaled by the new one: set it before the
+        layer's first write.  The device tensor is updated in place, so graphs
+        that captured it read the new value.
+        """
+        self.scale = _check_scale(scale, self.is_fp8, self.kv_dtype, f"layer {self.layer_id}")
+        self.scale_tensor.fill_(self.scale)
+
+    # -- writes and reads ------------------------------------------------------------
+    def write(self, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Write new tokens' latent ``[N, 512]`` and rope ``[N, 64]`` rows at flat ``slots``.
+
+        Quantises for an fp8 pool (``value / scale``, clamped to the e4m3 range).
+        Reads no host value, so it can run inside a captured graph; its
+        temporaries then come from the graph's private memory pool.
+
+        Raises
+        ------
+        UnsupportedError
+            On wrong shapes, devices or a non-int32 ``slots`` tensor.
+        """
+        n = latent.shape[0] if latent.dim() == 2 else -1
+        problems = []
+        if latent.dim() != 2 or latent.shape[1] != self.kv_lora_rank:
+            problems.append(f"latent must be [N, {self.kv_lora_rank}], got "
+                            f"{tuple(latent.shape)}")
+        if rope.dim() != 2 or rope.shape != (n, self.rope_dim):
+            problems.append(f"rope must be [N={n}, {self.rope_dim}], got {tuple(rope.shape)}")
+        if slots.dtype != torch.int32 or slots.dim() != 1 or slots.shape[0] != n:
+            problems.append(f"slots must be int32 [N={n}], got {slots.dtype} "
+                            f"{tuple(slots.shape)}")
+        for name, t in (("latent", latent), ("rope", rope), ("slots", slots)):
+            if t.device != self.device:
+                problems.append(f"{name} is on {t.device}, the pool on {self.device}")
+        if problems:
+            raise UnsupportedError("kv_pool", "KV write", problems,
+                                   "pass latent [N, 512], rope [N, 64] and int32 slots "
+                                   "[N] on the pool's device")
+        if n == 0:
+            return
+        rows = torch.cat([latent, rope], dim=-1)
+        if self.is_fp8:
+            rows = (rows.float() * (1.0 / self.scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        self.buffer.view(self.num_slots, self.row_dim)[slots] = rows.to(self.buffer.dtype)
+
+    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype = torch.float32
+                   ) -> torch.Tensor:
+        """Dequantised rows ``[N, 576]`` of the given flat slots (float32 by default).
+
+        ``dtype`` picks the result's dtype (e.g. the activations' bf16, for an
+        engine that decompresses prefix rows with its own projection).
+        """
+        rows = self.buffer.view(self.num_slots, self.row_dim)[slots.long()].float()
+        rows = rows * self.scale if self.is_fp8 else rows
+        return rows if dtype == torch.float32 else rows.to(dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole layer as float32 ``[num_pages, page_size, 576]`` (a copy)."""
+        full = self.buffer.float()
+        return full * self.scale if self.is_fp8 else full
+
+    def quantize_roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What reading back ``x`` after a write gives (float32): for exact references."""
+        if self.is_fp8:
+            q = (x.float() / self.scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            return q.to(self.buffer.dtype).float() * self.scale
+        return x.to(self.buffer.dtype).float()
+
+    def __repr__(self) -> str:
+        scale = f", scale={self.scale}" if self.is_fp8 else ""
+        return (f"MLAKVLayer(layer_id={self.layer_id}, num_pages={self.num_pages}, "
+                f"page_size={self.page_size}, kv_dtype={self.kv_dtype}{scale})")
+
+
+def _scales(scale: float | Sequence[float], num_layers: int) -> list[float]:
+    if isinstance(scale, (int, float)):
+        return [float(scale)] * num_layers
+    values = [float(s) for s in scale]
+    if len(values) != num_layers:
+        raise ValueError(f"scale lists {len(values)} values for {num_layers} layers; give one "
+                         "per layer, or one float for all")
+    return values
+
+
+class MLAKVPool:
+    """A paged latent KV cache of ``num_layers`` layers, each ``[num_pages, page_size, 576]``.
+
+    One page bookkeeping (free list) serves every layer: a sequence owns the
+    same pages, hence the same slots, in all of them.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages in the pool, including the reserved padding page 0.
+    page_size : int
+        Tokens per page (1, 16, 32 or 64 for the built-in backends).
+    num_layers : int
+        Attention layers (default 1: a one-layer pool, whose :attr:`buffer` is
+        its only buffer).
+    kv_dtype : DType or str
+        ``bf16``, ``fp16``, ``fp32`` or ``fp8_e4m3``.
+    device : str or torch.device
+    kv_lora_rank, rope_dim : int
+        Widths of the latent and rope parts (512 and 64 for DeepSeek).
+    scale : float or sequence of float
+        Dequantisation scale of an fp8 pool: one float for every layer, or one
+        per layer (ignored, and kept at 1.0, for 16/32-bit pools).
+    buffers : sequence of Tensor, optional
+        Existing per-layer buffers to use instead of allocating (see
+        :meth:`wrap`).
+
+    Examples
+    --------
+    >>> pool = MLAKVPool(num_pages=8, page_size=16, num_layers=2, kv_dtype="bf16")
+    >>> pages = pool.allocate([20])            # 2 pages for a 20-token sequence
+    >>> slots = torch.tensor(pool.slots(pages[0], range(20)), dtype=torch.int32)
+    >>> pool.write(slots, torch.randn(20, 512), torch.randn(20, 64), layer_id=1)
+    >>> pool.layer(1).buffer.shape
+    torch.Size([8, 16, 576])
+    >>> pool.free(pages[0])
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, num_layers: int = 1,
+                 kv_dtype: DType | str = DType.BF16, device: str | torch.device = "cpu",
+                 kv_lora_rank: int = 512, rope_dim: int = 64,
+                 scale: float | Sequence[float] = 1.0,
+                 buffers: Sequence[torch.Tensor] | None = None) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page {PADDING_PAGE} is reserved for "
+                             f"padding), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        self.kv_dtype = DType.parse(kv_dtype)
+        self.is_fp8 = self.kv_dtype is DType.FP8_E4M3
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.num_layers = int(num_layers)
+        self.kv_lora_rank = int(kv_lora_rank)
+        self.rope_dim = int(rope_dim)
+        self.device = resolve_device(device)
+        scales = _scales(scale, self.num_layers)
+        shape = (self.num_pages, self.page_size, self.row_dim)
+        if buffers is None:
+            tensors = [torch.zeros(shape, dtype=torch_dtype(self.kv_dtype), device=self.device)
+                       for _ in range(self.num_layers)]
+        else:
+            tensors = self._adopt(buffers, shape)
+        #: The per-layer views (buffer, scale, reads and writes), in layer order.
+        self.layers: tuple[MLAKVLayer, ...] = tuple(
+            MLAKVLayer(i, t, s, self.kv_dtype, self.kv_lora_rank, self.rope_dim)
+            for i, (t, s) in enumerate(zip(tensors, scales)))
+        # Free pages as a stack (the next page handed out is at the end, so a fresh pool
+        # hands out 1, 2, 3, ...) and one flag byte per page: allocate and free are O(1)
+        # per page, and a double free or a foreign page is found without a search.
+        self._free_pages = list(range(self.num_pages - 1, PADDING_PAGE, -1))
+        self._is_free = bytearray(self.num_pages)
+        self._is_free[PADDING_PAGE + 1:] = b"\x01" * (self.num_pages - 1 - PADDING_PAGE)
+        self._canary: torch.Tensor | None = None
+
+    def _adopt(self, buffers: Sequence[torch.Tensor], shape: tuple[int, int, int]
+               ) -> list[torch.Tensor]:
+        """Views ``[num_pages, page_size, row]`` of the caller's buffers (no copy)."""
+        tensors = list(buffers)
+        if len(tensors) != self.num_layers:
+            raise ValueError(f"{len(tensors)} buffers for num_layers={self.num_layers}: give "
+                             "one per layer")
+        want = torch_dtype(self.kv_dtype)
+        out = []
+        for i, t in enumerate(tensors):
+            if self.is_fp8 and t.dtype == torch.uint8:
+                t = t.view(want)  # engines keep fp8 pools as uint8 storage (index_put)
+            problems = []
+            if t.dtype != want:
+                problems.append(f"dtype {t.dtype}, the pool's kv_dtype {self.kv_dtype} is {want}")
+            if resolve_device(t.device) != self.device:
+                problems.append(f"on {t.device}, the pool on {self.device}")
+            if t.numel() != math.prod(shape):
+                problems.append(f"{t.numel()} elements, {math.prod(shape)} expected for "
+                                f"{shape[0]} pages of {shape[1]} tokens x {shape[2]}")
+            elif not t.is_contiguous():
+                problems.append("not contiguous (the pool views it without a copy)")
+            if problems:
+                raise ValueError(f"buffer of layer {i}: " + "; ".join(problems))
+            out.append(t.view(shape))
+        return out
+
+    @classmethod
+    def wrap(cls, buffers: Sequence[torch.Tensor], page_size: int, *,
+             kv_dtype: DType | str | None = None, scale: float | Sequence[float] = 1.0,
+             kv_lora_rank: int = 512, rope_dim: int = 64) -> MLAKVPool:
+        """A pool over an engine's existing per-layer buffers, without copying them.
+
+        Each buffer holds ``num_slots x (kv_lora_rank + rope_dim)`` values in
+        any contiguous shape (sglang's ``MLATokenToKVPool.kv_buffer[layer]`` is
+        ``[num_slots, 1, 576]``); ``num_slots`` must be a multiple of
+        ``page_size``, and slots ``0 .. page_size - 1`` (page 0) are the
+        padding page (sglang reserves slot 0 for padding at page size 1).  An
+        fp8 pool may be given as ``uint8`` storage.  The engine's own allocator
+        owns the pages: this pool's :meth:`allocate` / :meth:`free` need not be
+        used.
+
+        Parameters
+        ----------
+        buffers
+            One tensor per layer, all of one dtype and device.
+        page_size
+            Tokens per page of the engine's page table.
+        kv_dtype
+            Default: from the buffers' dtype (``uint8`` must say ``fp8_e4m3``).
+        scale
+            The layers' FP8 scales (one float for all, or one per layer).
+        """
+        tensors = list(buffers)
+        if not tensors:
+            raise ValueError("wrap() needs one buffer per layer, got none")
+        first = tensors[0]
+        if kv_dtype is None:
+            found = dtype_from_torch(first.dtype)
+            if found is None:
+                raise ValueError(f"cannot tell the KV dtype of a {first.dtype} buffer; pass "
+                                 "kv_dtype= (e.g. 'fp8_e4m3' for uint8 storage)")
+            kv_dtype = found
+        row = kv_lora_rank + rope_dim
+        slots, rest = divmod(first.numel(), row)
+        if rest or slots % page_size:
+            raise ValueError(f"a buffer of {first.numel()} elements is not a whole number of "
+                             f"pages of {page_size} rows of {row}")
+        return cls(slots // page_size, page_size, num_layers=len(tensors), kv_dtype=kv_dtype,
+                   device=first.device, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                   scale=scale, buffers=tensors)
+
+    @classmethod
+    def from_config(cls, config: MLAConfig, num_pages: int, *, num_layers: int = 1,
+                    scale: float | Sequence[float] = 1.0) -> MLAKVPool:
+        """A pool shaped for an :class:`~attnreg.runtime.MLAConfig`."""
+        return cls(num_pages, config.page_size, num_layers=num_layers,
+                   kv_dtype=config.kv_dtype, device=config.device,
+                   kv_lora_rank=config.kv_lora_rank,
+                   rope_dim=config.qk_rope_head_dim, scale=scale)
+
+    # -- layers ----------------------------------------------------------------------
+    def layer(self, layer_id: int) -> MLAKVLayer:
+        """The view of layer ``layer_id`` (what a forward with that ``layer_id`` reads).
+
+        Raises
+        ------
+        IndexError
+            When ``layer_id`` is not in ``0 .. num_layers - 1``.
+        """
+        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+            raise IndexError(f"layer_id {layer_id!r} is not a layer of this pool (0.."
+                             f"{self.num_layers - 1}); build the pool with num_layers= "
+                             "covering every attention layer")
+        return self.layers[layer_id]
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every layer's buffer, in layer order."""
+        return tuple(layer.buffer for layer in self.layers)
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        """Every layer's FP8 scale (all 1.0 for 16/32-bit pools)."""
+        return tuple(layer.scale for layer in self.layers)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """Layer 0's buffer: the only one of a one-layer pool."""
+        return self.layers[0].buffer
+
+    @property
+    def scale(self) -> float:
+        """Layer 0's scale (see :attr:`scales` for every layer)."""
+        return self.layers[0].scale
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """Layer 0's scale as a device tensor (see :meth:`layer`)."""
+        return self.layers[0].scale_tensor
+
+    @property
+    def kv_scale(self) -> float:
+        """Layer 0's dequantisation scale (1.0 unless fp8)."""
+        return self.layers[0].scale
+
+    # -- geometry --------------------------------------------------------------------
+    @property
+    def row_dim(self) -> int:
+        """Width of one token's row: latent + rope (576)."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].buffer.dtype
+
+    @property
+    def padding_slot(self) -> int:
+        """The slot padded graph replays write their dummy tokens to."""
+        return PADDING_PAGE * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's buffer."""
+        return sum(layer.buffer.nbytes for layer in self.layers)
+
     def pages_needed(self, seq_len: int) -> int:
         return -(-int(seq_len) // self.page_size)
 
@@ -146,6 +441,8 @@ class MLAKVPool:
     def allocate(self, seq_lens: Sequence[int], *, shuffle: bool | int = False
                  ) -> list[list[int]]:
         """Take pages for sequences of the given lengths from the free list (O(1) per page).
+
+        The pages hold the sequence in every layer.
 
         Parameters
         ----------
@@ -239,76 +536,45 @@ class MLAKVPool:
         table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
         return table.to(self.device)
 
-    # -- writes and reads ------------------------------------------------------------
-    def write(self, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
-        """Write new tokens' latent ``[N, 512]`` and rope ``[N, 64]`` rows at flat ``slots``.
+    # -- writes and reads (one layer; layer 0 by default) ------------------------------
+    def write(self, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, *,
+              layer_id: int = 0) -> None:
+        """Write new tokens' rows into layer ``layer_id`` (see :meth:`MLAKVLayer.write`)."""
+        self.layer(layer_id).write(slots, latent, rope)
 
-        Quantises for an fp8 pool (``value / scale``, clamped to the e4m3 range).
-        Reads no host value, so it can run inside a captured graph; its
-        temporaries then come from the graph's private memory pool.
+    def read_slots(self, slots: torch.Tensor, *, layer_id: int = 0,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantised rows ``[N, 576]`` of layer ``layer_id`` (see :meth:`MLAKVLayer.read_slots`)."""
+        return self.layer(layer_id).read_slots(slots, dtype)
 
-        Raises
-        ------
-        UnsupportedError
-            On wrong shapes, devices or a non-int32 ``slots`` tensor.
-        """
-        n = latent.shape[0] if latent.dim() == 2 else -1
-        problems = []
-        if latent.dim() != 2 or latent.shape[1] != self.kv_lora_rank:
-            problems.append(f"latent must be [N, {self.kv_lora_rank}], got "
-                            f"{tuple(latent.shape)}")
-        if rope.dim() != 2 or rope.shape != (n, self.rope_dim):
-            problems.append(f"rope must be [N={n}, {self.rope_dim}], got {tuple(rope.shape)}")
-        if slots.dtype != torch.int32 or slots.dim() != 1 or slots.shape[0] != n:
-            problems.append(f"slots must be int32 [N={n}], got {slots.dtype} "
-                            f"{tuple(slots.shape)}")
-        for name, t in (("latent", latent), ("rope", rope), ("slots", slots)):
-            if t.device != self.device:
-                problems.append(f"{name} is on {t.device}, the pool on {self.device}")
-        if problems:
-            raise UnsupportedError("kv_pool", "KV write", problems,
-                                   "pass latent [N, 512], rope [N, 64] and int32 slots "
-                                   "[N] on the pool's device")
-        if n == 0:
-            return
-        rows = torch.cat([latent, rope], dim=-1)
-        if self.is_fp8:
-            rows = (rows.float() * (1.0 / self.scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        self.buffer.view(self.num_slots, self.row_dim)[slots] = rows.to(self.buffer.dtype)
+    def dequantized(self, *, layer_id: int = 0) -> torch.Tensor:
+        """Layer ``layer_id`` as float32 ``[num_pages, page_size, 576]`` (a copy)."""
+        return self.layer(layer_id).dequantized()
 
-    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantised float32 rows ``[N, 576]`` of the given flat slots."""
-        rows = self.buffer.view(self.num_slots, self.row_dim)[slots.long()].float()
-        return rows * self.scale if self.is_fp8 else rows
-
-    def dequantized(self) -> torch.Tensor:
-        """The whole pool as float32 ``[num_pages, page_size, 576]`` (a copy)."""
-        full = self.buffer.float()
-        return full * self.scale if self.is_fp8 else full
-
-    def quantize_roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """What reading back ``x`` after a write gives (float32): for exact references."""
-        if self.is_fp8:
-            q = (x.float() / self.scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            return q.to(self.buffer.dtype).float() * self.scale
-        return x.to(self.buffer.dtype).float()
+    def quantize_roundtrip(self, x: torch.Tensor, *, layer_id: int = 0) -> torch.Tensor:
+        """What reading back ``x`` from layer ``layer_id`` after a write gives (float32)."""
+        return self.layer(layer_id).quantize_roundtrip(x)
 
     # -- canaries --------------------------------------------------------------------
     def fill_canary(self, value: float = -3.0) -> None:
-        """Fill every slot with ``value`` and remember the pattern.
+        """Fill every slot of every layer with ``value`` and remember the pattern.
 
         A later :meth:`corrupted_slots` lists slots that changed although nothing
         was meant to write them.  The default is finite on purpose: a kernel that
         loads a whole tile and masks the scores multiplies the masked values by a
         zero probability, which is harmless for a finite value but NaN for a NaN.
         """
-        self.buffer.fill_(value)
-        self._canary = self.buffer[0, 0].clone()
+        for layer in self.layers:
+            layer.buffer.fill_(value)
+        self._canary = self.layers[0].buffer[0, 0].clone()
 
-    def corrupted_slots(self, written: Sequence[int] | torch.Tensor = ()) -> list[int]:
+    def corrupted_slots(self, written: Sequence[int] | torch.Tensor = (), *,
+                        layer_id: int | None = None) -> list[int]:
         """Slots outside ``written`` (and outside the padding page) that lost the canary.
 
-        Compares bytes, so it also works for fp8 and NaN canaries.
+        ``layer_id``: check that layer only; None (default) checks every layer
+        and lists a slot changed in any of them.  Compares bytes, so it also
+        works for fp8 and NaN canaries.
 
         Raises
         ------
@@ -317,9 +583,12 @@ class MLAKVPool:
         """
         if self._canary is None:
             raise RuntimeError("call fill_canary() before corrupted_slots()")
-        flat = self.buffer.view(self.num_slots, self.row_dim).view(torch.uint8)
+        layers = self.layers if layer_id is None else (self.layer(layer_id),)
         ref = self._canary.view(torch.uint8)
-        changed = (flat != ref).any(dim=1)
+        changed = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        for layer in layers:
+            flat = layer.buffer.view(self.num_slots, self.row_dim).view(torch.uint8)
+            changed |= (flat != ref).any(dim=1)
         changed[: (PADDING_PAGE + 1) * self.page_size] = False
         if isinstance(written, torch.Tensor):
             written_idx = written.to(device=changed.device, dtype=torch.long)
@@ -330,7 +599,8 @@ class MLAKVPool:
         return [int(i) for i in torch.nonzero(changed).flatten().tolist()]
 
     def __repr__(self) -> str:
-        scale = f", scale={self.scale}" if self.is_fp8 else ""
-        return (f"MLAKVPool(num_pages={self.num_pages}, page_size={self.page_size}, "
+        scale = f", scales={list(self.scales)}" if self.is_fp8 else ""
+        layers = f", num_layers={self.num_layers}" if self.num_layers > 1 else ""
+        return (f"MLAKVPool(num_pages={self.num_pages}, page_size={self.page_size}{layers}, "
                 f"kv_dtype={self.kv_dtype}, row_dim={self.row_dim}, "
                 f"device={self.device}{scale})")

@@ -15,7 +15,7 @@ import torch
 
 from .batch import ForwardBatch
 from .config import MLAConfig
-from .pool import MLAKVPool
+from .pool import MLAKVLayer, MLAKVPool
 
 __all__ = [
     "INDEX_FIELDS",
@@ -62,7 +62,8 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     return problems
 
 
-def pool_problems(pool: MLAKVPool, config: MLAConfig, device: torch.device) -> list[str]:
+def pool_problems(pool: MLAKVPool | MLAKVLayer, config: MLAConfig,
+                  device: torch.device) -> list[str]:
     """What makes ``pool`` unusable with ``config`` on ``device``."""
     problems = []
     if pool.page_size != config.page_size:
@@ -88,7 +89,7 @@ def query_problems(q: torch.Tensor, shape: tuple[int, int, int], device: torch.d
 
 
 def new_rows_problems(latent: torch.Tensor | None, rope: torch.Tensor | None, rows: int,
-                      pool: MLAKVPool) -> list[str]:
+                      pool: MLAKVPool | MLAKVLayer) -> list[str]:
     """What is wrong with the new tokens' cache rows (both None: nothing to write)."""
     if (latent is None) != (rope is None):
         return ["latent_new and rope_new go together: pass both or neither"]

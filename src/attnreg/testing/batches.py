@@ -9,28 +9,44 @@ failed, so the cause is readable from the table.
 Two size profiles: ``cpu`` keeps everything tiny (the Triton interpreter runs
 every program sequentially), ``cuda`` uses lengths that exercise several KV
 splits, page boundaries and padding of captured graphs.
+
+Speculative batches (TARGET_VERIFY, DRAFT_EXTEND) are decode-phase specs whose
+new tokens per sequence come from the claim (the declared draft tokens):
+:func:`batch_spec` builds them from the prefixes in :data:`SPECULATIVE_PREFIXES`
+given ``query_len``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnreg.registry.capabilities import Phase
+from attnreg.registry.capabilities import ForwardMethod, ForwardMode, Phase
 
-__all__ = ["CAPTURE_REPLAY_SPECS", "SPECS", "BatchSpec", "batch_names", "batch_spec"]
+__all__ = ["CAPTURE_REPLAY_SPECS", "CHUNKED_PREFIX_SPECS", "SPECS", "SPECULATIVE_EAGER_SPECS",
+           "SPECULATIVE_PREFIXES", "SPECULATIVE_REPLAY_SPECS", "BatchSpec", "batch_names",
+           "batch_spec", "chunk_tokens", "eager_specs", "replay_specs"]
 
 
 @dataclass(frozen=True)
 class BatchSpec:
     """One named batch: ``seqs[i] = (prefix_len, extend_len)``.
 
-    ``phase`` is DECODE when every sequence brings exactly one token.
+    ``phase`` is DECODE for decode and speculative batches; ``forward_mode``
+    says which (None: the phase's plain mode, DECODE or EXTEND).
     """
 
     name: str
     phase: Phase
     seqs: tuple[tuple[int, int], ...]
     about: str
+    forward_mode: ForwardMode | None = None
+
+    @property
+    def mode(self) -> ForwardMode:
+        """The batch's forward mode."""
+        if self.forward_mode is not None:
+            return self.forward_mode
+        return ForwardMode.DECODE if self.phase is Phase.DECODE else ForwardMode.EXTEND
 
     @property
     def batch_size(self) -> int:
@@ -129,8 +145,68 @@ CAPTURE_REPLAY_SPECS: dict[Phase, tuple[str, ...]] = {
 }
 
 
-def batch_spec(name: str, profile: str) -> BatchSpec:
-    """The spec ``name`` of size profile ``profile`` (``cpu`` or ``cuda``)."""
+#: Prefix lengths of the speculative specs per profile (new tokens: the claim's draft
+#: tokens; draft extend cycles 1..draft tokens over the sequences).
+SPECULATIVE_PREFIXES: dict[str, dict[str, tuple[int, ...]]] = {
+    "cpu": {"ragged": (5, 16, 33, 2), "single": (37,), "long_kv": (1100, 40)},
+    "cuda": {"ragged": (16, 129, 1022, 2047, 63, 300, 7, 1000), "single": (1000,),
+             "long_kv": (8180, 4000, 100)},
+}
+_SPEC_KIND = {"verify": ForwardMode.TARGET_VERIFY, "draft_extend": ForwardMode.DRAFT_EXTEND}
+_SPEC_ABOUT = {"ragged": "requests of different lengths", "single": "one request",
+               "long_kv": "long histories next to a short one (several KV splits)"}
+
+#: The speculative specs a claim runs eagerly and replays through one graph, by mode.
+SPECULATIVE_EAGER_SPECS: dict[ForwardMode, tuple[str, ...]] = {
+    ForwardMode.TARGET_VERIFY: ("verify_single", "verify_ragged", "verify_long_kv"),
+    ForwardMode.DRAFT_EXTEND: ("draft_extend_single", "draft_extend_ragged",
+                               "draft_extend_long_kv"),
+}
+SPECULATIVE_REPLAY_SPECS: dict[ForwardMode, tuple[str, ...]] = {
+    ForwardMode.TARGET_VERIFY: ("verify_ragged", "verify_single", "verify_long_kv",
+                                "verify_ragged"),
+    ForwardMode.DRAFT_EXTEND: ("draft_extend_ragged", "draft_extend_single",
+                               "draft_extend_long_kv", "draft_extend_ragged"),
+}
+#: Prefill specs with a cached prefix: what chunked-prefix MHA is checked on.
+CHUNKED_PREFIX_SPECS: tuple[str, ...] = ("extend_with_prefix", "mixed_lengths",
+                                         "long_kv_extend")
+#: Prefix tokens per chunk of chunked-prefix MHA claims (several chunks per prefix).
+_CHUNK_TOKENS = {"cpu": 8, "cuda": 512}
+
+
+def chunk_tokens(profile: str) -> int:
+    """The chunk size chunked-prefix MHA claims run with on profile ``profile``."""
+    return _CHUNK_TOKENS.get(profile, _CHUNK_TOKENS["cuda"])
+
+
+def _speculative(name: str, profile: str, query_len: int) -> BatchSpec:
+    kind, _, shape = name.partition("_") if name.startswith("verify") else \
+        ("draft_extend", "_", name[len("draft_extend_"):])
+    prefixes = SPECULATIVE_PREFIXES[profile][shape]
+    mode = _SPEC_KIND[kind]
+    if mode is ForwardMode.TARGET_VERIFY:
+        seqs = tuple((p, query_len) for p in prefixes)
+    else:  # accepted tokens: 1..query_len, the longest first
+        seqs = tuple((p, query_len - i % query_len) for i, p in enumerate(prefixes))
+    return BatchSpec(name, Phase.DECODE, seqs,
+                     f"{mode} of {query_len} draft tokens: {_SPEC_ABOUT[shape]}", mode)
+
+
+def batch_spec(name: str, profile: str, query_len: int | None = None) -> BatchSpec:
+    """The spec ``name`` of size profile ``profile`` (``cpu`` or ``cuda``).
+
+    Speculative specs (``verify_*``, ``draft_extend_*``) need ``query_len``:
+    the draft tokens per sequence.
+    """
+    if name.startswith(("verify_", "draft_extend_")):
+        if query_len is None or query_len < 1:
+            raise KeyError(f"speculative batch spec {name!r} needs query_len >= 1")
+        try:
+            return _speculative(name, profile, query_len)
+        except KeyError:
+            raise KeyError(f"no speculative batch spec {name!r} in profile {profile!r}"
+                           ) from None
     try:
         return SPECS[profile][name]
     except KeyError:
@@ -141,3 +217,21 @@ def batch_spec(name: str, profile: str) -> BatchSpec:
 def batch_names(phase: Phase) -> tuple[str, ...]:
     """The eager-correctness specs of ``phase``."""
     return EAGER_SPECS[phase]
+
+
+def eager_specs(phase: Phase, forward_mode: ForwardMode | None = None,
+                method: ForwardMethod | None = None) -> tuple[str, ...]:
+    """The specs an eager claim runs: by forward mode (speculative), method (chunked-prefix
+    MHA needs prefixes), else phase."""
+    if forward_mode in SPECULATIVE_EAGER_SPECS:
+        return SPECULATIVE_EAGER_SPECS[forward_mode]  # type: ignore[index]
+    if method is ForwardMethod.MHA_CHUNKED_KV:
+        return CHUNKED_PREFIX_SPECS
+    return EAGER_SPECS[phase]
+
+
+def replay_specs(phase: Phase, forward_mode: ForwardMode | None = None) -> tuple[str, ...]:
+    """The specs one captured graph replays (by forward mode for speculative graphs)."""
+    if forward_mode in SPECULATIVE_REPLAY_SPECS:
+        return SPECULATIVE_REPLAY_SPECS[forward_mode]  # type: ignore[index]
+    return CAPTURE_REPLAY_SPECS[phase]

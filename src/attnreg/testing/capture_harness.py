@@ -151,12 +151,22 @@ class CapturedForward:
         host inside the captured region raises) and account the allocator's
         bytes around it (:attr:`memory`), net of what torch itself keeps per
         capture.
+    forward_mode, query_len
+        A speculative forward mode of the decode phase (TARGET_VERIFY,
+        DRAFT_EXTEND) and its draft tokens per sequence: the graph is captured
+        for ``max_bs * query_len`` query rows and run by ``forward_extend``.
+        Default: the phase's plain mode.
+    layers
+        Pool layers the captured function runs, one forward each over one
+        captured plan (``layer_id`` 0, 1, ...), each with its own static inputs
+        and output.
     """
 
     def __init__(self, backend: AttentionBackend, config: MLAConfig, pool: MLAKVPool, *,
                  phase: Phase, mode: GraphMode, method: ForwardMethod, max_bs: int,
                  max_tokens: int, max_seq_len: int, max_kv_rows: int, real_graphs: bool,
-                 sync_check: bool = False) -> None:
+                 sync_check: bool = False, forward_mode: ForwardMode | None = None,
+                 query_len: int | None = None, layers: int = 1) -> None:
         self.backend = backend
         self.config = config
         self.pool = pool
@@ -165,9 +175,17 @@ class CapturedForward:
         self.method = method
         self.real_graphs = real_graphs
         self.sync_check = sync_check and real_graphs
+        self.forward_mode = forward_mode or (ForwardMode.DECODE if phase is Phase.DECODE
+                                             else ForwardMode.EXTEND)
         self.bs = max_bs
-        self.num_tokens = max_bs if phase is Phase.DECODE else max_tokens
+        if self.forward_mode is ForwardMode.DECODE:
+            self.num_tokens = max_bs
+        elif self.forward_mode is ForwardMode.EXTEND:
+            self.num_tokens = max_tokens
+        else:
+            self.num_tokens = max_bs * int(query_len or 1)
         self.max_seq_len = max_seq_len
+        self.layers = int(layers)
         self.memory: MemoryDelta | None = None
         self.capture_memory: CaptureMemoryCheck | None = None
         self.host_scale = 1.0
@@ -177,20 +195,23 @@ class CapturedForward:
         rows = self.num_tokens
         qk = config.kv_row_dim if method is ForwardMethod.MLA else config.mha_head_dims[0]
         dv = config.kv_lora_rank if method is ForwardMethod.MLA else config.mha_head_dims[1]
-        self.q = torch.zeros(rows, heads, qk, dtype=qdt, device=dev)
-        self.latent = torch.zeros(rows, config.kv_lora_rank, dtype=qdt, device=dev)
-        self.rope = torch.zeros(rows, config.qk_rope_head_dim, dtype=qdt, device=dev)
-        self.out = torch.zeros(rows, heads, dv, dtype=qdt, device=dev)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=qdt, device=dev)
+
+        n = self.layers
+        self.qs = [zeros(rows, heads, qk) for _ in range(n)]
+        self.latents = [zeros(rows, config.kv_lora_rank) for _ in range(n)]
+        self.ropes = [zeros(rows, config.qk_rope_head_dim) for _ in range(n)]
+        self.outs = [zeros(rows, heads, dv) for _ in range(n)]
         self.k = self.v = None
         if method is not ForwardMethod.MLA:
-            self.k = torch.zeros(max_kv_rows, heads, config.mha_head_dims[0], dtype=qdt,
-                                 device=dev)
-            self.v = torch.zeros(max_kv_rows, heads, config.mha_head_dims[1], dtype=qdt,
-                                 device=dev)
-        # BREAKABLE: the eager region scales the attention output by a host value
-        # into ``mid``; the second segment copies ``mid`` into ``final``.
-        self.mid = torch.zeros_like(self.out)
-        self.final = torch.zeros_like(self.out)
+            self.k = zeros(max_kv_rows, heads, config.mha_head_dims[0])
+            self.v = zeros(max_kv_rows, heads, config.mha_head_dims[1])
+        # BREAKABLE: the eager region scales each attention output by a host value
+        # into ``mids``; the second segment copies them into ``finals``.
+        self.mids = [torch.zeros_like(o) for o in self.outs]
+        self.finals = [torch.zeros_like(o) for o in self.outs]
         self.runner = GraphRunner(dev, device_graphs=real_graphs, warmup=0,
                                   forbid_sync=self.sync_check)
         self.graph: CapturedGraph | None = None
@@ -201,8 +222,21 @@ class CapturedForward:
         #: note_served_by reports per forward driven here (see :data:`Served`).
         self.served: Served = []
 
+    # layer 0's static tensors (the only ones of a one-layer capture)
+    @property
+    def q(self) -> torch.Tensor:
+        return self.qs[0]
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.outs[0]
+
     def _statics(self) -> dict[str, torch.Tensor]:
-        named = {"q": self.q, "latent_new": self.latent, "rope_new": self.rope, "out": self.out}
+        named: dict[str, torch.Tensor] = {}
+        for i in range(self.layers):
+            at = f"[layer {i}]" if self.layers > 1 else ""
+            named.update({f"q{at}": self.qs[i], f"latent_new{at}": self.latents[i],
+                          f"rope_new{at}": self.ropes[i], f"out{at}": self.outs[i]})
         if self.k is not None and self.v is not None:
             named.update(k=self.k, v=self.v)
         return named
@@ -230,7 +264,6 @@ class CapturedForward:
 
         Starts the capture-memory window (see :class:`CaptureMemoryCheck`).
         """
-        fmode = ForwardMode.DECODE if self.phase is Phase.DECODE else ForwardMode.EXTEND
         if self.on_cuda:
             gc.collect()
             torch.cuda.synchronize()
@@ -242,19 +275,25 @@ class CapturedForward:
                                                graph_modes={self.phase: self.mode})
         self.backend.init_forward_metadata_capture(self.bs, self.num_tokens,
                                                    batch=capture_work.batch,
-                                                   forward_mode=fmode)
+                                                   forward_mode=self.forward_mode)
 
-    def warm_up(self, capture_work: Workload) -> torch.Tensor:
+    def warm_up(self, capture_work: Workload | list[Workload]) -> torch.Tensor:
         """Run the captured function once eagerly on the capture batch (compiles kernels).
 
         Through the runner: on CUDA on a side stream, under ``capturing(mode)``.
+        Returns layer 0's output rows.
         """
-        self._fill(capture_work)
+        works = _as_list(capture_work)
+        self._fill(works)
         self._when = "warm-up"
         # not under the sync guard: first launches compile kernels and may set up state
         self.runner.warm_up(self._step, self.mode)
         self.check_storage("warm-up")
-        return self.out[:capture_work.rows]
+        return self.outs[0][:works[0].rows]
+
+    def layer_outputs(self, rows: int) -> list[torch.Tensor]:
+        """Every layer's attention output rows (after :meth:`warm_up`)."""
+        return [o[:rows] for o in self.outs]
 
     def capture(self) -> None:
         """Record the function (without device graphs: run it once under ``capturing``)."""
@@ -304,7 +343,7 @@ class CapturedForward:
         def empty_round() -> int:
             held = 0
             for _ in range(segments):
-                graph = self.runner.capture(self.mid.zero_, GraphMode.FULL, warmup=0)
+                graph = self.runner.capture(self.mids[0].zero_, GraphMode.FULL, warmup=0)
                 self._empty_graphs.append(graph)
                 held += graph.stats.bytes_held if graph.stats is not None else 0
             return held
@@ -312,20 +351,28 @@ class CapturedForward:
         empty_round()
         return empty_round()
 
-    def replay(self, work: Workload, host_scale: float = 1.0,
+    def replay(self, work: Workload | list[Workload], host_scale: float = 1.0,
                between: Callable[[], None] | None = None) -> torch.Tensor:
-        """Copy ``work`` in, re-plan its metadata, replay; the output rows of ``work``.
+        """Copy ``work`` in, re-plan its metadata, replay; layer 0's output rows of ``work``.
 
-        ``between`` runs after the metadata replay and right before the graph
-        replay (the runner's ``before_replay`` hook: allocator churn goes there).
+        ``work`` may be one workload per layer (one batch); :meth:`replay_layers`
+        returns every layer's rows.  ``between`` runs after the metadata replay and
+        right before the graph replay (the runner's ``before_replay`` hook:
+        allocator churn goes there).
         """
+        return self.replay_layers(work, host_scale, between)[0]
+
+    def replay_layers(self, work: Workload | list[Workload], host_scale: float = 1.0,
+                      between: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """As :meth:`replay`, every layer's output rows."""
         assert self.graph is not None, "capture() first"
-        self._fill(work)
-        fmode = ForwardMode.DECODE if self.phase is Phase.DECODE else ForwardMode.EXTEND
-        self.backend.init_forward_metadata_replay(self.bs, self.num_tokens, work.batch,
-                                                  forward_mode=fmode)
+        works = _as_list(work)
+        first = works[0]
+        self._fill(works)
+        self.backend.init_forward_metadata_replay(self.bs, self.num_tokens, first.batch,
+                                                  forward_mode=self.forward_mode)
         self.host_scale = host_scale
-        self._when = f"replay of {work.spec.name}"
+        self._when = f"replay of {first.spec.name}"
         self.runner.before_replay = between
         try:
             self.graph.replay()
@@ -334,38 +381,46 @@ class CapturedForward:
         if self.on_cuda:
             torch.cuda.synchronize()
         if not self.real_graphs:
-            self.check_storage(f"replay of {work.spec.name}")
+            self.check_storage(f"replay of {first.spec.name}")
         if self.mode is GraphMode.BREAKABLE:
             # undo the eager region's exact power-of-two scaling
-            return self.final[:work.rows] / host_scale
-        return self.out[:work.rows]
+            return [f[:first.rows] / host_scale for f in self.finals]
+        return [o[:first.rows] for o in self.outs]
 
     def padding_problems(self, work: Workload) -> list[str]:
-        """Rows of the attention output beyond ``work``'s that are not exactly zero."""
-        rest = self.out[work.rows:]
-        if rest.numel() == 0:
-            return []
-        bad = ~(rest == 0).flatten(1).all(dim=1)
-        if not bool(bad.any()):
-            return []
-        rows = [work.rows + int(i) for i in torch.nonzero(bad).flatten().tolist()]
-        nonfinite = int((~torch.isfinite(rest.float())).flatten(1).any(dim=1).sum())
-        return [f"{work.spec.describe()} replayed through a graph captured for "
-                f"bs={self.bs}, num_tokens={self.num_tokens}: {len(rows)} of "
-                f"{self.out.shape[0] - work.rows} padding output rows are not zero (rows "
+        """Rows of the attention outputs beyond ``work``'s that are not exactly zero."""
+        out: list[str] = []
+        for layer, full in enumerate(self.outs):
+            rest = full[work.rows:]
+            if rest.numel() == 0:
+                continue
+            bad = ~(rest == 0).flatten(1).all(dim=1)
+            if not bool(bad.any()):
+                continue
+            rows = [work.rows + int(i) for i in torch.nonzero(bad).flatten().tolist()]
+            nonfinite = int((~torch.isfinite(rest.float())).flatten(1).any(dim=1).sum())
+            at = f" (layer {layer})" if self.layers > 1 else ""
+            out.append(
+                f"{work.spec.describe()} replayed through a graph captured for "
+                f"bs={self.bs}, num_tokens={self.num_tokens}{at}: {len(rows)} of "
+                f"{full.shape[0] - work.rows} padding output rows are not zero (rows "
                 f"{rows[:6]}{'...' if len(rows) > 6 else ''}"
                 + (f", {nonfinite} with non-finite values" if nonfinite else "")
                 + "); docs/runtime.md promises zero output for the missing sequences: zero "
-                "them inside the graph (AttentionBackend.zero_padded_rows)"]
+                "them inside the graph (AttentionBackend.zero_padded_rows)")
+        return out
 
     # -- pieces ------------------------------------------------------------------------
-    def _fill(self, work: Workload) -> None:
-        n = work.rows
-        for static, value in ((self.q, work.q), (self.latent, work.latent_new),
-                              (self.rope, work.rope_new)):
-            static[:n].copy_(value)
-            static[n:].zero_()
+    def _fill(self, works: list[Workload]) -> None:
+        for i in range(self.layers):
+            work = works[i] if i < len(works) else works[0]
+            n = work.rows
+            for static, value in ((self.qs[i], work.q), (self.latents[i], work.latent_new),
+                                  (self.ropes[i], work.rope_new)):
+                static[:n].copy_(value)
+                static[n:].zero_()
         if self.k is not None and self.v is not None:
+            work = works[0]
             assert work.k is not None and work.v is not None
             t = work.k.shape[0]
             self.k[:t].copy_(work.k)
@@ -374,26 +429,34 @@ class CapturedForward:
             self.v[t:].zero_()
 
     def _step(self) -> None:
-        """The captured function: the forward, then (BREAKABLE) the harness's break."""
+        """The captured function: the forwards, then (BREAKABLE) the harness's break."""
         self._forward(self._when)
         if self.mode is GraphMode.BREAKABLE:
             eager_break.run(HARNESS_BREAK, self._eager_region)
-            self.final.copy_(self.mid)
+            for mid, final in zip(self.mids, self.finals):
+                final.copy_(mid)
 
     def _forward(self, when: str) -> None:
-        """One forward over the static buffers; what served it goes to :attr:`served`."""
+        """One forward per layer over the static buffers; what served it goes to
+        :attr:`served`."""
         with recording_served() as records:
-            if self.phase is Phase.DECODE:
-                self.backend.forward_decode(self.q, self.latent, self.rope, self.pool, None,
-                                            out=self.out)
-            else:
-                self.backend.forward_extend(self.q, self.latent, self.rope, self.pool, None,
-                                            method=self.method, k=self.k, v=self.v,
-                                            out=self.out)
+            for i in range(self.layers):
+                if self.forward_mode is ForwardMode.DECODE:
+                    self.backend.forward_decode(self.qs[i], self.latents[i], self.ropes[i],
+                                                self.pool, None, out=self.outs[i], layer_id=i)
+                else:
+                    self.backend.forward_extend(self.qs[i], self.latents[i], self.ropes[i],
+                                                self.pool, None, method=self.method, k=self.k,
+                                                v=self.v, out=self.outs[i], layer_id=i)
         self.served.append((when, records))
 
     def _eager_region(self) -> None:
-        torch.mul(self.out, self.host_scale, out=self.mid)
+        for out, mid in zip(self.outs, self.mids):
+            torch.mul(out, self.host_scale, out=mid)
+
+
+def _as_list(work: Workload | list[Workload]) -> list[Workload]:
+    return list(work) if isinstance(work, list) else [work]
 
 
 def _storage_of(t: torch.Tensor) -> tuple[int, int]:

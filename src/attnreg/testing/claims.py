@@ -5,9 +5,13 @@ Pure data, no torch: :func:`expand_claims` turns one
 pytest plugin turns each claim into one test item.  Three kinds:
 
 * ``eager`` - one declared input configuration (forward method x phase x q/kv
-  dtype x page size x head count x head dims) computes what the float32 oracle
+  dtype x page size x head count x head dims) computes what the float64 oracle
   computes on the named batch specs of its phase, and writes nothing outside
-  the KV slots it was given;
+  the KV slots it was given; so do the speculative forward modes a backend
+  declares eagerly (target verify, draft extend, at the declared draft tokens
+  per sequence) and chunked-prefix MHA; ``lse`` claims check the log-sum-exp
+  of every kernel that declares one; ``multi_layer`` claims run several layers
+  of one pool (own contents, own fp8 scales) with one plan per step;
 * ``refusal`` - an input *outside* the declaration (page size, dtype, head
   dims, head count, forward method, int64 index tensors) is refused with
   ``UnsupportedError`` before any kernel launch;
@@ -15,7 +19,9 @@ pytest plugin turns each claim into one test item.  Three kinds:
   run correctly through capture and replay (several batches, allocator churn,
   KV canaries, no sync or allocation while capturing, pinned forward method,
   split-KV surviving capture, zero output rows for the padding of a smaller
-  batch, capture memory within the declared estimate); FALLBACK modes are
+  batch, capture memory within the declared estimate, several layers sharing
+  one captured plan), for every forward mode the entry serves (a FULL decode
+  graph's target-verify and draft-extend batches too); FALLBACK modes are
   served by the declared
   ``fallback_to`` (as the backend reports through
   :func:`~attnreg.graph_policy.capture.note_served_by`); UNSUPPORTED modes are
@@ -40,6 +46,7 @@ from attnreg.registry.capabilities import (
     Capabilities,
     DType,
     ForwardMethod,
+    ForwardMode,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -49,7 +56,7 @@ from attnreg.registry.capabilities import (
 )
 from attnreg.registry.strenum import StrEnum
 
-from .batches import CAPTURE_REPLAY_SPECS, EAGER_SPECS
+from .batches import eager_specs, replay_specs
 
 __all__ = [
     "CPU_RUNNABLE_CAPTURE_CHECKS",
@@ -80,6 +87,9 @@ class Check(StrEnum):
 
     # eager
     MATCHES_REFERENCE = "matches_reference"
+    LSE = "lse"
+    # eager and capture: several layers of one pool sharing one plan per step
+    MULTI_LAYER = "multi_layer"
     # refusals
     PAGE_SIZE = "page_size"
     Q_DTYPE = "q_dtype"
@@ -110,7 +120,14 @@ class Check(StrEnum):
 #: (capture memory is then read from the backend's typed graph state).
 CPU_RUNNABLE_CAPTURE_CHECKS = frozenset({Check.REFUSES_CAPTURE, Check.CAPTURE_PATH,
                                          Check.FALLBACK_SERVED, Check.PINNING,
-                                         Check.PADDED_ROWS, Check.CAPTURE_MEMORY})
+                                         Check.PADDED_ROWS, Check.CAPTURE_MEMORY,
+                                         Check.MULTI_LAYER})
+
+#: Pool layers a ``multi_layer`` claim runs (each with its own contents and fp8 scale).
+MULTI_LAYER_COUNT = 3
+
+#: Forward modes with several new tokens per sequence, served by decode-phase graphs.
+SPECULATIVE_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 #: DeepSeek-style MLA: (head_dim_qk, head_dim_v) -> the MLAConfig fields that give it.
 #: MLA: q/k = kv_lora_rank + rope, v = kv_lora_rank.  MHA: q/k = nope + rope, v = v_head_dim.
@@ -190,24 +207,39 @@ class Claim:
     #: The platforms whose declarations make this claim, when it is listed from
     #: other platforms than the one under test (see :func:`other_platform_claims`).
     declared_for: tuple[str, ...] = ()
+    #: The forward mode the claim runs (None: the phase's plain mode, DECODE or
+    #: EXTEND); speculative claims carry ``query_len``, the draft tokens per sequence.
+    forward_mode: ForwardMode | None = None
+    query_len: int | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.forward_mode in SPECULATIVE_MODES
 
     @property
     def id(self) -> str:
-        """Stable, ``-k``-friendly id: ``backend/kind/phase/.../check/params``."""
+        """Stable, ``-k``-friendly id: ``backend/kind/phase/.../check/params``.
+
+        Speculative claims name their forward mode after the phase (eager) or the
+        graph mode (capture); eager claims other than ``matches_reference`` name
+        their check.
+        """
         parts: list[str] = [self.backend, self.kind.value]
         if self.kind is ClaimKind.AVAILABILITY:
             return "/".join(parts)
         c = self.combo
+        spec = [f"{self.forward_mode}"] if self.speculative else []
         if self.kind is ClaimKind.CAPTURE:
             assert c is not None
-            parts += [c.phase.value, self.graph_mode.value, self.check.value, c.method.value,
-                      c.label()]
+            parts += [c.phase.value, self.graph_mode.value, *spec, self.check.value,
+                      c.method.value, c.label()]
         elif self.kind is ClaimKind.REFUSAL:
             assert c is not None
             parts += [c.phase.value, c.method.value, self.check.value, self._refused_value()]
         else:
             assert c is not None
-            parts += [c.phase.value, c.method.value, c.label()]
+            check = [] if self.check is Check.MATCHES_REFERENCE else [self.check.value]
+            parts += [c.phase.value, c.method.value, *spec, *check, c.label()]
         return "/".join(parts)
 
     def _refused_value(self) -> str:
@@ -234,6 +266,8 @@ class Claim:
             "pinned_method": self.pinned_method.value if self.pinned_method else None,
             "split_kv": self.split_kv.value, "batches": list(self.batches),
             "needs_device_graphs": self.needs_device_graphs,
+            "forward_mode": self.forward_mode.value if self.forward_mode else None,
+            "query_len": self.query_len,
         }
 
 
@@ -362,12 +396,105 @@ def _eager_claims(caps: Capabilities, device: str, exhaustive: bool,
                 if combo in seen:
                     continue
                 seen.add(combo)
-                specs = EAGER_SPECS[phase]
+                specs = eager_specs(phase, method=combo.method)
                 claims.append(Claim(
                     caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
-                    f"{combo.describe()} matches the float32 oracle on "
+                    f"{combo.describe()} matches the float64 oracle on "
                     f"{', '.join(specs)} and writes only its own KV slots",
                     batches=specs))
+    claims += _speculative_eager_claims(caps, device, exhaustive, heads)
+    claims += _lse_claims(caps, device, heads)
+    claims += _multi_layer_eager_claims(caps, device, heads)
+    return claims
+
+
+def _speculative_eager_claims(caps: Capabilities, device: str, exhaustive: bool,
+                              heads: Sequence[int] | None) -> list[Claim]:
+    """Each speculative forward mode the backend serves eagerly, at its declared draft
+    tokens, for each declared (q, kv) dtype pair of the decode phase's MLA kernels (the
+    base pair only on cpu, unless exhaustive)."""
+    claims: list[Claim] = []
+    base = base_combo(caps, ForwardMethod.MLA, Phase.DECODE, device, heads)
+    if base is None:
+        return claims
+    for served in caps.eager_forward_modes:
+        if served.mode not in SPECULATIVE_MODES or served.max_query_len is None:
+            continue
+        q = served.max_query_len
+        specs = eager_specs(Phase.DECODE, served.mode)
+        combos = _dtype_variants(caps, base, ForwardMethod.MLA, Phase.DECODE, device, heads) \
+            if exhaustive or device != "cpu" else [base]
+        for combo in combos:
+            claims.append(Claim(
+                caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
+                f"eager {served.mode} batches of {q} tokens per sequence ({served.describe()}"
+                f"), {combo.describe()}: causal among the new tokens over the whole prefix, "
+                f"match the float64 oracle on {', '.join(specs)} and write only their own KV "
+                "slots", batches=specs, forward_mode=served.mode, query_len=q))
+    return claims
+
+
+def _dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase: Phase,
+                    device: str, heads: Sequence[int] | None) -> list[Combo]:
+    """``base`` and one configuration per other declared (q, kv) dtype pair of ``method``
+    in ``phase``, each one its kernel accepts (see :func:`_declared_variant`)."""
+    out = [base]
+    for q, kv in _pairs_for(caps, method, phase):
+        if (q, kv) != (base.q_dtype, base.kv_dtype):
+            variant = _declared_variant(caps, replace(base, q_dtype=q, kv_dtype=kv), device,
+                                        heads)
+            if variant is not None:
+                out.append(variant)
+    return out
+
+
+def _lse_claims(caps: Capabilities, device: str, heads: Sequence[int] | None) -> list[Claim]:
+    """One per (method, phase) whose kernels declare an LSE output, at the base configuration
+    of those kernels."""
+    claims: list[Claim] = []
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        for method in caps.methods(phase):
+            lse_kernels = [k for k in caps.kernels_for(method, phase) if k.lse]
+            combo = next((c for k in lse_kernels
+                          for c in _combos(caps, k, phase, device, False, heads)), None)
+            if combo is None:
+                continue
+            specs = eager_specs(phase, method=method)
+            claims.append(Claim(
+                caps.backend, ClaimKind.EAGER, Check.LSE, combo,
+                f"{combo.describe()} with return_lse=True returns float32 [tokens, heads] "
+                "log-sum-exps equal to the oracle's (natural log of the summed exp(sm_scale "
+                f"* q . k) over the visible keys) on {', '.join(specs)}, beside an output "
+                "that matches it", batches=specs))
+    return claims
+
+
+def _multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
+                       heads: Sequence[int] | None) -> Combo | None:
+    """The base configuration, with an fp8 pool where declared (per-layer scales matter)."""
+    base = base_combo(caps, method, phase, device, heads)
+    if base is None:
+        return None
+    fp8 = [(q, kv) for q, kv in _pairs_for(caps, method, phase) if kv is DType.FP8_E4M3]
+    return replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]) if fp8 else base
+
+
+def _multi_layer_eager_claims(caps: Capabilities, device: str,
+                              heads: Sequence[int] | None) -> list[Claim]:
+    claims: list[Claim] = []
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        if ForwardMethod.MLA not in caps.methods(phase):
+            continue
+        combo = _multi_layer_combo(caps, ForwardMethod.MLA, phase, device, heads)
+        if combo is None:
+            continue
+        specs = eager_specs(phase)[:2]
+        claims.append(Claim(
+            caps.backend, ClaimKind.EAGER, Check.MULTI_LAYER, combo,
+            f"{MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales), planned "
+            f"once per step with init_forward_metadata and run per layer_id, each match "
+            f"their own oracle on {', '.join(specs)} ({combo.describe()}); every layer "
+            "writes only its own slots", batches=specs))
     return claims
 
 
@@ -445,8 +572,6 @@ def _refusal_claims(caps: Capabilities, device: str,
                 if donor is None:
                     continue
                 dims = {ForwardMethod.MLA: (576, 512)}.get(method, (192, 128))
-                if method is ForwardMethod.MHA_CHUNKED_KV:
-                    continue  # needs a chunked prefix driver; covered by MHA
                 if phase is Phase.DECODE and method is not ForwardMethod.MLA:
                     # decode runs through forward_decode, which takes no method
                     continue
@@ -490,84 +615,108 @@ def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
                     f"{where} is declared unsupported ({sup.reason}); the backend refuses "
                     "to prepare a capture with UnsupportedError", **common))  # type: ignore[arg-type]
             continue
-        how = "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
-        replay_specs = CAPTURE_REPLAY_SPECS[phase]
         for method in methods:
             base = base_combo(caps, method, phase, device, heads)
             if base is None:
                 continue
-
-            def add(check: Check, statement: str, combo: Combo = base,
-                    needs_graphs: bool = True, batches: Sequence[str] = replay_specs,
-                    common: dict[str, object] = common) -> None:
-                claims.append(Claim(caps.backend, ClaimKind.CAPTURE, check, combo,
-                                    statement, batches=tuple(batches),
-                                    needs_device_graphs=needs_graphs,
-                                    **common))  # type: ignore[arg-type]
-
-            add(Check.CAPTURE_PATH,
-                f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
-                "code path (capture metadata, then replay metadata for each batch) is "
-                "driven without a device graph", needs_graphs=False)
-            if sup.is_fallback:
-                add(Check.FALLBACK_SERVED,
-                    f"{where}, {method} is served by the declared fallback {sup.fallback_to} "
-                    "(as the backend reports through note_served_by), on every batch",
-                    needs_graphs=False)
-            if entry.pinned_method is not None and phase is Phase.PREFILL:
-                # decode has one form (forward_decode takes no method): nothing to pin
-                add(Check.PINNING,
-                    f"{where} every extend batch (prefix or not) runs the pinned "
-                    f"{entry.pinned_method} method, never another one", needs_graphs=False)
-            if mode is GraphMode.TC_PIECEWISE:
-                add(Check.PIECEWISE,
-                    f"{where}, {method} runs eagerly between captured graph pieces (static "
-                    "input/output buffers, replayed pieces) and matches the oracle "
-                    f"on {', '.join(replay_specs)}")
+            claims += _mode_capture_claims(caps, entry, method, base, None, device, exhaustive,
+                                           common, heads=heads)
+            if mode is GraphMode.TC_PIECEWISE or method is not ForwardMethod.MLA:
                 continue
-            kv_variants = [base]
-            if exhaustive or device != "cpu":
-                for q, kv in _pairs_for(caps, method, phase):
-                    if (q, kv) != (base.q_dtype, base.kv_dtype):
-                        variant = _declared_variant(caps, replace(base, kv_dtype=kv, q_dtype=q),
-                                                    device, heads)
-                        if variant is not None:
-                            kv_variants.append(variant)
-            for combo in kv_variants:
-                add(Check.REPLAY,
-                    f"{where}, {method} captured once replays {', '.join(replay_specs)} "
-                    "(new lengths and contents each time) and matches the oracle, leaving "
-                    "every KV slot outside the written ones untouched", combo=combo)
-            for combo in kv_variants:
-                add(Check.CAPTURE_MEMORY,
-                    f"{where}, what init_cuda_graph_state and the capture allocate is within "
-                    "1.25x (or 1 MiB) of the declared CaptureMemory.estimate for the captured "
-                    "shape", combo=combo, needs_graphs=False, batches=replay_specs)
-            add(Check.PADDED_ROWS,
-                f"{where}, a graph captured for the largest of {', '.join(replay_specs)} "
-                "replays the smaller ones with every output row of the padding exactly zero",
-                needs_graphs=False)
-            add(Check.ALLOCATOR_CHURN,
-                f"{where}, replays stay correct after large tensors are allocated and "
-                "freed between them (storage the graph recorded was not freed)")
-            add(Check.NO_SYNC_ALLOC,
-                f"{where}, nothing in the captured region synchronises with the host or "
-                "allocates outside the graph's pool", batches=replay_specs[:1])
-            if entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED, SplitKV.SINGLE):
-                longs = tuple(s for s in replay_specs if s.startswith("long_kv")) or \
-                    replay_specs
-                # Prefill: captured for few tokens, as a split-KV extend is (a graph sized
-                # for hundreds of tokens fills the GPU without splits and proves nothing).
-                short = "short_extend" if phase is Phase.PREFILL else replay_specs[0]
-                what = {SplitKV.DYNAMIC: "device-side split counts follow each replay's "
-                                         "lengths",
-                        SplitKV.HOST_PLANNED: "split counts re-planned on the host before "
-                                              "each replay follow its lengths",
-                        SplitKV.SINGLE: "one split under capture"}[entry.split_kv]
-                add(Check.SPLIT_KV,
-                    f"{where}, split-KV is {entry.split_kv} ({what}): a graph captured on "
-                    "short sequences replays long ones correctly",
-                    batches=(short,) + longs)
+            for served in entry.forward_modes:
+                if served.mode in SPECULATIVE_MODES and served.max_query_len is not None:
+                    claims += _mode_capture_claims(caps, entry, method, base, served.mode,
+                                                   device, exhaustive, common, heads=heads,
+                                                   query_len=served.max_query_len)
+    return claims
+
+
+def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: ForwardMethod,
+                         base: Combo, forward_mode: ForwardMode | None, device: str,
+                         exhaustive: bool, common: dict[str, object], *,
+                         heads: Sequence[int] | None, query_len: int | None = None
+                         ) -> list[Claim]:
+    """The capture claims of one forward mode (None: the phase's plain one) of one entry."""
+    claims: list[Claim] = []
+    phase, mode, sup = entry.phase, entry.mode, entry.capture
+    spec_common = dict(common, forward_mode=forward_mode, query_len=query_len)
+    what = f"{forward_mode} batches of {query_len} tokens per sequence" \
+        if forward_mode is not None else ""
+    where = f"{phase} under {mode}" + (f", {what}" if what else "")
+    how = "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
+    replay = replay_specs(phase, forward_mode)
+
+    def add(check: Check, statement: str, combo: Combo = base, needs_graphs: bool = True,
+            batches: Sequence[str] = replay) -> None:
+        claims.append(Claim(caps.backend, ClaimKind.CAPTURE, check, combo, statement,
+                            batches=tuple(batches), needs_device_graphs=needs_graphs,
+                            **spec_common))  # type: ignore[arg-type]
+
+    add(Check.CAPTURE_PATH,
+        f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
+        "code path (capture metadata, then replay metadata for each batch) is "
+        "driven without a device graph", needs_graphs=False)
+    if forward_mode is None and sup.is_fallback:
+        add(Check.FALLBACK_SERVED,
+            f"{where}, {method} is served by the declared fallback {sup.fallback_to} "
+            "(as the backend reports through note_served_by), on every batch",
+            needs_graphs=False)
+    if forward_mode is None and entry.pinned_method is not None and phase is Phase.PREFILL:
+        # decode has one form (forward_decode takes no method): nothing to pin
+        add(Check.PINNING,
+            f"{where} every extend batch (prefix or not) runs the pinned "
+            f"{entry.pinned_method} method, never another one", needs_graphs=False)
+    if mode is GraphMode.TC_PIECEWISE:
+        add(Check.PIECEWISE,
+            f"{where}, {method} runs eagerly between captured graph pieces (static "
+            "input/output buffers, replayed pieces) and matches the oracle "
+            f"on {', '.join(replay)}")
+        return claims
+    kv_variants = [base]
+    if exhaustive or device != "cpu":
+        kv_variants = _dtype_variants(caps, base, method, phase, device, heads)
+    for combo in kv_variants:
+        add(Check.REPLAY,
+            f"{where}, {method} captured once replays {', '.join(replay)} "
+            "(new lengths and contents each time) and matches the oracle, leaving "
+            "every KV slot outside the written ones untouched", combo=combo)
+    for combo in kv_variants:
+        add(Check.CAPTURE_MEMORY,
+            f"{where}, what init_cuda_graph_state and the capture allocate is within "
+            "1.25x (or 1 MiB) of the declared CaptureMemory.estimate for the captured "
+            "shape", combo=combo, needs_graphs=False)
+    add(Check.PADDED_ROWS,
+        f"{where}, a graph captured for the largest of {', '.join(replay)} "
+        "replays the smaller ones with every output row of the padding exactly zero",
+        needs_graphs=False)
+    if method is ForwardMethod.MLA:  # the layer decides what MLA reads (MHA: k / v given)
+        add(Check.MULTI_LAYER,
+            f"{where}, {MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales) "
+            "captured in one graph over one captured plan replay "
+            f"{', '.join(replay[:2])} with every layer matching its own oracle",
+            combo=_multi_layer_combo(caps, method, phase, device, heads) or base,
+            needs_graphs=False, batches=replay[:2])
+    add(Check.ALLOCATOR_CHURN,
+        f"{where}, replays stay correct after large tensors are allocated and "
+        "freed between them (storage the graph recorded was not freed)")
+    add(Check.NO_SYNC_ALLOC,
+        f"{where}, nothing in the captured region synchronises with the host or "
+        "allocates outside the graph's pool", batches=replay[:1])
+    if entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED, SplitKV.SINGLE):
+        longs = tuple(s for s in replay if "long_kv" in s) or replay
+        # Prefill: captured for few tokens, as a split-KV extend is (a graph sized
+        # for hundreds of tokens fills the GPU without splits and proves nothing).
+        short = "short_extend" if forward_mode is None and phase is Phase.PREFILL \
+            else replay[0]
+        kind = {SplitKV.DYNAMIC: "device-side split counts follow each replay's "
+                                 "lengths",
+                SplitKV.HOST_PLANNED: "split counts re-planned on the host before "
+                                      "each replay follow its lengths",
+                SplitKV.SINGLE: "one split under capture"}[entry.split_kv]
+        add(Check.SPLIT_KV,
+            f"{where}, split-KV is {entry.split_kv} ({kind}): a graph captured on "
+            "short sequences replays long ones correctly",
+            batches=(short,) + longs)
     return claims
 
 

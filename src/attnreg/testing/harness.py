@@ -18,6 +18,7 @@ from attnreg.graph_policy.capture import capturing, recording_served
 from attnreg.registry import (
     BackendRegistry,
     ForwardMethod,
+    ForwardMode,
     GraphMode,
     Phase,
     Platform,
@@ -26,15 +27,17 @@ from attnreg.registry import (
 )
 from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig, MLAKVPool
 
-from .batches import BatchSpec, batch_spec
+from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served
-from .claims import Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
+from .claims import MULTI_LAYER_COUNT, Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import (
     Workload,
     check_pool_after,
     compare,
+    compare_lse,
     make_config,
+    make_layer_workloads,
     make_pool,
     make_workload,
 )
@@ -129,22 +132,43 @@ class Harness:
         with explained(f"creating {claim.backend} for {config}"):
             return self.registry.create(claim.backend, config, platform=self.platform)
 
-    def specs(self, names: Sequence[str]) -> list[BatchSpec]:
-        return [batch_spec(n, self.profile) for n in names]
+    def specs(self, names: Sequence[str], query_len: int | None = None) -> list[BatchSpec]:
+        return [batch_spec(n, self.profile, query_len) for n in names]
+
+    def claim_specs(self, claim: Claim, names: Sequence[str] | None = None) -> list[BatchSpec]:
+        """The claim's batch specs (speculative ones at its draft tokens per sequence)."""
+        return self.specs(claim.batches if names is None else names, claim.query_len)
+
+    def workload(self, config: MLAConfig, pool: MLAKVPool, spec: BatchSpec,
+                 method: ForwardMethod, *, seed: int, **kwargs: object) -> Workload:
+        """:func:`make_workload`, with this profile's prefix chunk size for chunked MHA."""
+        if method is ForwardMethod.MHA_CHUNKED_KV:
+            kwargs.setdefault("chunk_tokens", chunk_tokens(self.profile))
+        return make_workload(config, pool, spec, method, seed=seed, **kwargs)  # type: ignore[arg-type]
 
     def sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
     @staticmethod
-    def eager_forward(backend: AttentionBackend, work: Workload, pool: MLAKVPool
-                      ) -> torch.Tensor:
-        backend.init_forward_metadata(work.batch)
-        if work.spec.phase is Phase.DECODE:
+    def eager_forward(backend: AttentionBackend, work: Workload, pool: MLAKVPool, *,
+                      return_lse: bool = False, plan: bool = True) -> torch.Tensor:
+        """One eager forward of ``work`` (its forward mode, method and layer), as an engine
+        calls it; ``(out, lse)`` with ``return_lse``.  ``plan=False`` reuses the plan of
+        the batch already made (every layer after the first of a step)."""
+        if plan:
+            backend.init_forward_metadata(work.batch)
+        if work.batch.forward_mode is ForwardMode.DECODE:
             return backend.forward_decode(work.q, work.latent_new, work.rope_new, pool,
-                                          work.batch)
+                                          work.batch, layer_id=work.layer_id,
+                                          return_lse=return_lse)
+        extra: dict[str, object] = {}
+        if work.method is ForwardMethod.MHA_CHUNKED_KV:
+            extra = {"decompress": work.decompress, "chunk_tokens": work.chunk_tokens}
         return backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, work.batch,
-                                      method=work.method, k=work.k, v=work.v)
+                                      method=work.method, k=work.k, v=work.v,
+                                      layer_id=work.layer_id, return_lse=return_lse,
+                                      **extra)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------
     # eager correctness
@@ -152,23 +176,68 @@ class Harness:
     def check_eager(self, claim: Claim) -> None:
         combo = _combo(claim)
         config = make_config(combo, self.device)
-        specs = self.specs(claim.batches)
+        specs = self.claim_specs(claim)
         backend = self.create(claim, config)
+        if claim.check is Check.MULTI_LAYER:
+            self._check_multi_layer_eager(claim, backend, config, specs)
+            return
         pool = make_pool(config, specs)
         problems: list[str] = []
         written: list[int] = []
+        with_lse = claim.check is Check.LSE
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
-            work = make_workload(config, pool, spec, combo.method, seed=100 + i,
+            work = self.workload(config, pool, spec, combo.method, seed=100 + i,
                                  q_compute_dtype=q_compute)
             with explained(f"{spec.describe()}, eager"):
-                out = self.eager_forward(backend, work, pool)
+                result = self.eager_forward(backend, work, pool, return_lse=with_lse)
                 self.sync()
+            out = result
+            if with_lse:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise ClaimRefuted(f"{spec.describe()}: forward(..., return_lse=True) "
+                                       f"returned {type(result).__name__}, not (out, lse)")
+                out, lse = result
+                assert work.expected_lse is not None
+                msg = compare_lse(lse, work.expected_lse, spec)
+                if msg:
+                    problems.append(msg)
             msg = compare(out, work.expected, combo.q_dtype, spec)
             if msg:
                 problems.append(msg)
             problems += check_pool_after(pool, work, written)
             written += work.written_slots
+        if problems:
+            raise ClaimRefuted("; ".join(problems))
+
+    def _check_multi_layer_eager(self, claim: Claim, backend: AttentionBackend,
+                                 config: MLAConfig, specs: Sequence[BatchSpec]) -> None:
+        """One plan per step, one forward per layer: each layer matches its own oracle."""
+        combo = _combo(claim)
+        pool = make_pool(config, specs, num_layers=MULTI_LAYER_COUNT)
+        problems: list[str] = []
+        written: list[int] = []
+        q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
+        for i, spec in enumerate(specs):
+            works = make_layer_workloads(config, pool, spec, combo.method, seed=500 + 10 * i,
+                                         q_compute_dtype=q_compute)
+            backend.init_forward_metadata(works[0].batch)
+            planned = backend.forward_metadata
+            for work in works:
+                with explained(f"{spec.describe()}, eager, layer {work.layer_id}"):
+                    out = self.eager_forward(backend, work, pool, plan=False)
+                    self.sync()
+                if backend.forward_metadata is not planned:
+                    problems.append(f"{spec.name}: the forward of layer {work.layer_id} "
+                                    "re-planned the step (one plan per step must serve every "
+                                    "layer)")
+                msg = compare(out, work.expected, combo.q_dtype, spec)
+                if msg:
+                    problems.append(f"layer {work.layer_id}: {msg}")
+            for work in works:
+                problems += [f"layer {work.layer_id}: {p}"
+                             for p in check_pool_after(pool, work, written)]
+            written += works[0].written_slots
         if problems:
             raise ClaimRefuted("; ".join(problems))
 
@@ -199,7 +268,7 @@ class Harness:
             backend = self.registry.create(claim.backend, config, platform=self.platform)
             stage = "building the input"
             pool = make_pool(config, [spec])
-            work = make_workload(config, pool, spec, combo.method, seed=7,
+            work = self.workload(config, pool, spec, combo.method, seed=7,
                                  q_dtype=combo.q_dtype)
             if int64_fields:
                 work = work.with_index_dtype(torch.int64, int64_fields)
@@ -237,7 +306,7 @@ class Harness:
         spec = batch_spec("ragged_decode" if phase is Phase.DECODE else "mixed_lengths",
                           self.profile)
         pool = make_pool(config, [spec])
-        work = make_workload(config, pool, spec, combo.method, seed=11)
+        work = self.workload(config, pool, spec, combo.method, seed=11)
         stage = "init_cuda_graph_state"
         try:
             with capturing(mode):
@@ -288,7 +357,7 @@ class Harness:
         others = [m for m in caps.methods(phase) if m is not pinned]
         for method in others:
             pool = make_pool(config, specs[:1])
-            work = make_workload(config, pool, specs[0], method, seed=21)
+            work = self.workload(config, pool, specs[0], method, seed=21)
             try:
                 with capturing(mode):
                     if mode in (GraphMode.FULL, GraphMode.BREAKABLE):
@@ -332,6 +401,17 @@ class Harness:
             "max_kv_rows": max(sum(s.seq_lens) for s in specs),
         }
 
+    def _captured(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
+                  pool: MLAKVPool, specs: Sequence[BatchSpec], method: ForwardMethod, *,
+                  real_graphs: bool, sync_check: bool = False,
+                  layers: int = 1) -> CapturedForward:
+        """The CapturedForward of ``claim`` (its phase, graph mode and forward mode)."""
+        return CapturedForward(backend, config, pool, phase=_combo(claim).phase,
+                               mode=claim.graph_mode, method=method, real_graphs=real_graphs,
+                               sync_check=sync_check, forward_mode=claim.forward_mode,
+                               query_len=claim.query_len, layers=layers,
+                               **self._bounds(specs))  # type: ignore[arg-type]
+
     def _run_capture_path(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
                           specs: Sequence[BatchSpec], method: ForwardMethod, *,
                           padded: bool = False) -> Served:
@@ -343,9 +423,8 @@ class Harness:
         if mode is GraphMode.TC_PIECEWISE:
             return self._piecewise_eager(claim, backend, config, specs, method)
         pool = make_pool(config, list(specs) + [specs[0]])
-        captured = CapturedForward(backend, config, pool, phase=_combo(claim).phase, mode=mode,
-                                   method=method, real_graphs=False,
-                                   **self._bounds(specs))  # type: ignore[arg-type]
+        captured = self._captured(claim, backend, config, pool, specs, method,
+                                  real_graphs=False)
         problems = self._drive(captured, config, pool, specs, method, _combo(claim),
                                label=f"{mode} capture path (no device graph)", padded=padded)
         if problems:
@@ -358,46 +437,61 @@ class Harness:
         """prepare -> warm up -> capture -> replay every spec; the problems found.
 
         ``padded``: the attention output is filled with NaN before each replay and
-        every row beyond the batch must come out exactly zero.
+        every row beyond the batch must come out exactly zero.  A capture of
+        several layers gets one workload per layer and batch (one batch, own
+        contents per layer) and checks every layer.
         """
         problems: list[str] = []
+        layers = captured.layers
+
+        q_compute = kernel_q_compute_dtype(captured.backend.capabilities, combo)
+
+        def build(spec: BatchSpec, seed: int) -> list[Workload]:
+            if layers > 1:
+                return make_layer_workloads(config, pool, spec, method, seed=seed,
+                                            q_compute_dtype=q_compute)
+            return [self.workload(config, pool, spec, method, seed=seed,
+                                  q_compute_dtype=q_compute)]
+
         # Every input is built (and every prefix written) before capture: nothing the
         # harness needs may be allocated after capture, where a block freed during
         # capture could be handed to it and overwritten by a replay.
-        q_compute = kernel_q_compute_dtype(captured.backend.capabilities, combo)
-        capture_work = make_workload(config, pool, specs[0], method, seed=1,
-                                     q_compute_dtype=q_compute)
-        works = [make_workload(config, pool, spec, method, seed=200 + i,
-                               q_compute_dtype=q_compute)
-                 for i, spec in enumerate(specs)]
-        written = list(capture_work.written_slots)
+        capture_works = build(specs[0], 1)
+        works = [build(spec, 200 + 10 * i) for i, spec in enumerate(specs)]
+        written = list(capture_works[0].written_slots)
         for w in works:
-            written += w.prefix_slots
+            written += w[0].prefix_slots
         with explained(f"{label}: preparing the capture ({specs[0].describe()})"):
-            captured.prepare(capture_work)
+            captured.prepare(capture_works[0])
         with explained(f"{label}: warm-up run under capturing({captured.mode}) on "
                        f"{specs[0].describe()}"):
-            warm = captured.warm_up(capture_work)
-        msg = compare(warm, capture_work.expected, combo.q_dtype, specs[0])
-        if msg:
-            problems.append(f"warm-up under capture: {msg}")
-        problems += [f"warm-up: {p}" for p in check_pool_after(pool, capture_work, written)]
+            captured.warm_up(capture_works)
+        for work, warm in zip(capture_works, captured.layer_outputs(capture_works[0].rows)):
+            msg = compare(warm, work.expected, combo.q_dtype, specs[0])
+            at = f" (layer {work.layer_id})" if layers > 1 else ""
+            if msg:
+                problems.append(f"warm-up under capture{at}: {msg}")
+            problems += [f"warm-up{at}: {p}" for p in check_pool_after(pool, work, written)]
         with explained(f"{label}: capturing"):
             captured.capture()
-        for i, (spec, work) in enumerate(zip(specs, works)):
+        for i, (spec, step) in enumerate(zip(specs, works)):
             between = churn.churn if churn is not None else None
             scale = _HOST_SCALES[i % len(_HOST_SCALES)]
             if padded:
-                captured.out.fill_(float("nan"))
+                for out in captured.outs:
+                    out.fill_(float("nan"))
             with explained(f"{label}: replay {i + 1} ({spec.describe()})"):
-                out = captured.replay(work, host_scale=scale, between=between)
-            msg = compare(out, work.expected, combo.q_dtype, spec)
-            if msg:
-                problems.append(f"replay {i + 1}: {msg}")
+                outs = captured.replay_layers(step, host_scale=scale, between=between)
+            for work, out in zip(step, outs):
+                at = f" (layer {work.layer_id})" if layers > 1 else ""
+                msg = compare(out, work.expected, combo.q_dtype, spec)
+                if msg:
+                    problems.append(f"replay {i + 1}{at}: {msg}")
+                problems += [f"replay {i + 1}{at}: {p}"
+                             for p in check_pool_after(pool, work, written)]
             if padded:
-                problems += [f"replay {i + 1}: {p}" for p in captured.padding_problems(work)]
-            problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
-            written += work.new_slots
+                problems += [f"replay {i + 1}: {p}" for p in captured.padding_problems(step[0])]
+            written += step[0].new_slots
             if churn is not None:
                 bad = churn.corrupted()
                 if bad:
@@ -414,27 +508,27 @@ class Harness:
         combo = _combo(claim)
         phase, mode = combo.phase, claim.graph_mode
         method = combo.method
-        specs = self.specs(claim.batches)
+        specs = self.claim_specs(claim)
         config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
                                                                       for s in specs))
         backend = self.create(claim, config)
         if claim.check is Check.CAPTURE_MEMORY:
             self.check_capture_memory(claim, backend, config, specs)
             return
+        layers = MULTI_LAYER_COUNT if claim.check is Check.MULTI_LAYER else 1
         padded = claim.check is Check.PADDED_ROWS
-        if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
+        if (claim.check is Check.CAPTURE_PATH or not self.real_graphs) and layers == 1:
             served = self._run_capture_path(claim, backend, config, specs, method,
                                             padded=padded)
             if claim.check is Check.CAPTURE_PATH:
                 self._check_native_served(claim, served)
             return
-        pool = make_pool(config, list(specs) + [specs[0]])
-        captured = CapturedForward(backend, config, pool, phase=phase, mode=mode, method=method,
-                                   real_graphs=True,
-                                   sync_check=claim.check is Check.NO_SYNC_ALLOC,
-                                   **self._bounds(specs))  # type: ignore[arg-type]
+        pool = make_pool(config, list(specs) + [specs[0]], num_layers=layers)
+        captured = self._captured(claim, backend, config, pool, specs, method,
+                                  real_graphs=self.real_graphs,
+                                  sync_check=claim.check is Check.NO_SYNC_ALLOC, layers=layers)
         churn = AllocatorChurn(pool.device) if claim.check is Check.ALLOCATOR_CHURN else None
-        label = f"{phase} {mode} graph"
+        label = f"{phase} {mode} graph" + (f" of {layers} layers" if layers > 1 else "")
         problems = self._drive(captured, config, pool, specs, method, combo, label=label,
                                churn=churn, padded=padded)
         if claim.check is Check.NO_SYNC_ALLOC and captured.memory is not None:
@@ -455,13 +549,11 @@ class Harness:
         """
         combo = _combo(claim)
         pool = make_pool(config, [specs[0], specs[0]])
-        captured = CapturedForward(backend, config, pool, phase=combo.phase,
-                                   mode=claim.graph_mode, method=combo.method,
-                                   real_graphs=self.real_graphs,
-                                   **self._bounds(specs))  # type: ignore[arg-type]
-        capture_work = make_workload(config, pool, specs[0], combo.method, seed=1)
+        captured = self._captured(claim, backend, config, pool, specs, combo.method,
+                                  real_graphs=self.real_graphs)
+        capture_work = self.workload(config, pool, specs[0], combo.method, seed=1)
         if self.real_graphs:
-            self._prime(backend, make_workload(config, pool, specs[0], combo.method, seed=2),
+            self._prime(backend, self.workload(config, pool, specs[0], combo.method, seed=2),
                         pool)
         label = f"{combo.phase} {claim.graph_mode} capture"
         with explained(f"{label}: preparing ({specs[0].describe()})"):
@@ -503,7 +595,7 @@ class Harness:
         nothing cannot be checked (skipped, with the call to add).
         """
         combo = _combo(claim)
-        specs = self.specs(claim.batches)
+        specs = self.claim_specs(claim)
         config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
                                                                       for s in specs))
         backend = self.create(claim, config)
@@ -550,7 +642,7 @@ class Harness:
         written: list[int] = []
         served: Served = []
         for i, spec in enumerate(specs):
-            work = make_workload(config, pool, spec, method, seed=300 + i)
+            work = self.workload(config, pool, spec, method, seed=300 + i)
             with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
                 with capturing(GraphMode.TC_PIECEWISE), recording_served() as records:
                     out = self.eager_forward(backend, work, pool)
@@ -567,7 +659,7 @@ class Harness:
 
     def check_piecewise(self, claim: Claim) -> None:
         combo = _combo(claim)
-        specs = self.specs(claim.batches)
+        specs = self.claim_specs(claim)
         config = make_config(combo, self.device)
         backend = self.create(claim, config)
         if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
@@ -601,7 +693,7 @@ class _Piecewise:
         combo, config = self.combo, self.config
         method = combo.method
         pool = make_pool(config, self.specs)
-        works = [make_workload(config, pool, s, method, seed=400 + i)
+        works = [self.h.workload(config, pool, s, method, seed=400 + i)
                  for i, s in enumerate(self.specs)]
         rows = max(w.rows for w in works)
         kv_rows = max((w.k.shape[0] for w in works if w.k is not None), default=0)

@@ -14,7 +14,7 @@ JSON schema (``schema_version`` 1; stable, additive changes only)::
       "claims": [{"id", "backend", "kind", "check", "statement", "status",
                   "message", "duration_s", "combo", "graph_mode", "capture",
                   "fallback_to", "pinned_method", "split_kv", "batches",
-                  "needs_device_graphs"}]
+                  "needs_device_graphs", "forward_mode", "query_len"}]
     }
 
 ``status`` is ``verified``, ``refuted`` or ``skipped``; ``message`` is the

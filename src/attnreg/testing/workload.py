@@ -14,20 +14,22 @@ float64 scores, bottom-right causal mask, softmax, weighted sum.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from attnreg.registry import DType, ForwardMethod, Phase
+from attnreg.registry import DType, ForwardMethod, ForwardMode
 from attnreg.runtime import (
     FP8_E4M3_MAX,
     ForwardBatch,
     MLAConfig,
     MLAKVPool,
     decode_batch,
+    draft_extend_batch,
     extend_batch,
     torch_dtype,
+    verify_batch,
 )
 
 from .batches import BatchSpec
@@ -35,11 +37,15 @@ from .claims import Combo, head_dims_config
 
 __all__ = [
     "FP8_POOL_SCALE",
+    "LSE_TOLERANCE",
     "TOLERANCES",
     "Tolerance",
     "Workload",
     "compare",
+    "compare_lse",
+    "layer_scales",
     "make_config",
+    "make_layer_workloads",
     "make_pool",
     "make_workload",
     "oracle_attention",
@@ -48,6 +54,9 @@ __all__ = [
 
 #: fp8 pools use a non-trivial scale so a kernel that ignores ``kv_scale`` is caught.
 FP8_POOL_SCALE = 0.5
+#: A multi-layer fp8 pool's layers get these scales (in turn), so a kernel that reads
+#: another layer's scale is caught.
+FP8_LAYER_SCALES = (0.5, 0.25, 1.0, 0.125)
 
 
 @dataclass(frozen=True)
@@ -86,12 +95,21 @@ def make_config(combo: Combo, device: str, *, max_context_len: int = 8192) -> ML
                      max_context_len=max_context_len, **kwargs)
 
 
+def layer_scales(config: MLAConfig, num_layers: int = 1) -> list[float]:
+    """The FP8 scale of each layer of a suite pool (1.0 for 16/32-bit pools)."""
+    if DType.parse(config.kv_dtype) is not DType.FP8_E4M3:
+        return [1.0] * num_layers
+    if num_layers == 1:
+        return [FP8_POOL_SCALE]
+    return [FP8_LAYER_SCALES[i % len(FP8_LAYER_SCALES)] for i in range(num_layers)]
+
+
 def make_pool(config: MLAConfig, specs: Sequence[BatchSpec], *, spare_pages: int = 2,
-              canary: bool = True) -> MLAKVPool:
+              canary: bool = True, num_layers: int = 1) -> MLAKVPool:
     """A pool big enough for every spec at once (pages are never reused between them)."""
     pages = sum(-(-n // config.page_size) for s in specs for n in s.seq_lens)
-    scale = FP8_POOL_SCALE if DType.parse(config.kv_dtype) is DType.FP8_E4M3 else 1.0
-    pool = config.make_pool(1 + pages + spare_pages, scale=scale)
+    pool = config.make_pool(1 + pages + spare_pages, num_layers=num_layers,
+                            scale=layer_scales(config, num_layers))
     if canary:
         pool.fill_canary()
     return pool
@@ -99,13 +117,16 @@ def make_pool(config: MLAConfig, specs: Sequence[BatchSpec], *, spare_pages: int
 
 @dataclass
 class Workload:
-    """One batch ready to run, with what it must produce.
+    """One batch ready to run on one pool layer, with what it must produce.
 
     ``q`` / ``latent_new`` / ``rope_new`` / ``k`` / ``v`` are in the query
-    dtype on the device; ``expected`` is float32 ``[rows, H, Dv]`` on the cpu;
-    ``new_rows`` the float32 rows the pool must hold at ``batch.out_cache_loc``
+    dtype on the device; ``expected`` is float32 ``[rows, H, Dv]`` on the cpu
+    and ``expected_lse`` its float32 log-sum-exp ``[rows, H]``; ``new_rows``
+    the float32 rows layer ``layer_id`` must hold at ``batch.out_cache_loc``
     after the forward; ``prefix_slots`` the slots the harness wrote when it
-    built the workload, ``new_slots`` those the forward writes.
+    built the workload, ``new_slots`` those the forward writes.  For chunked-
+    prefix MHA, ``k`` / ``v`` are the new tokens' only and ``decompress`` maps
+    cached prefix rows to their K / V (``chunk_tokens`` per chunk).
     """
 
     spec: BatchSpec
@@ -120,6 +141,12 @@ class Workload:
     new_rows: torch.Tensor
     prefix_slots: list[int]
     new_slots: list[int]
+    expected_lse: torch.Tensor | None = None
+    layer_id: int = 0
+    pages: list[list[int]] = field(default_factory=list)
+    decompress: Callable[[torch.Tensor, torch.Tensor],
+                         tuple[torch.Tensor, torch.Tensor]] | None = None
+    chunk_tokens: int | None = None
 
     @property
     def written_slots(self) -> list[int]:
@@ -162,22 +189,62 @@ def round_q(q: torch.Tensor, dtype: DType | None) -> torch.Tensor:
     return (qf / scale).to(torch.float8_e4m3fn).float() * scale
 
 
+def _batch_for(pool: MLAKVPool, spec: BatchSpec, pages: list[list[int]]) -> ForwardBatch:
+    mode = spec.mode
+    if mode is ForwardMode.DECODE:
+        return decode_batch(pool, spec.seq_lens, pages=pages)
+    if mode is ForwardMode.TARGET_VERIFY:
+        return verify_batch(pool, spec.prefix_lens, spec.extend_lens[0], pages=pages)
+    if mode is ForwardMode.DRAFT_EXTEND:
+        return draft_extend_batch(pool, spec.prefix_lens, spec.extend_lens, pages=pages)
+    return extend_batch(pool, spec.prefix_lens, spec.extend_lens, pages=pages)
+
+
+class _Decompress:
+    """A fixed random projection of cached rows to MHA K / V (the harness's ``kv_b_proj``).
+
+    Computed in float64 and rounded to q's dtype, so the backend's calls (one per
+    prefix chunk) and the oracle's (one per sequence) give the same values.
+    """
+
+    def __init__(self, gen: torch.Generator, row_dim: int, heads: int, qk: int, v: int,
+                 latent: int) -> None:
+        self.heads, self.qk, self.v, self.latent = heads, qk, v, latent
+        self.weight = torch.randn(row_dim, heads * (qk + v), generator=gen,
+                                  dtype=torch.float64) / row_dim ** 0.5
+
+    def __call__(self, latent: torch.Tensor, rope: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.cat([latent, rope], dim=-1).double()
+        x = rows @ self.weight.to(rows.device)
+        h = self.heads
+        k = x[:, :h * self.qk].reshape(-1, h, self.qk).to(latent.dtype)
+        v = x[:, h * self.qk:].reshape(-1, h, self.v).to(latent.dtype)
+        return k, v
+
+
 def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: ForwardMethod,
-                  *, seed: int, q_dtype: DType | None = None,
+                  *, seed: int, q_dtype: DType | None = None, layer_id: int = 0,
+                  pages: list[list[int]] | None = None, batch: ForwardBatch | None = None,
+                  chunk_tokens: int | None = None,
                   q_compute_dtype: DType | None = None) -> Workload:
-    """Write the prefixes of ``spec`` into ``pool``, build the batch, compute the oracle.
+    """Write the prefixes of ``spec`` into layer ``layer_id`` of ``pool``, build the batch,
+    compute the oracle.
 
     Pages are taken from the pool in shuffled order (a kernel assuming
-    contiguous pages is caught).  ``q_dtype`` overrides the config's (refusal
-    claims pass undeclared dtypes through here).  ``q_compute_dtype``: the
-    declared kernel computes with q rounded to it (:func:`round_q`), so the
-    oracle does too.
+    contiguous pages is caught), unless ``pages`` (and the ``batch`` built on
+    them) are given: another layer of the same step.  ``q_dtype`` overrides
+    the config's (refusal claims pass undeclared dtypes through here).
+    ``q_compute_dtype``: the declared kernel computes with q rounded to it
+    (:func:`round_q`), so the oracle does too.
     """
     gen = torch.Generator().manual_seed(seed)
     dev = pool.device
+    layer = pool.layer(layer_id)
     qdt = torch_dtype(q_dtype or DType.parse(config.q_dtype))
     # torch cannot draw random fp8 values directly: draw in float32, then cast
-    pages = pool.allocate(spec.seq_lens, shuffle=seed + 1)
+    if pages is None:
+        pages = pool.allocate(spec.seq_lens, shuffle=seed + 1)
     seq_rows: list[torch.Tensor] = []  # per sequence float32 [L, 576] as the pool stores it
     new_latent, new_rope, new_rows = [], [], []
     prefix_slots: list[int] = []
@@ -187,87 +254,156 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
         raw = _randn(gen, length, pool.row_dim)
         if prefix:
             slots = pool.slots(owned, range(prefix))
-            pool.write(torch.tensor(slots, dtype=torch.int32, device=dev),
-                       raw[:prefix, :pool.kv_lora_rank].to(dev),
-                       raw[:prefix, pool.kv_lora_rank:].to(dev))
+            layer.write(torch.tensor(slots, dtype=torch.int32, device=dev),
+                        raw[:prefix, :pool.kv_lora_rank].to(dev),
+                        raw[:prefix, pool.kv_lora_rank:].to(dev))
             prefix_slots.extend(slots)
         new = raw[prefix:].to(qdt)                  # the model hands new rows in q dtype
         new_latent.append(new[:, :pool.kv_lora_rank])
         new_rope.append(new[:, pool.kv_lora_rank:])
-        stored_prefix = pool.quantize_roundtrip(raw[:prefix].to(dev)).cpu()
-        stored_new = pool.quantize_roundtrip(new.float().to(dev)).cpu()
+        stored_prefix = layer.quantize_roundtrip(raw[:prefix].to(dev)).cpu()
+        stored_new = layer.quantize_roundtrip(new.float().to(dev)).cpu()
         new_rows.append(stored_new)
         seq_rows.append(torch.cat([stored_prefix, stored_new]))
         new_slots.extend(pool.slots(owned, range(prefix, length)))
-    if spec.phase is Phase.DECODE:
-        batch = decode_batch(pool, spec.seq_lens, pages=pages)
-    else:
-        batch = extend_batch(pool, spec.prefix_lens, spec.extend_lens, pages=pages)
+    if batch is None:
+        batch = _batch_for(pool, spec, pages)
     heads = config.num_heads
     rows = batch.num_tokens
     k = v = None
+    decompress = None
     if method is ForwardMethod.MLA:
         q = _randn(gen, rows, heads, pool.row_dim).to(qdt).to(dev)
-        expected = oracle_mla(round_q(q, q_compute_dtype), seq_rows, spec,
-                              pool.kv_lora_rank, config.softmax_scale)
+        expected, lse = oracle_mla(round_q(q, q_compute_dtype), seq_rows, spec,
+                                   pool.kv_lora_rank, config.softmax_scale)
+    elif method is ForwardMethod.MHA_CHUNKED_KV:
+        qk, dv = config.mha_head_dims
+        q = _randn(gen, rows, heads, qk).to(qdt).to(dev)
+        k = _randn(gen, rows, heads, qk).to(qdt).to(dev)
+        v = _randn(gen, rows, heads, dv).to(qdt).to(dev)
+        decompress = _Decompress(gen, pool.row_dim, heads, qk, dv, pool.kv_lora_rank)
+        expected, lse = oracle_chunked(q, k, v, seq_rows, spec, decompress, pool.kv_lora_rank,
+                                       config.softmax_scale)
     else:
         qk, dv = config.mha_head_dims
         q = _randn(gen, rows, heads, qk).to(qdt).to(dev)
         k = _randn(gen, batch.num_kv_tokens, heads, qk).to(qdt).to(dev)
         v = _randn(gen, batch.num_kv_tokens, heads, dv).to(qdt).to(dev)
-        expected = oracle_mha(q, k, v, spec, config.softmax_scale)
+        expected, lse = oracle_mha(q, k, v, spec, config.softmax_scale)
     return Workload(spec=spec, method=method, batch=batch, q=q,
                     latent_new=torch.cat(new_latent).to(dev),
                     rope_new=torch.cat(new_rope).to(dev), k=k, v=v, expected=expected,
                     new_rows=torch.cat(new_rows), prefix_slots=prefix_slots,
-                    new_slots=new_slots)
+                    new_slots=new_slots, expected_lse=lse, layer_id=layer_id,
+                    pages=[list(p) for p in pages], decompress=decompress,
+                    chunk_tokens=chunk_tokens)
+
+
+def make_layer_workloads(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec,
+                         method: ForwardMethod, *, seed: int,
+                         q_compute_dtype: DType | None = None) -> list[Workload]:
+    """One workload per layer of ``pool``, one batch for all of them (a step of a model).
+
+    Every layer gets its own prefix contents, queries and new rows (and, for an
+    fp8 pool, its own scale), so a forward that reads another layer is caught.
+    """
+    first = make_workload(config, pool, spec, method, seed=seed,
+                          q_compute_dtype=q_compute_dtype)
+    works = [first]
+    for layer_id in range(1, pool.num_layers):
+        works.append(make_workload(config, pool, spec, method, seed=seed + 1000 * layer_id,
+                                   layer_id=layer_id, pages=first.pages, batch=first.batch,
+                                   q_compute_dtype=q_compute_dtype))
+    return works
 
 
 def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """float32 attention of ``q [E, H, D]`` over ``keys [L, H|1, D]``, ``values [L, H|1, Dv]``.
+                     scale: float, *, causal: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [E, H, D]`` over ``keys [L, H|1, D]``, ``values [L, H|1, Dv]``.
 
-    Bottom-right causal: query ``i`` sees keys ``0 .. L - E + i``.
+    Float64 on q's device; bottom-right causal (query ``i`` sees keys ``0 .. L - E +
+    i``) unless ``causal=False``.  Returns float32 ``out [E, H, Dv]`` and the
+    natural-log LSE ``[E, H]`` on the cpu; a query that sees no key gets 0 and
+    ``-inf``.
     """
     e, length = q.shape[0], keys.shape[0]
     dev = q.device
+    heads = q.shape[1]
+    if length == 0:
+        return (torch.zeros(e, heads, values.shape[-1]),
+                torch.full((e, heads), float("-inf")))
     # float64 on the device: exact enough to be the truth, and free of TF32 matmuls
     qf = q.double()
-    kf = keys.to(dev, torch.float64).expand(length, q.shape[1], keys.shape[-1])
-    vf = values.to(dev, torch.float64).expand(length, q.shape[1], values.shape[-1])
+    kf = keys.to(dev, torch.float64).expand(length, heads, keys.shape[-1])
+    vf = values.to(dev, torch.float64).expand(length, heads, values.shape[-1])
     scores = torch.einsum("ehd,lhd->hel", qf, kf) * scale
-    visible = (torch.arange(length, device=dev)[None, :]
-               <= (torch.arange(e, device=dev) + (length - e))[:, None])
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    out = torch.einsum("hel,lhd->ehd", torch.softmax(scores, dim=-1), vf)
-    return out.float().cpu()
+    if causal:
+        visible = (torch.arange(length, device=dev)[None, :]
+                   <= (torch.arange(e, device=dev) + (length - e))[:, None])
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                    # [H, E]
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.einsum("hel,lhd->ehd", torch.exp(scores - safe[..., None]), vf)
+    return out.float().cpu(), lse.transpose(0, 1).float().cpu()
 
 
 def oracle_mla(q: torch.Tensor, seq_rows: list[torch.Tensor], spec: BatchSpec,
-               latent: int, scale: float) -> torch.Tensor:
-    """Absorbed MLA: every head attends over the 576-wide rows, values = the latent part."""
-    outs = []
+               latent: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA: every head attends over the 576-wide rows, values = the latent part.
+
+    Serves every forward mode: decode, extend, verify and draft extend are all
+    "the new tokens of each sequence, bottom-right causal over the whole sequence".
+    """
+    outs, lses = [], []
     start = 0
     for rows, (_, extend) in zip(seq_rows, spec.seqs):
         kv = rows.to(q.device)[:, None, :]
-        outs.append(oracle_attention(q[start:start + extend], kv, kv[:, :, :latent], scale))
+        o, lse = oracle_attention(q[start:start + extend], kv, kv[:, :, :latent], scale)
+        outs.append(o)
+        lses.append(lse)
         start += extend
-    return torch.cat(outs)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def oracle_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec,
-               scale: float) -> torch.Tensor:
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged MHA: sequence ``b`` owns K/V rows ``kv_indptr[b]:kv_indptr[b+1]``."""
-    outs = []
+    outs, lses = [], []
     q_start = kv_start = 0
     for prefix, extend in spec.seqs:
         length = prefix + extend
-        outs.append(oracle_attention(q[q_start:q_start + extend],
-                                     k[kv_start:kv_start + length],
-                                     v[kv_start:kv_start + length], scale))
+        o, lse = oracle_attention(q[q_start:q_start + extend], k[kv_start:kv_start + length],
+                                  v[kv_start:kv_start + length], scale)
+        outs.append(o)
+        lses.append(lse)
         q_start += extend
         kv_start += length
-    return torch.cat(outs)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def oracle_chunked(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                   seq_rows: list[torch.Tensor], spec: BatchSpec,
+                   decompress: Callable[[torch.Tensor, torch.Tensor],
+                                        tuple[torch.Tensor, torch.Tensor]],
+                   latent: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked-prefix MHA computes full MHA over the decompressed prefix + the new tokens.
+
+    The prefix rows are decompressed as the backend reads them: the stored
+    values in q's dtype.
+    """
+    outs, lses = [], []
+    start = 0
+    for rows, (prefix, extend) in zip(seq_rows, spec.seqs):
+        cached = rows[:prefix].to(device=q.device, dtype=q.dtype)
+        k_p, v_p = decompress(cached[:, :latent], cached[:, latent:])
+        new = slice(start, start + extend)
+        o, lse = oracle_attention(q[new], torch.cat([k_p, k_new[new]]),
+                                  torch.cat([v_p, v_new[new]]), scale)
+        outs.append(o)
+        lses.append(lse)
+        start += extend
+    return torch.cat(outs), torch.cat(lses)
 
 
 def compare(out: torch.Tensor, expected: torch.Tensor, q_dtype: DType,
@@ -297,6 +433,37 @@ def compare(out: torch.Tensor, expected: torch.Tensor, q_dtype: DType,
             + (f"; {int(nonfinite.sum())} non-finite values" if bool(nonfinite.any()) else ""))
 
 
+#: LSE tolerance, any dtype: the kernels sum exp(scores) of exactly rounded inputs in
+#: float32, so only the summation order differs from the float64 oracle.
+LSE_TOLERANCE = Tolerance(2e-3, 2e-4)
+
+
+def compare_lse(lse: torch.Tensor, expected: torch.Tensor, spec: BatchSpec) -> str | None:
+    """None when ``lse`` matches the oracle's (same ``-inf`` rows, finite rows within
+    :data:`LSE_TOLERANCE`), else why not."""
+    got = lse.detach().float().cpu()
+    if tuple(got.shape) != tuple(expected.shape) or lse.dtype != torch.float32:
+        return (f"{spec.describe()}: lse is {lse.dtype} {tuple(got.shape)}, expected "
+                f"torch.float32 {tuple(expected.shape)}")
+    finite = torch.isfinite(expected)
+    wrong_inf = (torch.isfinite(got) != finite) | torch.isnan(got)
+    err = torch.where(finite, (got - expected).abs(), torch.zeros_like(got))
+    tol = LSE_TOLERANCE
+    bad = wrong_inf | (err > tol.atol + tol.rtol * expected.abs().nan_to_num(posinf=0,
+                                                                              neginf=0))
+    if not bool(bad.any()):
+        return None
+    flat = int(torch.argmax(bad.flatten().to(torch.uint8) * (1 + err.flatten())))
+    row, head = divmod(flat, got.shape[1])
+    seq, tok = _locate(row, spec)
+    return (f"{spec.describe()}: log-sum-exp differs from the float64 oracle's (natural log "
+            f"of the summed exp(sm_scale * q . k)) in {int(bad.sum())}/{bad.numel()} "
+            f"(token, head) pairs (tolerance atol {tol.atol}, rtol {tol.rtol}); e.g. "
+            f"sequence {seq}, new token {tok}, head {head}: got {float(got[row, head]):.5g}, "
+            f"expected {float(expected[row, head]):.5g} (a base-2 LSE would be "
+            f"{float(expected[row, head]) / 0.6931471805599453:.5g})")
+
+
 def _locate(row: int, spec: BatchSpec) -> tuple[int, int]:
     start = 0
     for i, (_, extend) in enumerate(spec.seqs):
@@ -315,11 +482,13 @@ def check_pool_after(pool: MLAKVPool, work: Workload, extra_written: Sequence[in
     """
     problems = []
     slots = work.batch.out_cache_loc.to(device=pool.device)
-    held = pool.read_slots(slots).cpu()
+    held = pool.read_slots(slots, layer_id=work.layer_id).cpu()
     if held.shape == work.new_rows.shape and not torch.equal(held, work.new_rows):
         wrong = int((held != work.new_rows).any(dim=1).sum())
+        where = f" of layer {work.layer_id}" if pool.num_layers > 1 else ""
         problems.append(f"{work.spec.name}: {wrong}/{held.shape[0]} new tokens were not "
-                        "written to their out_cache_loc slots as given (latent_new/rope_new)")
+                        f"written to their out_cache_loc slots{where} as given "
+                        "(latent_new/rope_new)")
     corrupted = pool.corrupted_slots(list(work.written_slots) + list(extra_written))
     if corrupted:
         problems.append(f"{work.spec.name}: {len(corrupted)} KV slots outside the written ones "

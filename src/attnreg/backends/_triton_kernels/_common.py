@@ -21,6 +21,8 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 KV_FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 LOG2E = 1.4426950408889634
+#: ln(2): the kernels keep log-sum-exps in the log2 domain; LSE outputs are natural logs.
+LN2 = 0.6931471805599453
 
 
 def interpreting() -> bool:

@@ -55,6 +55,7 @@ from ..declarations.triton_sizing import (  # noqa: F401
 )
 from ._common import (
     KV_FP8_DTYPE,
+    LN2,
     LOG2E,
     Q_DTYPES,
     _dot,
@@ -132,20 +133,21 @@ def _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N: tl.constexpr):
 # values divisible by 16 and another for 1): one binary serves every split count.
 @triton.jit(do_not_specialize=["num_splits", "min_chunk"])
 def _mla_decode_kernel(
-    Q, KV, PT, SEQ, OUT, PO, PLSE, KVS,
+    Q, KV, PT, SEQ, OUT, PO, PLSE, KVS, LSE,
     qk_scale, kv_scale,
     stride_qb, stride_qh,
     stride_kvp, stride_kvr,
     stride_ptb,
     stride_ob, stride_oh,
     stride_pob, stride_pos, stride_poh,
-    stride_lb, stride_ls,
+    stride_lb, stride_ls, stride_lse_b,
     H, num_splits, min_chunk,
     PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, FP8_TWO_LOADS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     hb = tl.program_id(0)
     sid = tl.program_id(1)
@@ -253,17 +255,20 @@ def _mla_decode_kernel(
     else:
         out = OUT + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        if STORE_LSE:  # natural log of the scaled scores' sum (m_i, l_i: log2 domain)
+            row_lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+            tl.store(LSE + b.to(tl.int64) * stride_lse_b + offs_h, row_lse, mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_chunk"])
 def _mla_merge_kernel(
-    PO, PLSE, SEQ, OUT,
+    PO, PLSE, SEQ, OUT, LSE,
     stride_pob, stride_pos, stride_poh,
     stride_lb, stride_ls,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_lse_b,
     H, num_splits, min_chunk,
     BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, CHUNK_S: tl.constexpr,
-    BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     # One program per (BLOCK_HM heads, sequence, BLOCK_D output columns); the host picks
     # the shape so that there are neither too few programs (one per head and 128 columns
@@ -305,6 +310,12 @@ def _mla_merge_kernel(
         out = acc * inv
         tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
                  out.to(OUT.dtype.element_ty), mask=offs_d * 0 + h < H)
+        if STORE_LSE:
+            if dblk == 0:
+                if h < H:
+                    row_lse = tl.where(w_sum > 0.0, (m + tl.log2(tl.maximum(w_sum, 1e-30))) * LN2,
+                                       float("-inf"))
+                    tl.store(LSE + b.to(tl.int64) * stride_lse_b + h, row_lse)
 
 
 def _merge_config(batch: int, heads: int) -> tuple[int, int, int]:
@@ -394,7 +405,7 @@ class _DecodePlan:
     __slots__ = ("decode", "empty", "merge", "scale_ptr", "split", "ws_shape")
 
     def __init__(self, q, kv_cache, page_table, out, workspace, kv_scale, *, num_splits: int,
-                 min_chunk: int, cfg: DecodeConfig, merge_cfg=None) -> None:
+                 min_chunk: int, cfg: DecodeConfig, merge_cfg=None, lse=None) -> None:
         B, H, _ = q.shape
         self.empty = B == 0 or H == 0
         self.split = num_splits > 1
@@ -415,34 +426,42 @@ class _DecodePlan:
         else:
             po_strides, pl_strides = (0, 0, 0), (0, 0)
         kv_dt = kv_scale.dtype if self.scale_ptr else q.dtype  # q stands in when a float
+        # without ``lse`` the kernels get ``out`` as a pointer they never use
+        store_lse = lse is not None
+        lse_stride = lse.stride(0) if store_lse else 0
+        lse_dt = torch.float32 if store_lse else out.dtype
         self.decode = BoundLaunch(
             _KERNELS, "_mla_decode_kernel", (triton.cdiv(H, cfg.block_h), num_splits, B),
             ints=(q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
                   page_table.stride(0), out.stride(0), out.stride(1), *po_strides,
-                  *pl_strides, H, num_splits, min_chunk),
+                  *pl_strides, lse_stride, H, num_splits, min_chunk),
             constexprs=(ps, cfg.page_tiles and ps >= cfg.block_n, cfg.block_h, cfg.block_n,
                         D_LATENT, D_ROPE, self.split, is_fp8, self.scale_ptr,
-                        dot_upcast(q.dtype), cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads),
+                        dot_upcast(q.dtype), cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads,
+                        store_lse and not self.split),
             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             dtypes=(q.dtype, kv_cache.dtype, page_table.dtype, torch.int32, out.dtype,
                     torch.float32 if self.split else out.dtype,
-                    torch.float32 if self.split else out.dtype, kv_dt))
+                    torch.float32 if self.split else out.dtype, kv_dt, lse_dt))
         if self.split:
             block_hm, block_d, chunk_s = merge_cfg or _merge_config(B, H)
             splits_pow2 = max(2, next_pow2(num_splits))
             self.merge = BoundLaunch(
                 _KERNELS, "_mla_merge_kernel", (triton.cdiv(H, block_hm), B, D_LATENT // block_d),
-                ints=(*po_strides, *pl_strides, out.stride(0), out.stride(1), H, num_splits,
-                      min_chunk),
+                ints=(*po_strides, *pl_strides, out.stride(0), out.stride(1), lse_stride, H,
+                      num_splits, min_chunk),
                 # a step wider than the splits only masks
                 constexprs=(cfg.block_n, splits_pow2, min(chunk_s, splits_pow2), block_hm,
-                            block_d),
+                            block_d, store_lse),
                 options=dict(num_warps=4, num_stages=2),
-                dtypes=(torch.float32, torch.float32, torch.int32, out.dtype))
+                dtypes=(torch.float32, torch.float32, torch.int32, out.dtype, lse_dt))
 
     def run(self, q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
-            parts=("decode", "merge")):
-        """Launch the decode kernel and, when splitting, the merge kernel."""
+            parts=("decode", "merge"), lse=None):
+        """Launch the decode kernel and, when splitting, the merge kernel.
+
+        ``lse`` must be given exactly when the plan was built with one.
+        """
         if self.empty:
             return out
         if not self.split:
@@ -456,15 +475,17 @@ class _DecodePlan:
         else:
             kvs, kvs_val = q, float(kv_scale)  # q: a pointer the kernel never reads
         ctx = direct_context()
-        tensors = (q, kv_cache, page_table, seq_lens, out, po, pl, kvs)
+        lse_t = out if lse is None else lse
+        tensors = (q, kv_cache, page_table, seq_lens, out, po, pl, kvs, lse_t)
         ptrs = None if ctx is None else [t.data_ptr() for t in tensors]
         if "decode" in parts:
             compiled = self.decode(tensors, (float(sm_scale) * LOG2E, kvs_val), ctx, ptrs)
             if compiled is not None:  # a JIT launch (diagnostics: registers, spills)
                 _LAST_LAUNCH["decode"] = compiled
         if self.merge is not None and "merge" in parts:
-            compiled = self.merge((po, pl, seq_lens, out), (), ctx,
-                                  None if ptrs is None else (ptrs[5], ptrs[6], ptrs[3], ptrs[4]))
+            compiled = self.merge((po, pl, seq_lens, out, lse_t), (), ctx,
+                                  None if ptrs is None
+                                  else (ptrs[5], ptrs[6], ptrs[3], ptrs[4], ptrs[8]))
             if compiled is not None:
                 _LAST_LAUNCH["merge"] = compiled
         return out
@@ -472,7 +493,7 @@ class _DecodePlan:
 
 def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale,
                      num_splits, min_chunk, workspace, cfg: DecodeConfig, merge_cfg=None,
-                     parts=("decode", "merge")):
+                     parts=("decode", "merge"), lse=None):
     """Launch with an explicit config on validated inputs (tests, tuning).
 
     ``merge_cfg``: (BLOCK_HM, BLOCK_D, CHUNK_S) of the merge (default
@@ -481,9 +502,9 @@ def _mla_decode_impl(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_sca
     """
     plan = _DecodePlan(q, kv_cache, page_table, out, workspace, kv_scale,
                        num_splits=num_splits, min_chunk=min_chunk, cfg=cfg,
-                       merge_cfg=merge_cfg)
+                       merge_cfg=merge_cfg, lse=lse)
     return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
-                    parts)
+                    parts, lse)
 
 
 #: request key (see _request_key) -> its plan; cleared when full (an engine whose page
@@ -497,7 +518,7 @@ def _meta(t) -> tuple:
 
 
 def _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, workspace,
-                 force_num_splits) -> tuple | None:
+                 force_num_splits, lse) -> tuple | None:
     """Everything validation and the launch plan read: types, dtypes, shapes, strides,
     devices, and the split arguments (values and types).  None when an argument is not
     a tensor (validation then names it)."""
@@ -507,13 +528,22 @@ def _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, w
             (type(workspace), _meta(workspace[0]), _meta(workspace[1]))
         return (_meta(q), _meta(kv_cache), _meta(page_table), _meta(seq_lens), _meta(out),
                 scale, ws, max_splits, type(max_splits), force_num_splits,
-                type(force_num_splits))
+                type(force_num_splits), None if lse is None else _meta(lse))
     except (AttributeError, TypeError, IndexError):
         return None
 
 
+def check_lse(lse, rows: int, heads: int, device) -> None:
+    """``lse`` must be None or a float32 ``[rows, heads]`` tensor on ``device``, heads contiguous."""
+    if lse is None:
+        return
+    check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=device)
+    if tuple(lse.shape) != (rows, heads):
+        raise ValueError(f"lse: expected shape {(rows, heads)}, got {tuple(lse.shape)}")
+
+
 def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0,
-               max_splits, workspace=None, force_num_splits=None):
+               max_splits, workspace=None, force_num_splits=None, lse=None):
     """Absorbed MLA decode over a paged latent cache; CUDA-graph capturable.
 
     Host path: the inputs are checked once per distinct request (dtypes, shapes,
@@ -551,6 +581,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
     force_num_splits : int, optional
         Use exactly this static split count (chunks of ``roundup(cdiv(L, n), BLOCK_N)``,
         no minimum chunk).  ``1`` runs the one-pass kernel that writes ``out`` directly.
+    lse : Tensor [B, H] float32, optional
+        Also write each (sequence, head)'s log-sum-exp: natural log of the summed
+        ``exp(sm_scale * kv_scale * q . k)``; ``-inf`` for a zero-length sequence.
 
     Returns
     -------
@@ -564,20 +597,22 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
         raised before anything is launched.
     """
     key = _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, workspace,
-                       force_num_splits)
+                       force_num_splits, lse)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace,
                   force_num_splits, kv_scale)
+        check_lse(lse, q.shape[0], q.shape[1], q.device)
         cfg = decode_config(q.shape[1], kv_cache.dtype)
         if force_num_splits is not None:
             num_splits, min_chunk = force_num_splits, cfg.block_n
         else:
             num_splits, min_chunk = max_splits, max(cfg.block_n, cfg.min_chunk)
         plan = _DecodePlan(q, kv_cache, page_table, out, workspace, kv_scale,
-                           num_splits=num_splits, min_chunk=min_chunk, cfg=cfg)
+                           num_splits=num_splits, min_chunk=min_chunk, cfg=cfg, lse=lse)
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
-    return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale)
+    return plan.run(q, kv_cache, page_table, seq_lens, out, workspace, sm_scale, kv_scale,
+                    lse=lse)

@@ -36,6 +36,7 @@ from ..declarations.triton_sizing import (  # noqa: F401
 )
 from ._common import (
     KV_FP8_DTYPE,
+    LN2,
     LOG2E,
     _dot,
     check_index,
@@ -46,7 +47,7 @@ from ._common import (
     next_pow2,
     tile_rows,
 )
-from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs
+from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs, check_lse
 
 
 @triton.jit
@@ -119,6 +120,7 @@ def _mla_extend_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    LSE=None, stride_lse_t=0, STORE_LSE: tl.constexpr = False,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -193,6 +195,9 @@ def _mla_extend_kernel(
         o_row = OUT + t * stride_ot + h * stride_oh
         tl.store(o_row[:, None] + offs_d[None, :], o.to(OUT.dtype.element_ty),
                  mask=mask_r[:, None])
+        if STORE_LSE:  # natural log (m_i, l_i are in the log2 domain)
+            row_lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+            tl.store(LSE + t * stride_lse_t + h, row_lse, mask=mask_r)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -203,6 +208,7 @@ def _mla_extend_merge_kernel(
     stride_ot, stride_oh,
     B, H, num_splits,
     SPLITS_POW2: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    LSE=None, stride_lse_t=0, STORE_LSE: tl.constexpr = False,
 ):
     # One program per (query row, head, BLOCK_D output columns).  A split whose LSE is
     # -inf saw no visible column (or none at all): its weight is 0 and its partial output
@@ -233,6 +239,11 @@ def _mla_extend_merge_kernel(
         acc += tl.sum(w[:, None] * o, 0)
     tl.store(OUT + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
              (acc * inv).to(OUT.dtype.element_ty))
+    if STORE_LSE:
+        if dblk == 0:
+            row_lse = tl.where(w_sum > 0.0, (m + tl.log2(tl.maximum(w_sum, 1e-30))) * LN2,
+                               float("-inf"))
+            tl.store(LSE + t.to(tl.int64) * stride_lse_t + h, row_lse)
 
 
 class MLAExtendWorkspace(NamedTuple):
@@ -309,7 +320,7 @@ def _check_extend_workspace(workspace, T: int, H: int, splits: int, dev) -> None
 
 def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *, sm_scale,
                kv_scale=1.0, max_extend_len=None, num_splits=1, workspace=None,
-               min_chunk=None):
+               min_chunk=None, lse=None):
     """Absorbed MLA extend (prefill with a cached prefix) over a paged latent cache.
 
     Parameters
@@ -345,6 +356,10 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     min_chunk : int, optional
         Shortest chunk in tokens (default :data:`EXTEND_MIN_CHUNK_TOKENS`; a multiple of
         the kernel's KV tile is used as is, so ``1`` means "exactly ``num_splits`` chunks").
+    lse : Tensor [T_total, H] float32, optional
+        Also write each (query row, head)'s log-sum-exp (natural log, see
+        :func:`~attnreg.backends._triton_kernels.mla_decode`); rows past
+        ``qo_indptr[B]`` are left untouched.
 
     Raises
     ------
@@ -369,6 +384,7 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     if tuple(out.shape) != (T, H, D_LATENT):
         raise ValueError(f"out: expected shape {(T, H, D_LATENT)}, got {tuple(out.shape)}")
     check_kv_scale(kv_scale, kv_cache)
+    check_lse(lse, T, H, dev)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a Python int >= 1, got {num_splits!r}")
     if min_chunk is not None and (not isinstance(min_chunk, int) or min_chunk < 1):
@@ -388,12 +404,13 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
     return _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out,
                             sm_scale=sm_scale, kv_scale=kv_scale,
                             max_extend_len=max_extend_len, num_splits=num_splits,
-                            workspace=workspace, min_chunk=min_chunk, cfg=_extend_config(H))
+                            workspace=workspace, min_chunk=min_chunk, cfg=_extend_config(H),
+                            lse=lse)
 
 
 def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *,
                      sm_scale, kv_scale, max_extend_len: int, num_splits: int, workspace,
-                     min_chunk, cfg: ExtendConfig):
+                     min_chunk, cfg: ExtendConfig, lse=None):
     """Launch the extend (and merge) kernels on validated inputs with config ``cfg``."""
     T, H, _ = q.shape
     B = qo_indptr.shape[0] - 1
@@ -430,6 +447,7 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
         BLOCK_N=block_n, D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
         UPCAST=dot_upcast(q.dtype), SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_lse_args(lse, "stride_lse_t", not split),
     )
     if split:
         block_d = 128
@@ -440,5 +458,13 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
             B, H, num_splits,
             SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=min(16, next_pow2(num_splits)),
             BLOCK_D=block_d, num_warps=4, num_stages=2,
+            **_lse_args(lse, "stride_lse_t", True),
         )
     return out
+
+
+def _lse_args(lse, stride_name: str, store: bool) -> dict:
+    """The LSE keywords of a launch: store into ``lse`` [rows, H] float32 when given."""
+    if lse is None or not store:
+        return {}
+    return {"LSE": lse, stride_name: lse.stride(0), "STORE_LSE": True}

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    LN2,
     LOG2E,
     _dot,
     check_index,
@@ -89,6 +90,7 @@ def _mha_prefill_kernel(
     D_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    LSE=None, stride_lse_t=0, STORE_LSE: tl.constexpr = False,
 ):
     mblk = tl.program_id(0)
     h = tl.program_id(1)
@@ -147,6 +149,10 @@ def _mha_prefill_kernel(
     o_ptr = (OUT + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
              + offs_v[None, :])
     tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=mask_m[:, None] & (offs_v[None, :] < D_V))
+    if STORE_LSE:  # natural log (m_i, l_i are in the log2 domain); no visible key: -inf
+        row_lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+        tl.store(LSE + (q_start + offs_m).to(tl.int64) * stride_lse_t + h, row_lse,
+                 mask=mask_m)
 
 
 def _mha_config(d_qk: int, d_v: int):
@@ -158,7 +164,8 @@ def _mha_config(d_qk: int, d_v: int):
     return 128, 64, 8, 2
 
 
-def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, max_q_len=None):
+def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, max_q_len=None,
+                lse=None):
     """Ragged multi-head attention prefill (non-absorbed MLA: Dqk=192, Dv=128).
 
     Parameters
@@ -179,6 +186,9 @@ def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, ma
     max_q_len : int, optional
         Python-int bound on the per-sequence query count (fixes the grid; needed under
         graph capture).  None reads it from ``qo_indptr`` on the host.
+    lse : Tensor [T_q, H] float32, optional
+        Also write each (query row, head)'s log-sum-exp: natural log of the summed
+        ``exp(sm_scale * q . k)`` over its visible keys, ``-inf`` when it sees none.
 
     Raises
     ------
@@ -205,6 +215,10 @@ def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, ma
     check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=dev)
     if tuple(out.shape) != (Tq, H, Dv):
         raise ValueError(f"out: expected shape {(Tq, H, Dv)}, got {tuple(out.shape)}")
+    if lse is not None:
+        check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=dev)
+        if tuple(lse.shape) != (Tq, H):
+            raise ValueError(f"lse: expected shape {(Tq, H)}, got {tuple(lse.shape)}")
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if B > 0 else 0
     if not isinstance(max_q_len, int) or max_q_len < 0:
@@ -228,5 +242,7 @@ def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, ma
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         UPCAST=dot_upcast(q.dtype),
         num_warps=warps, num_stages=stages,
+        **({} if lse is None else {"LSE": lse, "stride_lse_t": lse.stride(0),
+                                   "STORE_LSE": True}),
     )
     return out

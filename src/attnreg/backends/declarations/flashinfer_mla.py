@@ -15,7 +15,16 @@ shared/gpu/README.md):
   installed ``run`` signature and refuses FP8 when the keyword is absent.
 * ``BatchPrefillWithRaggedKVCacheWrapper`` runs the non-absorbed MHA prefill
   (192/128, 128/128), eagerly: it is never captured here (MLA is pinned under
-  breakable capture, and piecewise graphs run attention between pieces).
+  breakable capture, and piecewise graphs run attention between pieces).  It
+  also serves chunked-prefix MHA (``MHA_CHUNKED_KV``): causal over the new
+  tokens, unmasked (``causal=False``) over each prefix chunk.
+* Speculative decoding: the MLA wrapper takes ``qo_indptr``, so several causal
+  query tokens per request (target verify, draft extend) run the same paged
+  kernel with ``causal=True`` (bottom-right aligned: the ``kv_idx + qo_len >
+  kv_len + q_idx`` mask of ``mla.cuh``), eagerly and in the FULL decode graphs.
+* LSE: the MLA wrapper's ``run(lse=, return_lse=True, return_lse_base_on_e=)``
+  (fa2 and fa3), the ragged wrapper's ``run(return_lse=True)`` (base 2,
+  converted); declared for the 16-bit kernels (the fp8 path's LSE was never run).
 """
 
 from __future__ import annotations
@@ -38,7 +47,14 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import FLASHINFER, HALF, MHA_DIMS, MLA_DIMS
+from ._common import (
+    FLASHINFER,
+    HALF,
+    MHA_DIMS,
+    MLA_DIMS,
+    SPECULATIVE_DECODE_MODES,
+    SPECULATIVE_EAGER_MODES,
+)
 
 MIN_SM = 80
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -98,7 +114,7 @@ def _mla_kernels(backend_name: str, fp8_reason: str) -> list[KernelConstraints]:
     out = [
         KernelConstraints(ForwardMethod.MLA, both, MLA_DIMS, frozenset({dt}), frozenset({dt}),
                           page_sizes=PAGE_SIZES, max_heads=128, kernel=kernel,
-                          split_kv=SplitKV.HOST_PLANNED)
+                          split_kv=SplitKV.HOST_PLANNED, lse=True)
         for dt in (DType.BF16, DType.FP16)
     ]
     if not fp8_reason:
@@ -143,16 +159,22 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
             *_mla_kernels(backend_name, fp8_reason),
             KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS, HALF,
                               HALF, max_heads=128,
-                              kernel="BatchPrefillWithRaggedKVCacheWrapper"),
+                              kernel="BatchPrefillWithRaggedKVCacheWrapper", lse=True),
+            KernelConstraints(ForwardMethod.MHA_CHUNKED_KV, frozenset({Phase.PREFILL}),
+                              MHA_DIMS, HALF, HALF, max_heads=128,
+                              kernel="BatchPrefillWithRaggedKVCacheWrapper (causal new "
+                                     "tokens, causal=False prefix chunks)", lse=True),
         )
     mem = CAPTURE_MEMORY
     modes = (
         # plan() runs on the host before capture and before every replay, into
         # the buffers of a use_cuda_graph wrapper; the kernel's split schedule is
         # re-planned for each replay's lengths.
+        # Decode graphs serve speculative batches too: one use_cuda_graph wrapper per
+        # captured (forward mode, shape), planned causal for several tokens per request.
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED,
-                         capture_memory=mem),
+                         capture_memory=mem, forward_modes=SPECULATIVE_DECODE_MODES),
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED,
                          capture_memory=mem),
@@ -163,5 +185,5 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         backend="flashinfer_mla", platform=plat, vendors=frozenset({Vendor.CUDA}),
         kernels=kernels, graph_modes=modes,
         unavailable_kernels=unavailable, platform_reason=reason, priority=30,
-        notes=tuple(notes),
+        notes=tuple(notes), eager_forward_modes=SPECULATIVE_EAGER_MODES,
     )

@@ -2,6 +2,15 @@
 
 (Not the conformance oracle: that is the float64 computation of
 ``attnreg.testing.workload``, which checks this backend like any other.)
+
+It serves every forward mode eagerly (decode, extend, target verify and draft
+extend of up to :data:`MAX_DRAFT_TOKENS` tokens per sequence, chunked-prefix
+MHA) and returns the log-sum-exp everywhere.  Graph modes are declared only
+where they were proven: FULL / BREAKABLE capture is impossible (host loops),
+and TC_PIECEWISE (attention eagerly between captured pieces) was proven on
+cuda by the conformance suite on an H200 and runs its eager path on cpu; on
+rocm, npu and xpu nobody ran it, so it is declared unsupported there with that
+reason rather than trusted by the graph policy.
 """
 
 from __future__ import annotations
@@ -19,10 +28,24 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF_AND_FP8, MHA_DIMS, MLA_DIMS
+from ._common import HALF_AND_FP8, MHA_DIMS, MLA_DIMS, SPECULATIVE_EAGER_MODES
 
 _NOT_CAPTURABLE = ("the reference loops over sequences with host-side lengths "
                    "(.tolist()), which a CUDA graph cannot record")
+
+#: Vendors where tc_piecewise prefill with the reference between pieces was run:
+#: cuda (conformance on an H200: captured pieces around the eager attention) and
+#: cpu (the eager attention path; cpu records no device graphs at all).
+PIECEWISE_PROVEN = frozenset({Vendor.CUDA, Vendor.CPU})
+
+
+def _piecewise(vendor: Vendor) -> CaptureSupport:
+    if vendor in PIECEWISE_PROVEN:
+        return CaptureSupport.native("attention runs eagerly between pieces")
+    return CaptureSupport.unsupported(
+        f"not proven on {vendor}: torch.compile piecewise graphs around the reference's "
+        f"eager attention were run on cuda only (run `attnreg conformance --backend "
+        f"reference` on a {vendor} device, then declare it)")
 
 
 def capabilities(ctx: DeclarationContext) -> Capabilities:
@@ -31,9 +54,12 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     kernels = (
         KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE, Phase.PREFILL}), MLA_DIMS,
                           q_dtypes, kv_dtypes, page_sizes=(1, 16, 32, 64), max_heads=128,
-                          kernel="torch.float32"),
+                          kernel="torch.float32", lse=True),
         KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS,
-                          q_dtypes, q_dtypes, max_heads=128, kernel="torch.float32"),
+                          q_dtypes, q_dtypes, max_heads=128, kernel="torch.float32", lse=True),
+        KernelConstraints(ForwardMethod.MHA_CHUNKED_KV, frozenset({Phase.PREFILL}), MHA_DIMS,
+                          q_dtypes, q_dtypes, max_heads=128,
+                          kernel="torch.float32 (chunked prefix)", lse=True),
     )
     modes = (
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.unsupported(_NOT_CAPTURABLE)),
@@ -41,13 +67,12 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                          CaptureSupport.unsupported(_NOT_CAPTURABLE)),
         # Under torch.compile piecewise graphs attention runs eagerly between
         # captured pieces, so the host loop is fine there.
-        GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
-                         CaptureSupport.native("attention runs eagerly between pieces")),
+        GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, _piecewise(ctx.platform.vendor)),
     )
     return Capabilities(
         backend="reference", platform=ctx.platform,
         vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes,
-        priority=0,
+        priority=0, eager_forward_modes=SPECULATIVE_EAGER_MODES,
         notes=("float32 math, slow: a plain implementation to compare against, and the cpu "
                "fallback",),
     )

@@ -4,6 +4,12 @@ Capture memory: the split-KV workspaces the runtime allocates in
 ``init_cuda_graph_state``, sized by :mod:`.triton_sizing` (the same functions
 the kernels and the runtime use).  At DeepSeek-V3 sizes (128 heads, 256 decode
 slots, 8192 tokens) the decode workspace is 64 MiB.
+
+Speculative decoding: target-verify and draft-extend batches run the absorbed
+*extend* kernel (a prefix plus a few causal query tokens per sequence is what
+it computes), eagerly and inside the FULL decode graphs; see
+:func:`attnreg.backends.triton_mla.TritonMLABackend` for why not the decode
+kernel.  Every kernel returns the log-sum-exp (``lse``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ from attnreg.registry import (
     Vendor,
 )
 
-from ._common import HALF, MHA_DIMS, MLA_DIMS
+from ._common import (
+    HALF,
+    MAX_DRAFT_TOKENS,
+    MHA_DIMS,
+    MLA_DIMS,
+    SPECULATIVE_DECODE_MODES,
+    SPECULATIVE_EAGER_MODES,
+)
 from .triton_sizing import decode_capture_bytes, extend_capture_bytes
 
 MIN_SM = 80
@@ -34,7 +47,9 @@ PAGE_SIZES = (1, 16, 32, 64)
 DECODE_CAPTURE_MEMORY = CaptureMemory(
     bytes_fn=decode_capture_bytes,
     formula="max over bs <= max_batch_size of bs x decode splits(bs, heads, max_seq_len, "
-            "SMs) x heads x (512 + 1) x 4 bytes")
+            "SMs), and, with speculative graphs (q = max_num_tokens / max_batch_size > 1), "
+            "of bs x q x extend splits(bs, bs x q, ...) where > 1; x heads x (512 + 1) x 4 "
+            "bytes")
 #: BREAKABLE prefill: the split-extend workspace (0 when no captured token count splits).
 EXTEND_CAPTURE_MEMORY = CaptureMemory(
     bytes_fn=extend_capture_bytes,
@@ -62,19 +77,28 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         kernels = tuple(
             KernelConstraints(ForwardMethod.MLA, frozenset({phase}), MLA_DIMS, frozenset({dt}),
                               frozenset({dt, DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
-                              max_heads=128, kernel=name, split_kv=split)
+                              max_heads=128, kernel=name, split_kv=split, lse=True)
             for phase, name, split in (
-                (Phase.DECODE, "triton mla_decode (split-KV)", SplitKV.DYNAMIC),
+                (Phase.DECODE, "triton mla_decode (split-KV; verify / draft extend: "
+                               "mla_extend)", SplitKV.DYNAMIC),
                 (Phase.PREFILL, "triton mla_extend (split-KV)", SplitKV.DYNAMIC))
             for dt in (DType.BF16, DType.FP16)
         ) + (
             KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS, HALF,
-                              HALF, max_heads=128, kernel="triton mha_prefill"),
+                              HALF, max_heads=128, kernel="triton mha_prefill", lse=True),
+            KernelConstraints(ForwardMethod.MHA_CHUNKED_KV, frozenset({Phase.PREFILL}),
+                              MHA_DIMS, HALF, HALF, max_heads=128,
+                              kernel="triton mha_prefill (causal new tokens, unmasked prefix "
+                                     "chunks)", lse=True),
         )
     modes = (
+        # Decode graphs also serve speculative batches (up to MAX_DRAFT_TOKENS tokens
+        # per sequence): the extend kernel's grid is static given the captured tokens
+        # per sequence, its split counts are decided on the device.
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA, split_kv=SplitKV.DYNAMIC,
-                         capture_memory=DECODE_CAPTURE_MEMORY),
+                         capture_memory=DECODE_CAPTURE_MEMORY,
+                         forward_modes=SPECULATIVE_DECODE_MODES),
         # Breakable prefill captures attention: the absorbed extend kernel has a
         # static grid bounded by the captured token count, so MLA is pinned and
         # prefix batches can replay.  Its split count is fixed per captured shape and
@@ -88,5 +112,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     return Capabilities(
         backend="triton", platform=plat, vendors=frozenset({Vendor.CUDA, Vendor.CPU}),
         kernels=kernels, graph_modes=modes, platform_reason=reason,
-        priority=20,
+        priority=20, eager_forward_modes=SPECULATIVE_EAGER_MODES,
+        notes=(f"speculative batches (<= {MAX_DRAFT_TOKENS} draft tokens per sequence) run "
+               "the extend kernel, in the decode graphs too",),
     )

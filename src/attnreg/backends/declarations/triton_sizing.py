@@ -25,6 +25,7 @@ __all__ = [
     "SplitOptions",
     "decode_capture_bytes",
     "decode_config",
+    "decode_graph_rows",
     "decode_partial_rows",
     "default_extend_splits",
     "default_max_splits",
@@ -32,6 +33,7 @@ __all__ = [
     "extend_partial_rows",
     "extend_tile",
     "splits_for_config",
+    "verify_partial_rows",
 ]
 
 #: Latent (= value) width of absorbed MLA: each split's partial output is this wide.
@@ -246,13 +248,43 @@ def extend_partial_rows(shape: CaptureShape, options: SplitOptions = _DEFAULT_OP
     return rows
 
 
+def verify_partial_rows(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
+    """(token, split) rows the speculative graphs of the decode phase need (0: none captured).
+
+    Target-verify and draft-extend batches run the split extend kernel with
+    ``q = ceil(max_num_tokens / max_batch_size)`` tokens per sequence; a graph
+    for ``bs`` sequences views ``bs * q * splits(bs, bs * q)`` rows.  Decode
+    graphs capture one token per sequence (``max_num_tokens == max_batch_size``):
+    then 0.
+    """
+    bs_max, tokens = shape.max_batch_size, shape.max_num_tokens
+    if tokens <= bs_max:
+        return 0
+    q = -(-tokens // bs_max)
+    sms = _sms(shape)
+    rows = 0
+    for bs in range(1, bs_max + 1):
+        s = options.apply(default_extend_splits(bs, bs * q, shape.num_heads, shape.max_seq_len,
+                                                sms))
+        if s > 1:
+            rows = max(rows, bs * q * s)
+    return rows
+
+
+def decode_graph_rows(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
+    """Rows of the one flat workspace every decode-phase graph views: decode and, where
+    captured, verify / draft-extend graphs (they replay one at a time, so they share it)."""
+    return max(decode_partial_rows(shape, options), verify_partial_rows(shape, options))
+
+
 def _row_bytes(shape: CaptureShape) -> int:
     return shape.num_heads * PARTIAL_FLOATS_PER_ROW * 4
 
 
 def decode_capture_bytes(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
-    """Bytes of the FULL-decode graph workspace: fp32 partial outputs and LSEs."""
-    return decode_partial_rows(shape, options) * _row_bytes(shape)
+    """Bytes of the FULL-decode graph workspace (decode, target verify, draft extend):
+    fp32 partial outputs and LSEs."""
+    return decode_graph_rows(shape, options) * _row_bytes(shape)
 
 
 def extend_capture_bytes(shape: CaptureShape, options: SplitOptions = _DEFAULT_OPTIONS) -> int:
