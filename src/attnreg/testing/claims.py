@@ -476,7 +476,11 @@ def _multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, 
     if base is None:
         return None
     fp8 = [(q, kv) for q, kv in _pairs_for(caps, method, phase) if kv is DType.FP8_E4M3]
-    return replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]) if fp8 else base
+    if not fp8:
+        return base
+    # the fp8 kernel may take other head counts or page sizes than the base's
+    return _declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
+                             device, heads) or base
 
 
 def _multi_layer_eager_claims(caps: Capabilities, device: str,

@@ -22,7 +22,9 @@ KV_FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 LOG2E = 1.4426950408889634
 #: ln(2): the kernels keep log-sum-exps in the log2 domain; LSE outputs are natural logs.
-LN2 = 0.6931471805599453
+#: A ``tl.constexpr``: compiled kernels may read no other kind of global (the CPU
+#: interpreter would accept a float, the sm90 compiler refuses it).
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def interpreting() -> bool:
