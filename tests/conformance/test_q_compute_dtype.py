@@ -78,3 +78,23 @@ def test_a_capture_claim_for_another_pool_uses_a_head_count_its_kernel_accepts()
                if c.kind is ClaimKind.CAPTURE and c.check is Check.REPLAY]
     assert sorted((c.kv_dtype.value, c.num_heads) for c in replays) == [("bf16", 1),
                                                                        ("fp8_e4m3", 16)]
+
+
+def test_an_fp8_computing_kernel_is_held_to_the_fp8_tolerance_and_only_it():
+    from attnreg.testing.batches import batch_spec
+    from attnreg.testing.workload import TOLERANCES, Workload, compare
+
+    spec = batch_spec("single_decode", "cpu")
+    expected = torch.zeros(spec.num_tokens, 2, 512)
+    # an error between the bf16 and the fp8 tolerance
+    out = expected + (TOLERANCES[DType.BF16].atol + TOLERANCES[DType.FP8_E4M3].atol) / 2
+
+    def held_to(compute: DType | None) -> DType:
+        work = Workload.__new__(Workload)
+        object.__setattr__(work, "q_compute_dtype", compute)
+        return work.tolerance_dtype(DType.BF16)
+
+    assert held_to(None) is DType.BF16
+    assert held_to(DType.FP8_E4M3) is DType.FP8_E4M3
+    assert compare(out, expected, held_to(None), spec) is not None
+    assert compare(out, expected, held_to(DType.FP8_E4M3), spec) is None

@@ -441,7 +441,9 @@ class KernelConstraints:
     batch, the smallest with ``max|q| / scale <= 448`` over the batch's real
     query rows, then one round-to-nearest to fp8.  The conformance oracle
     rounds q the same way, so the tolerance measures the kernel and not the
-    quantisation it declared.
+    quantisation it declared; the output is held to the compute dtype's
+    tolerance (such a kernel also rounds its softmax probabilities to it),
+    not the query dtype's.
     """
 
     method: ForwardMethod

@@ -202,7 +202,7 @@ class Harness:
                 msg = compare_lse(lse, work.expected_lse, spec)
                 if msg:
                     problems.append(msg)
-            msg = compare(out, work.expected, combo.q_dtype, spec)
+            msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
             if msg:
                 problems.append(msg)
             problems += check_pool_after(pool, work, written)
@@ -231,7 +231,7 @@ class Harness:
                     problems.append(f"{spec.name}: the forward of layer {work.layer_id} "
                                     "re-planned the step (one plan per step must serve every "
                                     "layer)")
-                msg = compare(out, work.expected, combo.q_dtype, spec)
+                msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"layer {work.layer_id}: {msg}")
             for work in works:
@@ -285,7 +285,7 @@ class Harness:
                 f"{spec.name} with {what} (outside the declaration): {stage} raised "
                 f"{type(exc).__name__} ({_where(exc)}: {exc}) instead of UnsupportedError; "
                 "refuse undeclared inputs in Python before any kernel launch") from exc
-        wrong = compare(out, work.expected, combo.q_dtype, spec)
+        wrong = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
         verdict = (f" and its output is wrong ({wrong})" if wrong
                    else " (its output happens to be right)")
         raise ClaimRefuted(
@@ -467,7 +467,7 @@ class Harness:
                        f"{specs[0].describe()}"):
             captured.warm_up(capture_works)
         for work, warm in zip(capture_works, captured.layer_outputs(capture_works[0].rows)):
-            msg = compare(warm, work.expected, combo.q_dtype, specs[0])
+            msg = compare(warm, work.expected, work.tolerance_dtype(combo.q_dtype), specs[0])
             at = f" (layer {work.layer_id})" if layers > 1 else ""
             if msg:
                 problems.append(f"warm-up under capture{at}: {msg}")
@@ -484,7 +484,7 @@ class Harness:
                 outs = captured.replay_layers(step, host_scale=scale, between=between)
             for work, out in zip(step, outs):
                 at = f" (layer {work.layer_id})" if layers > 1 else ""
-                msg = compare(out, work.expected, combo.q_dtype, spec)
+                msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"replay {i + 1}{at}: {msg}")
                 problems += [f"replay {i + 1}{at}: {p}"
@@ -648,7 +648,7 @@ class Harness:
                     out = self.eager_forward(backend, work, pool)
                 self.sync()
             served.append((f"{spec.name} under capturing(tc_piecewise)", records))
-            msg = compare(out, work.expected, combo.q_dtype, spec)
+            msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
             if msg:
                 problems.append(msg)
             problems += check_pool_after(pool, work, written)
@@ -762,7 +762,8 @@ class _Piecewise:
             with explained(f"tc_piecewise replay {i + 1} ({work.spec.describe()})"):
                 graph.replay()
                 torch.cuda.synchronize()
-            msg = compare(final[:n], work.expected, combo.q_dtype, work.spec)
+            msg = compare(final[:n], work.expected, work.tolerance_dtype(combo.q_dtype),
+                          work.spec)
             if msg:
                 problems.append(f"replay {i + 1}: {msg}")
             problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
