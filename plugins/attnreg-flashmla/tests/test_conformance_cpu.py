@@ -2,8 +2,9 @@
 
 The suite's own harness checks every claim of the sm90 declaration that can
 run without a device graph: eager correctness against the float64 oracle (the
-fp8 path with the oracle rounding q as the declaration says), refusals before
-any launch, the capture-mode code path replaying other lengths, padded rows.
+fp8 path with the oracle rounding q as the declaration says), target-verify
+batches, the LSE, several layers of one pool, refusals before any launch, the
+capture-mode code path replaying other lengths (decode and verify), padded rows.
 On the H200 `attnreg conformance --backend flashmla --device cuda` runs all of
 them with the real library and real graphs.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from attnreg.registry import DeclarationContext, DType, Platform
+from attnreg.registry import DeclarationContext, DType, ForwardMode, Platform
 from attnreg.testing.claims import Check, ClaimKind, expand_claims, kernel_q_compute_dtype
 from attnreg.testing.harness import Harness
 
@@ -29,29 +30,68 @@ CLAIMS = [c for c in expand_claims(CAPS, "cpu")
           if not c.skip_reason and c.check is not Check.CAPTURE_MEMORY]
 
 
+def _undeclared_configuration(claim) -> bool:
+    """A claim that should hold but names a configuration the declaration itself refuses."""
+    combo = claim.combo
+    return claim.kind is not ClaimKind.REFUSAL and combo is not None and bool(
+        CAPS.check_request(combo.method, combo.phase, head_dims=combo.head_dims,
+                           q_dtype=combo.q_dtype, kv_dtype=combo.kv_dtype,
+                           page_size=combo.page_size, num_heads=combo.num_heads))
+
+
+#: attnreg's claim builder (attnreg.testing.claims._multi_layer_combo, as merged with the
+#: engine contract) puts the fp8 pool of a multi_layer claim at the base configuration's
+#: head count (1), which the fp8 kernel (16, 32, 64, 128 heads) does not accept; the fix
+#: belongs to attnreg (pick the fp8 variant through _declared_variant).  Until it lands
+#: those claims cannot hold for any backend whose fp8 kernel takes fewer head counts.
+_CORE_MULTI_LAYER_BUG = ("attnreg core: the multi_layer claim's fp8 configuration is one "
+                         "the declaration refuses (claims._multi_layer_combo skips "
+                         "_declared_variant)")
+
+
 @pytest.fixture
 def harness(registry, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla)
     return Harness(registry, "cpu", SM90)
 
 
+def _plain_eager(claim) -> bool:
+    return (claim.kind is ClaimKind.EAGER and claim.check is Check.MATCHES_REFERENCE
+            and claim.forward_mode is None)
+
+
 def test_the_cpu_run_covers_both_pools_refusals_and_the_capture_path():
     kinds = {(c.kind, c.check) for c in CLAIMS}
     assert (ClaimKind.EAGER, Check.MATCHES_REFERENCE) in kinds
+    assert (ClaimKind.EAGER, Check.LSE) in kinds
+    assert (ClaimKind.EAGER, Check.MULTI_LAYER) in kinds
     assert (ClaimKind.CAPTURE, Check.CAPTURE_PATH) in kinds
     assert (ClaimKind.CAPTURE, Check.PADDED_ROWS) in kinds
+    assert (ClaimKind.CAPTURE, Check.MULTI_LAYER) in kinds
     assert {c.check for c in CLAIMS if c.kind is ClaimKind.REFUSAL} >= {
         Check.PAGE_SIZE, Check.NUM_HEADS, Check.KV_DTYPE, Check.INDEX_DTYPE}
-    eager_pools = {c.combo.kv_dtype for c in CLAIMS if c.kind is ClaimKind.EAGER}
+    eager_pools = {c.combo.kv_dtype for c in CLAIMS if _plain_eager(c)}
     assert eager_pools == {DType.BF16, DType.FP8_E4M3}
 
 
+def test_the_cpu_run_covers_target_verify_eagerly_and_in_the_decode_graphs_only():
+    verify = {(c.kind, c.check, c.query_len) for c in CLAIMS
+              if c.forward_mode is ForwardMode.TARGET_VERIFY}
+    assert {(ClaimKind.EAGER, Check.MATCHES_REFERENCE, 8),
+            (ClaimKind.CAPTURE, Check.CAPTURE_PATH, 8),
+            (ClaimKind.CAPTURE, Check.PADDED_ROWS, 8)} <= verify
+    assert not [c for c in CLAIMS if c.forward_mode is ForwardMode.DRAFT_EXTEND]
+
+
 def test_the_oracle_rounds_q_for_the_fp8_kernel_only():
-    eager = {c.combo.kv_dtype: c.combo for c in CLAIMS if c.kind is ClaimKind.EAGER}
+    eager = {c.combo.kv_dtype: c.combo for c in CLAIMS if _plain_eager(c)}
     assert kernel_q_compute_dtype(CAPS, eager[DType.FP8_E4M3]) is DType.FP8_E4M3
     assert kernel_q_compute_dtype(CAPS, eager[DType.BF16]) is None
 
 
 @pytest.mark.parametrize("claim", CLAIMS, ids=[c.id for c in CLAIMS])
 def test_claim_holds_against_the_stand_in(harness, claim):
+    if _undeclared_configuration(claim):
+        assert claim.check is Check.MULTI_LAYER, claim.id  # no other claim may do this
+        pytest.xfail(_CORE_MULTI_LAYER_BUG)
     harness.run(claim)

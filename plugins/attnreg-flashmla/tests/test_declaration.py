@@ -11,6 +11,7 @@ from attnreg.registry import (
     DeclarationContext,
     DType,
     ForwardMethod,
+    ForwardMode,
     GraphMode,
     Phase,
     Platform,
@@ -23,7 +24,9 @@ from attnreg_flashmla.declaration import (
     BACKEND_NAME,
     FP8_HEAD_COUNTS,
     HEAD_COUNTS,
+    MAX_VERIFY_TOKENS,
     PAGE_SIZE,
+    VERIFY_TOKENS_RUN,
     capabilities,
     capture_bytes,
     decode_call_bytes,
@@ -82,11 +85,27 @@ def test_sm90_declares_the_measured_decode_kernels_only():
         assert kernel.split_kv is SplitKV.HOST_PLANNED
     assert bf16.kv_dtypes == frozenset({DType.BF16}) and bf16.q_compute_dtype is None
     assert bf16.head_counts == HEAD_COUNTS == (1, 2, 4, 8, 16, 32, 64, 128)
+    # the bf16 kernel's LSE matched the oracle on the H200; the fp8 kernel's was never checked
+    assert bf16.lse and not fp8.lse
     # fp8: attnreg's own single-scale pool, q rounded to fp8 on the device
     assert fp8.kv_dtypes == frozenset({DType.FP8_E4M3})
     assert fp8.q_compute_dtype is DType.FP8_E4M3
     assert fp8.head_counts == FP8_HEAD_COUNTS == (16, 32, 64, 128)
     assert caps.methods(Phase.PREFILL) == ()
+
+
+def test_decode_and_target_verify_are_served_eagerly_and_in_the_decode_graphs():
+    caps = _caps("cuda:sm90")
+    full = caps.graph_support(Phase.DECODE, GraphMode.FULL)
+    for served in (caps.eager_forward_modes, full.forward_modes):
+        assert [(f.mode, f.max_query_len, f.uniform) for f in served] == [
+            (ForwardMode.DECODE, 1, True), (ForwardMode.TARGET_VERIFY, 8, True)]
+    # s_q 1, 2, 3, 4 and 8 ran on the H200 (causal); the bound is the largest run
+    assert MAX_VERIFY_TOKENS == max(VERIFY_TOKENS_RUN) == 8
+    # ragged accepted lengths: one call takes one s_q, so no draft extend; no prefill
+    assert caps.eager_serving(ForwardMode.DRAFT_EXTEND) is None
+    assert full.serving(ForwardMode.DRAFT_EXTEND) is None
+    assert caps.eager_serving(ForwardMode.EXTEND) is None
 
 
 def test_decode_capture_replans_split_kv_before_every_replay_and_prefill_is_refused():
@@ -141,10 +160,16 @@ def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
     capture = [c for c in claims if c.kind is ClaimKind.CAPTURE]
     assert {(c.graph_mode, c.check) for c in capture} >= {(GraphMode.FULL, Check.SPLIT_KV),
                                                           (GraphMode.FULL, Check.REPLAY)}
-    # one replay claim per pool dtype, each with a head count its kernel was run with
-    assert sorted((c.combo.kv_dtype.value, c.combo.num_heads) for c in capture
-                  if c.check is Check.REPLAY) == [("bf16", 1), ("fp8_e4m3", 16)]
+    # one replay claim per pool dtype and served forward mode, each with a head count its
+    # kernel was run with
+    assert sorted((str(c.forward_mode), c.combo.kv_dtype.value, c.combo.num_heads)
+                  for c in capture if c.check is Check.REPLAY) == [
+        ("None", "bf16", 1), ("None", "fp8_e4m3", 16),
+        ("target_verify", "bf16", 1), ("target_verify", "fp8_e4m3", 16)]
     assert all(c.combo.phase is Phase.DECODE for c in claims)
+    # the LSE is claimed where it is declared: the bf16 pool
+    (lse,) = [c for c in claims if c.check is Check.LSE]
+    assert lse.combo.kv_dtype is DType.BF16
 
 
 def test_scheduler_partitions_follow_the_library_formula():
@@ -177,6 +202,21 @@ def test_the_policy_estimate_is_the_same_formula():
     memory = _caps("cuda:sm90").graph_support(Phase.DECODE, GraphMode.FULL).capture_memory
     assert memory.estimate(shape) == capture_bytes(shape) > 0
     assert "num_sm_parts" in memory.formula
+
+
+def test_capture_memory_of_verify_graphs_is_the_larger_call_over_shared_scheduler_buffers():
+    # 8 sequences of 8 drafts at 16 heads: the verify call (128 rows per sequence, 132 // 2
+    # partitions) is larger than a decode call; the scheduler buffers are decode's (the
+    # most partitions), shared by both
+    verify = CaptureShape(max_batch_size=8, max_num_tokens=64, max_seq_len=4096, num_heads=16,
+                          page_size=64)
+    call = sum(decode_call_bytes(8, 16, tokens_per_seq=8).values())
+    assert call > sum(decode_call_bytes(8, 16).values())
+    assert capture_bytes(verify) == sum(scheduler_bytes(8, 16).values()) + call
+    assert scheduler_bytes(8, 16)["tile_scheduler_metadata"] == 4608  # [132, 8] int32
+    fp8 = CaptureShape(max_batch_size=8, max_num_tokens=64, max_seq_len=4096, num_heads=16,
+                       page_size=64, kv_dtype=DType.FP8_E4M3)
+    assert capture_bytes(fp8) - capture_bytes(verify) == sum(fp8_query_bytes(8, 16, 8).values())
 
 
 def test_verify_shapes_count_the_reordered_lse():

@@ -51,6 +51,20 @@ def _expected(q, cache, table, seq_lens, scale, tokens_per_seq=1, kv_scale=1.0):
     return torch.cat(outs).float()
 
 
+def _expected_lse(q, cache, table, seq_lens, scale, tokens_per_seq=1):
+    """attnreg's LSE [rows, H]: natural log, -inf for a row that sees no key."""
+    out = []
+    for b, length in enumerate(seq_lens.tolist()):
+        rows = q[b * tokens_per_seq:(b + 1) * tokens_per_seq].double()
+        keys = cache[table[b].long()].reshape(-1, 576)[:length].double()
+        scores = torch.einsum("shd,ld->shl", rows, keys) * scale
+        limit = torch.arange(tokens_per_seq)[:, None] + (length - tokens_per_seq)
+        scores = scores.masked_fill((torch.arange(length)[None, :] > limit)[:, None, :],
+                                    float("-inf"))
+        out.append(torch.logsumexp(scores, -1))
+    return torch.cat(out).float()
+
+
 SCALE = 192 ** -0.5
 
 
@@ -72,9 +86,13 @@ def test_decode_matches_float64_attention_over_shuffled_pages(lib, tokens_per_se
     sched = kernel.schedule(lib, lens, 16, tokens_per_seq=tokens_per_seq)
     out, lse = kernel.decode(lib, q, cache, table, lens, sched, softmax_scale=SCALE,
                              tokens_per_seq=tokens_per_seq)
-    assert out.shape == (q.shape[0], 16, 512) and lse.shape == (q.shape[0], 16)
+    # the LSE in the library's layout: [B, H, s_q]
+    assert out.shape == (q.shape[0], 16, 512) and lse.shape == (4, 16, tokens_per_seq)
     want = _expected(q, cache, table, lens, SCALE, tokens_per_seq)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    into = torch.empty(q.shape[0], 16)
+    kernel.store_lse(lse, into)
+    torch.testing.assert_close(into, _expected_lse(q, cache, table, lens, SCALE, tokens_per_seq))
     call = [c for c in fake_flash_mla.CALLS if c[0] == "flash_mla_with_kvcache"][-1][1]
     assert call["q_shape"] == (4, tokens_per_seq, 16, 576)
     assert call["causal"] is (tokens_per_seq > 1)
@@ -92,23 +110,52 @@ def test_a_schedule_refreshed_in_place_follows_new_lengths_and_a_frozen_one_does
     torch.testing.assert_close(fresh.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_a_captured_batch_reads_the_first_entries_of_the_split_buffer(lib):
-    big = kernel.schedule(lib, torch.full((8,), 64, dtype=torch.int32), 16)
-    q, cache, table, lens = _paged([70, 3])
-    big.refresh(kernel.schedule(lib, lens, 16))
-    view = big.for_batch(2)
+@pytest.mark.parametrize("tokens_per_seq", [1, 8])
+def test_a_captured_shape_reads_views_shaped_like_its_own_schedule(lib, tokens_per_seq):
+    big = kernel.schedule(lib, torch.full((8,), 64, dtype=torch.int32), 128)
+    q, cache, table, lens = _paged([70, 11], heads=128, tokens_per_seq=tokens_per_seq)
+    fresh = kernel.schedule(lib, lens, 128, tokens_per_seq=tokens_per_seq)
+    view = big.view_like(fresh)
+    # 128 heads: 66 partitions for one token per sequence, 132 // 16 = 8 for 8 tokens
+    assert tuple(view.tile_scheduler_metadata.shape) == ((66, 8) if tokens_per_seq == 1
+                                                         else (8, 8))
     assert view.num_splits.shape == (3,)
     assert view.num_splits.data_ptr() == big.num_splits.data_ptr()
-    out, _ = kernel.decode(lib, q, cache, table, lens, view, softmax_scale=SCALE)
-    torch.testing.assert_close(out.float(), _expected(q, cache, table, lens, SCALE),
+    assert view.tile_scheduler_metadata.data_ptr() == big.tile_scheduler_metadata.data_ptr()
+    view.refresh(fresh)
+    out, _ = kernel.decode(lib, q, cache, table, lens, view, softmax_scale=SCALE,
+                           tokens_per_seq=tokens_per_seq)
+    torch.testing.assert_close(out.float(),
+                               _expected(q, cache, table, lens, SCALE, tokens_per_seq),
                                atol=2e-2, rtol=2e-2)
 
 
-def test_empty_sequences_give_zero_rows(lib):
+def test_a_schedule_that_does_not_fit_the_buffers_is_refused(lib):
+    small = kernel.schedule(lib, torch.full((2,), 64, dtype=torch.int32), 128)  # 66 parts
+    with pytest.raises(ValueError, match="does not fit"):
+        small.view_like(kernel.schedule(lib, torch.full((2,), 64, dtype=torch.int32), 16))
+    with pytest.raises(ValueError, match="does not fit"):
+        small.view_like(kernel.schedule(lib, torch.full((4,), 64, dtype=torch.int32), 128))
+
+
+def test_empty_sequences_give_zero_rows_and_an_lse_of_minus_infinity(lib):
     q, cache, table, lens = _paged([100, 0, 7])
     out, lse = kernel.decode(lib, q, cache, table, lens, kernel.schedule(lib, lens, 16),
                              softmax_scale=SCALE)
-    assert torch.count_nonzero(out[1]) == 0 and torch.isinf(lse[1]).all()
+    assert torch.count_nonzero(out[1]) == 0
+    assert (lse[1] == float("inf")).all()  # the library's convention (measured on the H200)
+    into = torch.zeros(3, 16)
+    kernel.store_lse(lse, into)
+    assert (into[1] == float("-inf")).all()  # attnreg's
+    assert torch.isfinite(into[[0, 2]]).all()
+
+
+def test_store_lse_keeps_nan_and_minus_infinity():
+    lse = torch.tensor([[[float("nan")], [float("-inf")], [float("inf")], [1.5]]])
+    into = torch.empty(1, 4)
+    kernel.store_lse(lse, into)
+    assert torch.isnan(into[0, 0]) and into[0, 1] == float("-inf")
+    assert into[0, 2] == float("-inf") and into[0, 3] == 1.5
 
 
 def test_quantize_q_rounds_once_with_a_power_of_two_scale():

@@ -114,3 +114,19 @@ def test_selection_follows_the_engine_page_size(cli, page_size, chosen):
                      "--page-size", str(page_size), "--decode-backend", BACKEND_NAME)
         assert locked.returncode == 2
         assert f"page size {page_size} not in [64]" in locked.stderr
+
+
+def test_with_speculative_decoding_verify_replays_its_decode_graphs_and_draft_extend_is_unserved(
+        cli):
+    if not _supports(cli, "--speculative-decoding"):
+        pytest.skip("this attnreg's policy takes no --speculative-decoding")
+    data = _json(cli("compat", "--platform", "cuda:sm90", "--model", "deepseek-v3",
+                     "--page-size", "64", "--speculative-decoding", "4", "--json"))
+    assert data["phases"]["decode"]["backend"] == BACKEND_NAME
+    spec = {s["forward_mode"]: s for s in data["speculative"]}
+    assert (spec["target_verify"]["how"], spec["target_verify"]["backend"]) \
+        == ("graph", BACKEND_NAME)
+    assert spec["target_verify"]["query_len"] == 4
+    # ragged accepted lengths: the engine runs draft-extend batches on another backend
+    assert spec["draft_extend"]["how"] == "unserved"
+    assert "does not declare draft_extend" in spec["draft_extend"]["message"]

@@ -16,15 +16,23 @@ import torch
 from attnreg.registry import (
     BackendUnavailableError,
     DeclarationContext,
+    ForwardMode,
     GraphMode,
     Platform,
     UnsupportedError,
 )
-from attnreg.runtime import GraphRunner, MLAConfig, decode_batch, extend_batch
+from attnreg.runtime import (
+    GraphRunner,
+    MLAConfig,
+    decode_batch,
+    draft_extend_batch,
+    extend_batch,
+    verify_batch,
+)
 
 import fake_flash_mla
 from attnreg_flashmla import kernel
-from attnreg_flashmla.declaration import capabilities, scheduler_bytes
+from attnreg_flashmla.declaration import MAX_VERIFY_TOKENS, capabilities, scheduler_bytes
 from attnreg_flashmla.runtime import FlashMLABackend
 
 SM90 = capabilities(DeclarationContext(Platform.parse("cuda:sm90")))
@@ -43,27 +51,48 @@ def _backend(**config) -> FlashMLABackend:
     return FlashMLABackend(cfg, capabilities=SM90)
 
 
-def _pool(backend, num_pages=40, seed=0, scale=1.0):
-    pool = backend.config.make_pool(num_pages, scale=scale)
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.randn(pool.buffer.shape, generator=gen)
-    pool.write(torch.arange(pool.buffer.shape[0] * pool.page_size, dtype=torch.int32),
-               rows.view(-1, pool.row_dim)[:, :512], rows.view(-1, pool.row_dim)[:, 512:])
+def _pool(backend, num_pages=40, seed=0, scale=1.0, num_layers=1):
+    """A pool whose every layer holds its own random rows (``scale``: one per layer or all)."""
+    pool = backend.config.make_pool(num_pages, scale=scale, num_layers=num_layers)
+    slots = torch.arange(pool.num_slots, dtype=torch.int32)
+    for layer in range(num_layers):
+        gen = torch.Generator().manual_seed(seed + 100 * layer)
+        rows = torch.randn(pool.num_slots, pool.row_dim, generator=gen)
+        pool.write(slots, rows[:, :512], rows[:, 512:], layer_id=layer)
     return pool
 
 
-def _oracle(q, pool, batch, q_rounded=None):
-    """float64 attention over the pool as it stores the rows (dequantised)."""
+def _oracle_with_lse(q, pool, batch, q_rounded=None, layer_id=0):
+    """float64 attention over one layer as it stores the rows (dequantised): ``(out, lse)``.
+
+    New tokens of a sequence are causal among themselves over the whole prefix (decode:
+    one token seeing everything); the LSE is attnreg's, natural log.
+    """
     qf = (q_rounded if q_rounded is not None else q).double()
     table = batch.page_table.long()
-    outs = []
-    for b, length in enumerate(batch.seq_lens_cpu):
+    outs, lses = [], []
+    row = 0
+    for b, (length, new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
         pos = torch.arange(length)
         rows = pool.read_slots((table[b, pos // pool.page_size] * pool.page_size
-                                + pos % pool.page_size)).double()
-        scores = torch.einsum("hd,ld->hl", qf[b], rows) * SCALE
-        outs.append(torch.einsum("hl,ld->hd", torch.softmax(scores, -1), rows[:, :512]))
-    return torch.stack(outs).float()
+                                + pos % pool.page_size), layer_id=layer_id).double()
+        scores = torch.einsum("shd,ld->shl", qf[row:row + new], rows) * SCALE
+        limit = torch.arange(new)[:, None] + (length - new)
+        scores = scores.masked_fill((pos[None, :] > limit)[:, None, :], float("-inf"))
+        outs.append(torch.einsum("shl,ld->shd", torch.softmax(scores, -1), rows[:, :512]))
+        lses.append(torch.logsumexp(scores, -1))
+        row += new
+    return torch.cat(outs).float(), torch.cat(lses).float()
+
+
+def _oracle(q, pool, batch, q_rounded=None, layer_id=0):
+    return _oracle_with_lse(q, pool, batch, q_rounded, layer_id)[0]
+
+
+def _rounded(q):
+    """q as the fp8 kernel computes with it (the declared rounding, over every row)."""
+    q8, descale = kernel.quantize_q(q, torch.ones(q.shape[0], dtype=torch.bool))
+    return q8.float() * descale
 
 
 def _queries(n, heads=16, seed=1):
@@ -236,3 +265,243 @@ def test_fp8_padded_rows_neither_set_the_q_scale_nor_leave_output():
     want = _oracle(queries, pool, batch, q_rounded=q8.float() * descale)
     torch.testing.assert_close(out[:2].float(), want, atol=2e-2, rtol=2e-2)
     assert torch.count_nonzero(out[2:]) == 0
+
+
+# -- layers -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype,scales", [("bf16", 1.0), ("fp8_e4m3", (0.5, 0.25, 1.0))])
+def test_each_layer_of_one_pool_is_read_with_its_own_rows_and_scale(kv_dtype, scales):
+    be = _backend(kv_dtype=kv_dtype)
+    pool = _pool(be, num_pages=40, scale=scales, num_layers=3)
+    batch = decode_batch(pool, [1, 90, 64, 130], shuffle=6)
+    be.init_forward_metadata(batch)  # one plan for every layer of the step
+    calls = len(fake_flash_mla.CALLS)
+    outs = []
+    for layer in range(3):
+        q = _queries(4, seed=20 + layer)
+        out = be.forward_decode(q, None, None, pool, batch, layer_id=layer)
+        want = _oracle(q, pool, batch, _rounded(q) if kv_dtype == "fp8_e4m3" else None,
+                       layer_id=layer)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+        outs.append(out)
+    # planned once: three kernel calls, no further scheduler run
+    assert [n for n, _ in fake_flash_mla.CALLS[calls:]] == ["flash_mla_with_kvcache"] * 3
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_one_graph_over_three_layers_replays_each_layer_correctly():
+    be = _backend(kv_dtype="fp8_e4m3")
+    pool = _pool(be, num_pages=60, scale=(0.5, 0.125, 2.0), num_layers=3)
+    bs = 4
+    be.init_cuda_graph_state(bs, bs, max_seq_len=2048)
+    qs = [torch.zeros(bs, 16, 576, dtype=torch.bfloat16) for _ in range(3)]
+    outs = [torch.zeros(bs, 16, 512, dtype=torch.bfloat16) for _ in range(3)]
+    be.init_forward_metadata_capture(bs, bs)
+
+    def step():
+        for layer in range(3):
+            be.forward_decode(qs[layer], None, None, pool, None, out=outs[layer],
+                              layer_id=layer)
+
+    graph = GraphRunner("cpu").capture(step, GraphMode.FULL)
+    for lens in ([300, 2, 65, 129], [700, 64, 500]):
+        batch = decode_batch(pool, lens, shuffle=len(lens))
+        be.init_forward_metadata_replay(bs, bs, batch)
+        real = [_queries(len(lens), seed=layer + lens[0]) for layer in range(3)]
+        for layer in range(3):
+            qs[layer][:len(lens)].copy_(real[layer])
+        graph.replay()
+        for layer in range(3):
+            want = _oracle(real[layer], pool, batch, _rounded(real[layer]), layer_id=layer)
+            torch.testing.assert_close(outs[layer][:len(lens)].float(), want,
+                                       atol=2e-2, rtol=2e-2)
+            assert torch.count_nonzero(outs[layer][len(lens):]) == 0
+        pool.free(sorted({p for row in batch.page_table.tolist() for p in row if p}))
+
+
+# -- log-sum-exp ------------------------------------------------------------------------
+
+def test_decode_returns_the_natural_log_sum_exp_per_token_and_head():
+    be = _backend()
+    pool = _pool(be)
+    batch = decode_batch(pool, [1, 37, 64, 65, 300], shuffle=3)
+    q = _queries(5)
+    out, lse = be.forward_decode(q, None, None, pool, batch, return_lse=True)
+    want_out, want_lse = _oracle_with_lse(q, pool, batch)
+    assert lse.shape == (5, 16) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
+
+
+def test_lse_of_padding_in_a_replayed_graph_is_minus_infinity():
+    be = _backend()
+    pool = _pool(be, num_pages=60)
+    be.init_cuda_graph_state(6, 6, max_seq_len=2048)
+    q = torch.zeros(6, 16, 576, dtype=torch.bfloat16)
+    out = torch.zeros(6, 16, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(6, 16)
+    be.init_forward_metadata_capture(6, 6)
+    graph = GraphRunner("cpu").capture(
+        lambda: be.forward_decode(q, None, None, pool, None, out=out, lse=lse), GraphMode.FULL)
+    batch = decode_batch(pool, [40, 300], shuffle=7)
+    real = _queries(2, seed=3)
+    be.init_forward_metadata_replay(6, 6, batch)
+    q[:2].copy_(real)
+    graph.replay()
+    torch.testing.assert_close(lse[:2], _oracle_with_lse(real, pool, batch)[1],
+                               atol=1e-4, rtol=1e-5)
+    assert (lse[2:] == float("-inf")).all()
+
+
+def test_an_fp8_pool_refuses_the_lse_it_does_not_declare_before_a_launch():
+    be = _backend(kv_dtype="fp8_e4m3")
+    pool = _pool(be, scale=0.5)
+    batch = decode_batch(pool, [3, 20])
+    with pytest.raises(UnsupportedError, match="log-sum-exp"):
+        be.forward_decode(_queries(2), None, None, pool, batch, return_lse=True)
+    assert "flash_mla_with_kvcache" not in _library_calls()
+
+
+# -- target verify ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft", [1, 2, 3, 4, 8])
+def test_eager_verify_is_causal_among_the_drafts_over_the_whole_prefix(draft):
+    be = _backend()
+    pool = _pool(be)
+    batch = verify_batch(pool, [0, 37, 64, 300], draft, shuffle=2)
+    q = _queries(4 * draft, seed=draft)
+    out, lse = be.forward_extend(q, None, None, pool, batch, return_lse=True)
+    want_out, want_lse = _oracle_with_lse(q, pool, batch)
+    torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    sched = [c for n, c in fake_flash_mla.CALLS if n == "get_mla_decoding_metadata"][-1]
+    assert sched["n"] == draft * 16  # the scheduler plans s_q * H query rows
+    call = [c for n, c in fake_flash_mla.CALLS if n == "flash_mla_with_kvcache"][-1]
+    assert call["q_shape"] == (4, draft, 16, 576) and call["causal"] is (draft > 1)
+
+
+def test_eager_verify_over_an_fp8_pool_rounds_q_once_per_batch():
+    be = _backend(kv_dtype="fp8_e4m3")
+    pool = _pool(be, scale=0.5)
+    batch = verify_batch(pool, [5, 90, 64], 4, shuffle=4)
+    q = _queries(12, seed=5)
+    out = be.forward_extend(q, None, None, pool, batch)
+    torch.testing.assert_close(out.float(), _oracle(q, pool, batch, _rounded(q)),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_verify_writes_the_drafts_before_attending():
+    be = _backend()
+    pool = _pool(be)
+    batch = verify_batch(pool, [10, 70], 3, shuffle=1)
+    q = _queries(6)
+    latent, rope = torch.randn(6, 512).bfloat16(), torch.randn(6, 64).bfloat16()
+    out = be.forward_extend(q, latent, rope, pool, batch)
+    torch.testing.assert_close(pool.read_slots(batch.out_cache_loc.long())[:, :512],
+                               latent.float())
+    torch.testing.assert_close(out.float(), _oracle(q, pool, batch), atol=2e-2, rtol=2e-2)
+
+
+def test_more_drafts_than_declared_are_refused_before_a_launch():
+    be = _backend()
+    pool = _pool(be, num_pages=60)
+    batch = verify_batch(pool, [20, 30], MAX_VERIFY_TOKENS + 1)
+    with pytest.raises(UnsupportedError, match="target_verify"):
+        be.forward_extend(_queries(2 * (MAX_VERIFY_TOKENS + 1)), None, None, pool, batch)
+    assert "flash_mla_with_kvcache" not in _library_calls()
+
+
+def test_draft_extend_batches_are_refused_with_the_reason():
+    be = _backend()
+    pool = _pool(be)
+    batch = draft_extend_batch(pool, [10, 20], [3, 1])
+    with pytest.raises(UnsupportedError, match="ragged accepted lengths"):
+        be.forward_extend(_queries(4), None, None, pool, batch)
+    assert "flash_mla_with_kvcache" not in _library_calls()
+    be.init_cuda_graph_state(2, 8, max_seq_len=512)
+    with pytest.raises(UnsupportedError, match="draft_extend"):
+        be.init_forward_metadata_capture(2, 8, forward_mode=ForwardMode.DRAFT_EXTEND)
+
+
+def _captured_verify(be, pool, bs, draft, heads=16):
+    """A target-verify step captured at ``bs`` sequences of ``draft`` tokens."""
+    be.init_cuda_graph_state(bs, bs * draft, max_seq_len=2048)
+    q = torch.zeros(bs * draft, heads, 576, dtype=torch.bfloat16)
+    out = torch.zeros(bs * draft, heads, 512, dtype=torch.bfloat16)
+    be.init_forward_metadata_capture(bs, bs * draft, forward_mode=ForwardMode.TARGET_VERIFY)
+    graph = GraphRunner("cpu").capture(
+        lambda: be.forward_extend(q, None, None, pool, None, out=out), GraphMode.FULL)
+    return q, out, graph
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_a_verify_graph_replays_new_lengths_and_zeroes_padded_sequences(kv_dtype):
+    be = _backend(kv_dtype=kv_dtype)
+    pool = _pool(be, num_pages=80, scale=0.5 if kv_dtype == "fp8_e4m3" else 1.0)
+    draft, bs = 4, 4
+    q, out, graph = _captured_verify(be, pool, bs, draft)
+    for prefixes in ([300, 2, 65, 129], [700, 0], [5, 500, 64]):
+        batch = verify_batch(pool, prefixes, draft, shuffle=len(prefixes))
+        rows = len(prefixes) * draft
+        real = _queries(rows, seed=prefixes[0])
+        be.init_forward_metadata_replay(bs, bs * draft, batch)
+        q[:rows].copy_(real)
+        q[rows:].fill_(1e4)  # stale rows of padded sequences
+        out.fill_(7.0)
+        graph.replay()
+        want = _oracle(real, pool, batch, _rounded(real) if kv_dtype == "fp8_e4m3" else None)
+        torch.testing.assert_close(out[:rows].float(), want, atol=2e-2, rtol=2e-2)
+        assert torch.count_nonzero(out[rows:]) == 0
+        pool.free(sorted({p for row in batch.page_table.tolist() for p in row if p}))
+
+
+def test_a_verify_replay_without_replanning_would_be_wrong(monkeypatch):
+    be = _backend()
+    pool = _pool(be, num_pages=80)
+    q, out, graph = _captured_verify(be, pool, 4, 3)
+    monkeypatch.setattr(FlashMLABackend, "_init_replay_impl", lambda self, md, batch: None)
+    batch = verify_batch(pool, [700, 64, 500, 3], 3, shuffle=5)
+    real = _queries(12, seed=9)
+    be.init_forward_metadata_replay(4, 12, batch)
+    q.copy_(real)
+    graph.replay()
+    assert not torch.allclose(out.float(), _oracle(real, pool, batch), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_and_verify_graphs_share_the_scheduler_buffers_with_their_own_shapes():
+    be = _backend(num_heads=128)
+    pool = _pool(be, num_pages=80)
+    bs, draft = 4, 8
+    be.init_cuda_graph_state(bs, bs * draft, max_seq_len=2048)
+    qd = torch.zeros(bs, 128, 576, dtype=torch.bfloat16)
+    od = torch.zeros(bs, 128, 512, dtype=torch.bfloat16)
+    qv = torch.zeros(bs * draft, 128, 576, dtype=torch.bfloat16)
+    ov = torch.zeros(bs * draft, 128, 512, dtype=torch.bfloat16)
+    runner = GraphRunner("cpu")
+    be.init_forward_metadata_capture(bs, bs)
+    decode = runner.capture(lambda: be.forward_decode(qd, None, None, pool, None, out=od))
+    be.init_forward_metadata_capture(bs, bs * draft, forward_mode=ForwardMode.TARGET_VERIFY)
+    verify = runner.capture(lambda: be.forward_extend(qv, None, None, pool, None, out=ov))
+    plans = {md.forward_mode: md.plan for md in be.captured_metadata()}
+    # 128 heads on 132 SMs: 66 partitions for decode, 132 // ceil(8 * 128 / 64) = 8 for verify
+    assert tuple(plans[ForwardMode.DECODE].schedule.tile_scheduler_metadata.shape) == (66, 8)
+    assert tuple(plans[ForwardMode.TARGET_VERIFY].schedule.tile_scheduler_metadata.shape) \
+        == (8, 8)
+    assert be.graph_buffer_bytes() == 66 * 8 * 4 + (bs + 1) * 4  # one set of buffers
+    for step in range(2):  # alternate: each replay re-plans its own shape
+        dbatch = decode_batch(pool, [300 + step, 65, 2], shuffle=step)
+        real_d = _queries(3, heads=128, seed=step)
+        be.init_forward_metadata_replay(bs, bs, dbatch)
+        qd[:3].copy_(real_d)
+        decode.replay()
+        torch.testing.assert_close(od[:3].float(), _oracle(real_d, pool, dbatch),
+                                   atol=2e-2, rtol=2e-2)
+        pool.free(sorted({p for row in dbatch.page_table.tolist() for p in row if p}))
+        vbatch = verify_batch(pool, [100, 7 + step, 640, 64], draft, shuffle=step + 1)
+        real_v = _queries(bs * draft, heads=128, seed=10 + step)
+        be.init_forward_metadata_replay(bs, bs * draft, vbatch)
+        qv.copy_(real_v)
+        verify.replay()
+        torch.testing.assert_close(ov.float(), _oracle(real_v, pool, vbatch),
+                                   atol=2e-2, rtol=2e-2)
+        pool.free(sorted({p for row in vbatch.page_table.tolist() for p in row if p}))

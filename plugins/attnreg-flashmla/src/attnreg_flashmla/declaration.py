@@ -32,6 +32,18 @@ and the dense decode entry it calls; measured on an H200 on 2026-12-01):
   Scheduler output frozen at capture gave relative errors 0.17 and 5.6 on
   replays at other lengths (sglang #26019); recomputed before each replay it
   was correct at every length.
+* LSE: the bf16 kernel returns the float32 log-sum-exp as ``[B, H, s_q]``,
+  natural log, within ~1e-6 of the float64 oracle; a zero-length sequence
+  gets ``+inf`` (attnreg's convention is ``-inf``: the runtime converts).  The
+  FP8 kernel's LSE was not compared with an oracle: not declared for it.
+* Several query tokens per sequence (``q [B, s_q, H, 576]``): s_q 1, 2, 3, 4
+  and 8 ran with ``causal=True`` (bottom-right among the new tokens, over the
+  whole prefix), errors ~3e-3: a TARGET_VERIFY batch.  The scheduler takes
+  ``s_q * H`` query rows.  Only the bf16 kernel was run so: forward modes are
+  declared per backend, not per kernel, so the conformance suite's fp8-pool
+  verify claims (eager and replayed) are what prove the fp8 one.  A
+  DRAFT_EXTEND batch has ragged accepted lengths, which one call (one ``s_q``
+  for the batch) cannot take: not declared.
 * Per call the kernel allocates its output, LSE and the split-KV accumulators
   (``out_accum`` / ``lse_accum``, ``batch + num_sm_parts`` rows); under a CUDA
   graph they come from the graph's memory pool.  :func:`decode_call_bytes`
@@ -48,6 +60,8 @@ from attnreg.registry import (
     DeclarationContext,
     DType,
     ForwardMethod,
+    ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -59,16 +73,19 @@ from attnreg.registry import (
 
 __all__ = [
     "BACKEND_NAME",
+    "DECODE_FORWARD_MODES",
     "FLASH_MLA",
     "FP8_HEAD_COUNTS",
     "FP8_KERNEL",
     "HEAD_COUNTS",
     "KERNEL",
     "MAX_SM90_SMS",
+    "MAX_VERIFY_TOKENS",
     "PAGE_SIZE",
     "SCHEDULER_INTS",
     "SM",
     "TORCH",
+    "VERIFY_TOKENS_RUN",
     "capabilities",
     "capture_bytes",
     "decode_call_bytes",
@@ -94,6 +111,20 @@ PAGE_SIZE = 64
 HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: Head counts the FP8 kernel was run with.
 FP8_HEAD_COUNTS = (16, 32, 64, 128)
+#: Query tokens per sequence run with causal=True on the H200 (2026-12-01).
+VERIFY_TOKENS_RUN = (1, 2, 3, 4, 8)
+#: The largest verify batch declared: draft chains of up to 8 tokens (MTP / EAGLE), the
+#: most that was run.  5, 6 and 7 are the same kernel at other row counts (the kernel
+#: flattens ``s_q * H`` query rows into tiles of 64); the GPU tests run every count.
+MAX_VERIFY_TOKENS = max(VERIFY_TOKENS_RUN)
+#: What the decode phase serves, eagerly and in FULL decode graphs: one-token decode and
+#: target-verify batches (the same kernel call with ``s_q`` query tokens per sequence,
+#: causal).  No DRAFT_EXTEND: its accepted lengths are ragged and one call takes one
+#: ``s_q``.  No EXTEND: no prefill kernel.
+DECODE_FORWARD_MODES = (
+    ForwardModeSupport(ForwardMode.DECODE, 1, True),
+    ForwardModeSupport(ForwardMode.TARGET_VERIFY, MAX_VERIFY_TOKENS, True),
+)
 KERNEL = "flash_mla_with_kvcache (legacy dense decode, sm90)"
 FP8_KERNEL = "flash_mla_with_kvcache(is_fp8_kvcache=True) (legacy dense fp8 decode, sm90)"
 
@@ -132,22 +163,24 @@ def _granules(nbytes: int) -> int:
     return -(-nbytes // _ALLOC_GRANULE) * _ALLOC_GRANULE
 
 
-def scheduler_shapes(max_batch_size: int, num_heads: int, tokens_per_seq: int = 1,
+def scheduler_shapes(max_batch_size: int, num_heads: int,
                      num_sms: int = MAX_SM90_SMS) -> tuple[tuple[int, int], tuple[int]]:
     """Shapes of the scheduler buffers the runtime allocates once for graphs.
 
-    ``tile_scheduler_metadata`` int32 ``[num_sm_parts, 8]`` (the same for every
-    batch size) and ``num_splits`` int32 ``[max_batch_size + 1]`` (a captured
-    batch of ``bs`` reads the first ``bs + 1``).
+    ``tile_scheduler_metadata`` int32 ``[num_sm_parts(H), 8]`` and
+    ``num_splits`` int32 ``[max_batch_size + 1]``, shared by every captured
+    shape (graphs replay one at a time and each replay re-plans first).  One
+    query token per sequence has the most partitions; a verify shape of
+    ``s_q`` tokens reads the first ``num_sm_parts(H, s_q)`` rows, a batch of
+    ``bs`` the first ``bs + 1`` split counts.
     """
-    return ((num_sm_parts(num_heads, tokens_per_seq, num_sms), SCHEDULER_INTS),
-            (max_batch_size + 1,))
+    return ((num_sm_parts(num_heads, 1, num_sms), SCHEDULER_INTS), (max_batch_size + 1,))
 
 
-def scheduler_bytes(max_batch_size: int, num_heads: int, tokens_per_seq: int = 1,
+def scheduler_bytes(max_batch_size: int, num_heads: int,
                     num_sms: int = MAX_SM90_SMS) -> dict[str, int]:
     """Bytes of :func:`scheduler_shapes`' buffers, by name (allocator-rounded)."""
-    meta, splits = scheduler_shapes(max_batch_size, num_heads, tokens_per_seq, num_sms)
+    meta, splits = scheduler_shapes(max_batch_size, num_heads, num_sms)
     return {"tile_scheduler_metadata": _granules(meta[0] * meta[1] * 4),
             "num_splits": _granules(splits[0] * 4)}
 
@@ -189,26 +222,31 @@ def fp8_query_bytes(batch_size: int, num_heads: int, tokens_per_seq: int = 1) ->
 def capture_bytes(shape: CaptureShape) -> int:
     """Capture memory of FULL decode at ``shape``: scheduler buffers plus one call's allocations.
 
-    The policy's estimate and the runtime's allocation both come from here
-    (``CaptureMemory.bytes_fn``).  Graphs captured into one shared pool
+    ``max_num_tokens / max_batch_size`` query tokens per sequence (above 1:
+    target-verify graphs, captured beside the decode graphs of the same
+    buffers): the larger of a one-token call and a verify call at the largest
+    batch.  The policy's estimate and the runtime's allocation both come from
+    here (``CaptureMemory.bytes_fn``).  Graphs captured into one shared pool
     (largest batch first) reuse the largest one's memory.
     """
-    tokens = max(1, shape.max_num_tokens // max(1, shape.max_batch_size))
+    batch, heads = shape.max_batch_size, shape.num_heads
+    tokens = max(1, shape.max_num_tokens // max(1, batch))
     sms = shape.num_sms or MAX_SM90_SMS
-    total = (sum(scheduler_bytes(shape.max_batch_size, shape.num_heads, tokens, sms).values())
-             + sum(decode_call_bytes(shape.max_batch_size, shape.num_heads, tokens,
-                                     sms).values()))
+    call = max(sum(decode_call_bytes(batch, heads, t, sms).values()) for t in {1, tokens})
+    total = sum(scheduler_bytes(batch, heads, sms).values()) + call
     if DType.parse(shape.kv_dtype) is DType.FP8_E4M3:
-        total += sum(fp8_query_bytes(shape.max_batch_size, shape.num_heads, tokens).values())
+        total += sum(fp8_query_bytes(batch, heads, tokens).values())
     return total
 
 
 _CAPTURE_MEMORY = CaptureMemory(
     bytes_fn=capture_bytes,
-    formula=("scheduler int32 [num_sm_parts, 8] + [B+1], plus per captured call bf16 out "
-             "[B, H, 512], fp32 lse [B, H], fp32 split-KV accumulators [B + num_sm_parts, H, "
-             "512 + 1]; num_sm_parts = max(SMs // ceil(H / 64), 1), 132 SMs when unknown; "
-             "an fp8 pool adds q rounded to fp8 [B, H, 576]"))
+    formula=("scheduler int32 [num_sm_parts(H, 1), 8] + [B+1], plus the larger captured call "
+             "of s_q = 1 and s_q = max_num_tokens / B query tokens per sequence: bf16 out "
+             "[B, s_q H, 512], fp32 lse [B, s_q H], fp32 split-KV accumulators "
+             "[B + num_sm_parts(H, s_q), s_q H, 512 + 1]; num_sm_parts(H, s_q) = "
+             "max(SMs // ceil(s_q H / 64), 1), 132 SMs when unknown; an fp8 pool adds q "
+             "rounded to fp8 [B, s_q H, 576]"))
 
 
 def _platform_reason(ctx: DeclarationContext) -> str:
@@ -246,8 +284,9 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
                               q_dtypes=bf16, kv_dtypes=bf16, page_sizes=(PAGE_SIZE,),
                               max_heads=max(HEAD_COUNTS), head_counts=HEAD_COUNTS,
-                              kernel=KERNEL, split_kv=SplitKV.HOST_PLANNED),
-            # The engine hands bf16 q; the kernel computes with it rounded to fp8.
+                              kernel=KERNEL, split_kv=SplitKV.HOST_PLANNED, lse=True),
+            # The engine hands bf16 q; the kernel computes with it rounded to fp8.  Its LSE
+            # was never compared with an oracle: not declared (lse=False).
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
                               q_dtypes=bf16, kv_dtypes=frozenset({DType.FP8_E4M3}),
                               page_sizes=(PAGE_SIZE,), max_heads=max(FP8_HEAD_COUNTS),
@@ -259,7 +298,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     modes = (
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(_SCHEDULER_NOTE),
                          pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED,
-                         capture_memory=_CAPTURE_MEMORY),
+                         capture_memory=_CAPTURE_MEMORY, forward_modes=DECODE_FORWARD_MODES),
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, unserved),
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, unserved),
     )
@@ -271,9 +310,14 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         # decoded the P1 shapes in 0.975x fa3's time (geometric mean).  Below
         # trtllm_mla (40), which runs only where this does not.
         priority=35,
+        eager_forward_modes=DECODE_FORWARD_MODES,
         notes=(f"decode only, page size {PAGE_SIZE} only; bf16 pool: heads "
                f"{', '.join(map(str, HEAD_COUNTS))}; fp8 pool: heads "
                f"{', '.join(map(str, FP8_HEAD_COUNTS))}, q rounded to fp8 per tensor on the "
                "device (q_compute_dtype fp8)",
+               f"target-verify batches (<= {MAX_VERIFY_TOKENS} draft tokens per sequence, "
+               "causal) are one kernel call of s_q tokens per sequence, eagerly and in the "
+               "decode graphs; draft-extend batches (ragged accepted lengths) are not served",
+               "log-sum-exp (return_lse) from the bf16-pool kernel only",
                _SCHEDULER_NOTE),
     )

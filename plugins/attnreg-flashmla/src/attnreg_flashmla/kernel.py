@@ -1,11 +1,12 @@
 """The calls into FlashMLA, and nothing else; imported only by the runtime.
 
-Each function takes attnreg's tensors (queries ``[rows, H, 576]``, the pool
-buffer ``[pages, 64, 576]``, int32 page table and sequence lengths) and
-calls the library the way the H200 probe did (legacy dense decode, one KV
-head).  Nothing here checks a request: the runtime has refused everything
-outside the declaration before any of this runs.  Nothing here reads a value
-back to the host either, so every function may run inside a CUDA graph.
+Each function takes attnreg's tensors (queries ``[rows, H, 576]`` with
+``rows = B * s_q``, one pool layer's buffer ``[pages, 64, 576]``, int32 page
+table and sequence lengths) and calls the library the way the H200 probe did
+(legacy dense decode, one KV head, ``s_q`` query tokens per sequence).
+Nothing here checks a request: the runtime has refused everything outside
+the declaration before any of this runs.  Nothing here reads a value back to
+the host either, so every function may run inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from attnreg.registry import BackendUnavailableError
 
 from .declaration import BACKEND_NAME, FLASH_MLA
 
-__all__ = ["FP8_MAX", "Schedule", "decode", "load_library", "quantize_q", "schedule"]
+__all__ = ["FP8_MAX", "Schedule", "decode", "load_library", "quantize_q", "schedule",
+           "store_lse"]
 
 #: Largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
@@ -64,9 +66,26 @@ class Schedule:
         self.tile_scheduler_metadata.copy_(fresh.tile_scheduler_metadata)
         self.num_splits[: fresh.num_splits.shape[0]].copy_(fresh.num_splits)
 
-    def for_batch(self, batch_size: int) -> Schedule:
-        """The views one captured batch size reads (``num_splits`` has ``batch + 1`` entries)."""
-        return Schedule(self.tile_scheduler_metadata, self.num_splits[: batch_size + 1])
+    def view_like(self, fresh: Schedule) -> Schedule:
+        """Views of these buffers shaped like ``fresh``: what one captured shape reads.
+
+        ``fresh`` is the library's schedule for that shape, so its partition
+        count (``num_sm_parts``: fewer with several query tokens per sequence)
+        and split counts (``bs + 1``) come from the library itself.  Views, so a
+        :meth:`refresh` before a replay reaches the addresses the graph recorded.
+
+        Raises ``ValueError`` when ``fresh`` does not fit (buffers sized for
+        fewer partitions or a smaller batch).
+        """
+        parts, ints = fresh.tile_scheduler_metadata.shape
+        flat = self.tile_scheduler_metadata.view(-1)
+        splits = fresh.num_splits.shape[0]
+        if parts * ints > flat.shape[0] or splits > self.num_splits.shape[0]:
+            raise ValueError(
+                f"a schedule of {parts} partitions and {splits} split counts does not fit "
+                f"buffers of {flat.shape[0] // max(ints, 1)} partitions and "
+                f"{self.num_splits.shape[0]} split counts")
+        return Schedule(flat[: parts * ints].view(parts, ints), self.num_splits[:splits])
 
 
 def schedule(lib: ModuleType, seq_lens: torch.Tensor, num_heads: int, *,
@@ -108,17 +127,20 @@ def quantize_q(q: torch.Tensor, live_rows: torch.Tensor) -> tuple[torch.Tensor, 
 
 def decode(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, sched: Schedule, *, softmax_scale: float,
-           tokens_per_seq: int = 1, causal: bool = True, q_descale: torch.Tensor | None = None,
+           tokens_per_seq: int = 1, q_descale: torch.Tensor | None = None,
            kv_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode of ``q [B * tokens_per_seq, H, 576]`` over the paged ``cache``.
 
-    ``cache`` is the pool buffer ``[pages, 64, 576]`` (bf16, or float8_e4m3fn
-    with ``kv_descale``; an fp8 cache needs fp8 ``q`` with ``q_descale``).
-    With several tokens per sequence and ``causal``, token ``i`` of a sequence
-    of length ``L`` sees keys ``0 .. L - tokens_per_seq + i``.
+    ``cache`` is one layer's pool buffer ``[pages, 64, 576]`` (bf16, or
+    float8_e4m3fn with ``kv_descale``; an fp8 cache needs fp8 ``q`` with
+    ``q_descale``).  With several tokens per sequence the call is causal:
+    token ``i`` of a sequence of length ``L`` sees keys ``0 .. L - tokens_per_seq
+    + i`` (a target-verify batch).
 
-    Returns ``(out [rows, H, 512] bf16, lse [rows, H] float32)``, both fresh
-    tensors the library allocated.
+    Returns ``(out [rows, H, 512] bf16, lse [B, H, tokens_per_seq] float32)``,
+    fresh tensors the library allocated; the LSE in the library's layout and
+    convention (:func:`store_lse` turns it into attnreg's), so a caller that
+    does not want it pays nothing for it.
     """
     batch = seq_lens.shape[0]
     rows, heads, dim = q.shape
@@ -132,7 +154,20 @@ def decode(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor, page_table: to
         if fp8 else {}
     out, lse = lib.flash_mla_with_kvcache(q4, k4, page_table, seq_lens, _LATENT, meta,
                                           softmax_scale=softmax_scale,
-                                          causal=causal and tokens_per_seq > 1,
-                                          use_legacy=True, **extra)
-    # out [B, s_q, H, 512]; lse [B, H, s_q] -> the runtime's [rows, H]
-    return out.reshape(rows, heads, _LATENT), lse.transpose(1, 2).reshape(rows, heads)
+                                          causal=tokens_per_seq > 1, use_legacy=True, **extra)
+    # out [B, s_q, H, 512] -> the runtime's [rows, H, 512] (a view)
+    return out.reshape(rows, heads, _LATENT), lse
+
+
+def store_lse(lse: torch.Tensor, into: torch.Tensor) -> None:
+    """Write the library's LSE ``[B, H, s_q]`` into attnreg's ``into [B * s_q, H]``.
+
+    Both are natural-log float32; the library gives a sequence with no key
+    ``+inf``, attnreg's convention is ``-inf`` (so merging it changes nothing).
+    Device operations only (capture-safe): a copy and one in-place map.
+    """
+    into.copy_(lse.transpose(1, 2).reshape(into.shape))
+    # +inf is what an empty key set gets; a real row's LSE is finite (fp32 scores).  One
+    # launch, no temporary; NaN and -inf are kept as they are (each needs saying).
+    inf = float("inf")
+    torch.nan_to_num(into, nan=float("nan"), posinf=-inf, neginf=-inf, out=into)

@@ -1,17 +1,24 @@
 """The runtime of ``flashmla``: imported only when the backend is instantiated.
 
 attnreg's :class:`~attnreg.runtime.AttentionBackend` has checked each request
-against the declaration (page size, heads, dtypes, forward method, capture
-mode) before a hook here runs, and this class refuses at construction a
-configuration the declaration does not cover, so no FlashMLA assert or
-``TORCH_CHECK`` ever reaches a user.
+against the declaration (page size, heads, dtypes, forward method and mode,
+LSE, capture mode) before a hook here runs, and this class refuses at
+construction a configuration the declaration does not cover, so no FlashMLA
+assert or ``TORCH_CHECK`` ever reaches a user.
+
+Two kinds of batch, one kernel call: a DECODE batch (one query token per
+sequence) and a TARGET_VERIFY batch (``s_q`` draft tokens per sequence,
+causal among themselves over the whole prefix), which arrives through
+``forward_extend`` and runs the same call with ``q [B, s_q, H, 576]``.
 
 Per batch the only plan is FlashMLA's split-KV schedule
-(:class:`~attnreg_flashmla.kernel.Schedule`): computed for an eager batch in
-``init_forward_metadata``; for graphs held in buffers allocated once and
-recomputed from the replayed sequence lengths in
+(:class:`~attnreg_flashmla.kernel.Schedule`) for ``s_q * H`` query rows:
+computed for an eager batch in ``init_forward_metadata``; for graphs held in
+buffers allocated once and recomputed from the replayed sequence lengths in
 ``init_forward_metadata_replay``, outside the graph, before every replay
-(declared ``split_kv: host_planned``).
+(declared ``split_kv: host_planned``).  One plan serves every layer of a
+step: the forward hooks receive the layer (:class:`~attnreg.runtime.MLAKVLayer`)
+and read its buffer and FP8 scale.
 """
 
 from __future__ import annotations
@@ -34,37 +41,46 @@ from attnreg.runtime import (
     ForwardMetadata,
     GraphState,
     MLAConfig,
-    MLAKVPool,
+    MLAKVLayer,
 )
 
 from . import kernel
-from .declaration import MAX_SM90_SMS, scheduler_shapes
+from .declaration import DECODE_FORWARD_MODES, MAX_SM90_SMS, scheduler_shapes
 
 __all__ = ["FlashMLABackend", "FlashMLAGraphBuffers", "FlashMLAPlan"]
 
-_DECODE_ONLY_HINT = ("run prefill / extend batches with another backend "
-                     "(e.g. flashinfer_mla or triton); flashmla serves decode only")
+#: The forward modes one kernel call serves (DECODE, TARGET_VERIFY), from the declaration.
+_SERVED_MODES = tuple(f.mode for f in DECODE_FORWARD_MODES)
+_NOT_SERVED_HINT = ("run prefill / extend batches with another backend (e.g. flashinfer_mla "
+                    "or triton); flashmla serves decode and target-verify batches only")
+_DRAFT_EXTEND_WHY = ("a draft-extend batch carries ragged accepted lengths, and one FlashMLA "
+                     "call takes one query length (s_q) for the whole batch")
 
 
 @dataclass
 class FlashMLAPlan:
-    """What one decode batch (or captured shape) reads besides the runtime's buffers.
+    """What one batch (or captured shape) reads besides the runtime's buffers.
 
     ``schedule``: FlashMLA's split-KV schedule, fresh tensors for an eager
     batch, views of :class:`FlashMLAGraphBuffers` for a captured shape.
+    ``tokens_per_seq``: the query tokens per sequence the call is made for
+    (1 for decode, the draft tokens for target verify): the schedule depends
+    on it (``s_q * H`` query rows).
     """
 
     schedule: kernel.Schedule
+    tokens_per_seq: int = 1
 
 
 @dataclass
 class FlashMLAGraphBuffers:
     """Allocated once by ``init_cuda_graph_state``: the schedule every captured shape reads.
 
-    ``tile_scheduler_metadata`` int32 ``[num_sm_parts, 8]`` (the same for
-    every batch size) and ``num_splits`` int32 ``[max_bs + 1]`` (a captured
-    batch of ``bs`` reads the first ``bs + 1``), sized by
-    :func:`attnreg_flashmla.declaration.scheduler_shapes`.
+    ``tile_scheduler_metadata`` int32 ``[num_sm_parts(H), 8]`` and
+    ``num_splits`` int32 ``[max_bs + 1]``, sized by
+    :func:`attnreg_flashmla.declaration.scheduler_shapes`; a captured shape
+    reads views of them shaped like its own schedule
+    (:meth:`~attnreg_flashmla.kernel.Schedule.view_like`).
     """
 
     schedule: kernel.Schedule
@@ -103,17 +119,28 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
     # ------------------------------------------------------------------------------
     # planning
     # ------------------------------------------------------------------------------
-    def _schedule(self, seq_lens: torch.Tensor) -> kernel.Schedule:
-        return kernel.schedule(self._lib, seq_lens, self.config.num_heads, fp8=self._fp8)
+    def _schedule(self, seq_lens: torch.Tensor, tokens_per_seq: int) -> kernel.Schedule:
+        return kernel.schedule(self._lib, seq_lens, self.config.num_heads,
+                               tokens_per_seq=tokens_per_seq, fp8=self._fp8)
 
-    def _require_decode(self, md: ForwardMetadata[FlashMLAPlan]) -> None:
-        if md.forward_mode is not ForwardMode.DECODE:
+    def _tokens_per_seq(self, md: ForwardMetadata[FlashMLAPlan]) -> int:
+        """Query tokens per sequence of a batch this backend serves, or refuse the batch.
+
+        Decode: 1.  Target verify: every sequence's draft tokens (uniform: the
+        batch builder and the base class's forward-mode check insist), the
+        captured draft tokens for graph metadata.
+        """
+        if md.forward_mode not in _SERVED_MODES:
+            why = _DRAFT_EXTEND_WHY if md.forward_mode is ForwardMode.DRAFT_EXTEND else \
+                "flashmla has no prefill kernel"
             raise UnsupportedError(self.name, f"{md.forward_mode} batch",
-                                   "flashmla serves decode batches only", _DECODE_ONLY_HINT)
+                                   f"flashmla serves decode and target-verify batches only: "
+                                   f"{why}", _NOT_SERVED_HINT)
+        return 1 if md.forward_mode is ForwardMode.DECODE else md.max_extend_len
 
     def _init_metadata_impl(self, md: ForwardMetadata[FlashMLAPlan]) -> None:
-        self._require_decode(md)
-        md.plan = FlashMLAPlan(self._schedule(md.seq_lens))
+        tokens = self._tokens_per_seq(md)
+        md.plan = FlashMLAPlan(self._schedule(md.seq_lens, tokens), tokens)
 
     def _init_graph_state_impl(self, state: GraphState[FlashMLAGraphBuffers]) -> None:
         if Phase.DECODE not in state.graph_modes:
@@ -131,17 +158,26 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
                                                              ints(*splits_shape)))
 
     def _init_capture_impl(self, md: ForwardMetadata[FlashMLAPlan]) -> None:
-        self._require_decode(md)
-        sched = self._require_buffers().schedule.for_batch(md.batch_size)
-        # the capture batch's own schedule, so warm-up and capture read real values
-        sched.refresh(self._schedule(md.seq_lens))
-        md.plan = FlashMLAPlan(sched)
+        tokens = self._tokens_per_seq(md)
+        # the capture batch's own schedule, so warm-up and capture read real values; its
+        # shape (partitions for s_q * H rows, bs + 1 splits) is the library's
+        fresh = self._schedule(md.seq_lens, tokens)
+        try:
+            sched = self._require_buffers().schedule.view_like(fresh)
+        except ValueError as exc:
+            raise UnsupportedError(self.name, f"captured shape bs={md.batch_size}, "
+                                   f"{tokens} tokens per sequence", str(exc),
+                                   "call init_cuda_graph_state on the device the graphs run "
+                                   "on, with bounds covering this shape") from exc
+        sched.refresh(fresh)
+        md.plan = FlashMLAPlan(sched, tokens)
 
     def _init_replay_impl(self, md: ForwardMetadata[FlashMLAPlan], batch: ForwardBatch) -> None:
         # Outside the graph, before every replay: the scheduler runs on the replayed
         # lengths (already in md.seq_lens) into the buffers the graph reads.  Never
         # frozen at capture (sglang #26019).
-        self._plan(md).schedule.refresh(self._schedule(md.seq_lens))
+        plan = self._plan(md)
+        plan.schedule.refresh(self._schedule(md.seq_lens, plan.tokens_per_seq))
 
     def _plan(self, md: ForwardMetadata[FlashMLAPlan]) -> FlashMLAPlan:
         if md.plan is None:  # the base class plans every metadata it hands out
@@ -154,24 +190,48 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
     # ------------------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------------------
-    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
-                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor) -> None:
-        schedule = self._plan(md).schedule
+    def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
+                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor, *,
+                             lse: torch.Tensor | None = None) -> None:
+        self._attend(q, pool, md, out, lse)
+
+    def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
+                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor, *,
+                             method: ForwardMethod, k: torch.Tensor | None,
+                             v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
+        # Only target-verify batches get here (the plan refused every other extend); the
+        # base class allows nothing but absorbed MLA over the pool for them.
+        assert pool is not None and method is ForwardMethod.MLA
+        self._attend(q, pool, md, out, lse)
+
+    def _attend(self, q: torch.Tensor, layer: MLAKVLayer, md: ForwardMetadata[FlashMLAPlan],
+                out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """One kernel call for ``s_q`` query tokens per sequence over ``layer``."""
+        plan = self._plan(md)
+        tokens = plan.tokens_per_seq
         scale = self.config.softmax_scale
         q = q if q.is_contiguous() else q.contiguous()
         if self._fp8:
             # q is rounded to fp8 per tensor on the device (the declaration says so:
-            # q_compute_dtype fp8); padded rows of a replay (length 0) do not set the scale
-            q8, q_descale = kernel.quantize_q(q, md.seq_lens > 0)
-            result, _ = kernel.decode(self._lib, q8, pool.buffer, md.page_table, md.seq_lens,
-                                      schedule, softmax_scale=scale, q_descale=q_descale,
-                                      kv_descale=pool.scale_tensor)
+            # q_compute_dtype fp8); padded sequences of a replay (length 0) do not set the
+            # scale.  Rows grouped per sequence: [B, s_q * H, 576].
+            q8, q_descale = kernel.quantize_q(q.view(md.batch_size, -1, q.shape[-1]),
+                                              md.seq_lens > 0)
+            result, lse_lib = kernel.decode(self._lib, q8.view(q.shape), layer.buffer,
+                                            md.page_table, md.seq_lens, plan.schedule,
+                                            softmax_scale=scale, tokens_per_seq=tokens,
+                                            q_descale=q_descale,
+                                            kv_descale=layer.scale_tensor)
         else:
-            result, _ = kernel.decode(self._lib, q, pool.buffer, md.page_table, md.seq_lens,
-                                      schedule, softmax_scale=scale)
+            result, lse_lib = kernel.decode(self._lib, q, layer.buffer, md.page_table,
+                                            md.seq_lens, plan.schedule, softmax_scale=scale,
+                                            tokens_per_seq=tokens)
         out.copy_(result)
-        if self._fp8:
+        if lse is not None:
+            kernel.store_lse(lse_lib, lse)
+        if self._fp8 or tokens > 1:
             # The bf16 kernel's rows for empty sequences (padding) were measured to be exactly
-            # zero; the fp8 kernel's were not, so they are zeroed here (two launches,
-            # capture-safe; a no-op for eager metadata).
+            # zero with one query token; not for the fp8 kernel, nor with several tokens
+            # (causal over a length-0 sequence), so those are zeroed here (two launches,
+            # capture-safe; a no-op for eager metadata).  The base class sets their LSE.
             self.zero_padded_rows(out, md)
