@@ -128,8 +128,11 @@ def print_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
-#: Where a word too long for its column may be broken: after these characters.
-_BREAK_AFTER = re.compile(r"(?<=[.:,/=|>_])")
+#: Where a word too long for its column may be broken: after these characters, and
+#: only within a piece still too long, after ``_`` (``mha_chunked_kv`` stays whole
+#: when the line can break at the ``/`` before it).
+_BREAK_AFTER = re.compile(r"(?<=[.:,/=|>])")
+_BREAK_AFTER_WEAK = re.compile(r"(?<=_)")
 #: A wrapped column is never made narrower than this.
 _MIN_WRAP_WIDTH = 16
 _GAP = "  "
@@ -139,8 +142,8 @@ def wrap(text: str, width: int | None, indent: str = "") -> list[str]:
     """``text`` broken into lines of at most ``width`` characters (None: one line).
 
     Words break at spaces; a word longer than a line breaks after ``.``, ``:``,
-    ``,``, ``/``, ``=``, ``|``, ``>`` or ``_`` (dotted paths, ``key=value`` lists), and
-    only failing that inside the word.  The first line keeps ``text``'s leading
+    ``,``, ``/``, ``=``, ``|`` or ``>`` (dotted paths, ``key=value`` lists), then after
+    ``_``, and only failing that inside the word.  The first line keeps ``text``'s leading
     spaces; the others start with ``indent`` (counted in ``width``).
     """
     if width is None or len(text) <= width:
@@ -167,7 +170,8 @@ def _pieces(word: str, width: int) -> list[str]:
     """``word`` as is when it fits ``width``, else cut at punctuation, else hard."""
     if len(word) <= width:
         return [word]
-    parts = [p for p in _BREAK_AFTER.split(word) if p]
+    parts = [q for p in _BREAK_AFTER.split(word) if p
+             for q in ([p] if len(p) <= width else _BREAK_AFTER_WEAK.split(p)) if q]
     out: list[str] = []
     for part in parts:
         while len(part) > width:
