@@ -232,6 +232,7 @@ def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
     for bs in (max_bs, 2):  # largest first, as sglang captures
         fb = capture_batch(mode, bs, per_req, fill)
         bridge.init_forward_metadata_out_graph(fb, in_capture=True)
+        model_step(bs * per_req, fb)  # sglang's warm-up run, outside the capture
         with capturing(GraphMode.FULL):
             model_step(bs * per_req, fb)
         captured[bs] = fb
@@ -375,3 +376,15 @@ def test_plugin_makes_attnreg_names_resolvable(plugin_on: None, models: dict) ->
         assert all(m.exact for m in outcome.facts.backends.values())
         if name == "attnreg_reference":  # no graphs, for the declared reason
             assert "backend.capture_unsupported" in outcome.rule_ids
+    # split backends: each is built for (and checked against) its own phase only
+    from attnreg.integrations.sglang.backend import _phases_served
+    from attnreg.registry import Phase
+
+    split = _sglang_env.Scenario("split", "deepseek-v3", 90,
+                                 {"prefill_attention_backend": "attnreg_triton",
+                                  "decode_attention_backend": "attnreg_reference"})
+    result = _sglang_env.run_scenario(split, models)
+    assert "error" not in result, result
+    runner = SimpleNamespace(server_args=result["server_args"])
+    assert _phases_served(runner, "attnreg_triton") == (Phase.PREFILL,)
+    assert _phases_served(runner, "attnreg_reference") == (Phase.DECODE,)

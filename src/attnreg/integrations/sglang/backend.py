@@ -81,6 +81,10 @@ class AttnregAttentionBackend(AttentionBackend):
         Per-layer fp8 scales of this rank's layers (``layer.k_scale``; 1.0 where none).
     max_context_len
         Longest sequence (sizes graph buffers); default: ``req_to_token``'s width.
+    phases
+        The phases sglang runs this backend for (``--prefill-attention-backend`` /
+        ``--decode-attention-backend`` may split them); default both.  Startup
+        checks the declaration for these.
     registry
         Default :func:`attnreg.registry.get_registry`.
 
@@ -95,6 +99,7 @@ class AttnregAttentionBackend(AttentionBackend):
                  num_heads: int, sm_scale: float, q_dtype: torch.dtype | str = "bf16",
                  qk_nope_head_dim: int = 128, v_head_dim: int = 128,
                  kv_scales: float | list[float] = 1.0, max_context_len: int | None = None,
+                 phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL),
                  registry: BackendRegistry | None = None) -> None:
         super().__init__()
         self.sglang_name = BRIDGE_PREFIX + backend_name
@@ -115,6 +120,7 @@ class AttnregAttentionBackend(AttentionBackend):
             sm_scale=float(sm_scale),
             max_context_len=int(max_context_len or self.req_to_token.shape[1]))
         self.attnreg = (registry or get_registry()).create(backend_name, self.config)
+        self.phases = tuple(Phase.parse(p) for p in phases)
         self._refuse_undeclared()
         # sglang reads these off any backend (fp8 fuse checks); declared None in its base
         self.data_type = q_dtype if isinstance(q_dtype, torch.dtype) else None
@@ -173,13 +179,14 @@ class AttnregAttentionBackend(AttentionBackend):
                    token_to_kv_pool=pool, num_heads=heads.pop(), sm_scale=scales.pop(),
                    q_dtype=runner.dtype, qk_nope_head_dim=mc.qk_nope_head_dim,
                    v_head_dim=mc.v_head_dim, kv_scales=kv_scales,
-                   max_context_len=runner.req_to_token_pool.max_context_len, registry=registry)
+                   max_context_len=runner.req_to_token_pool.max_context_len,
+                   phases=_phases_served(runner, name), registry=registry)
 
     def _refuse_undeclared(self) -> None:
         """Refuse at startup what the declaration does not serve for this pool and model."""
         cfg = self.config
         reasons = []
-        for phase in (Phase.DECODE, Phase.PREFILL):
+        for phase in self.phases:
             for r in self.attnreg.capabilities.check_request(
                     ForwardMethod.MLA, phase, head_dims=cfg.mla_head_dims, q_dtype=cfg.q_dtype,
                     kv_dtype=cfg.kv_dtype, page_size=cfg.page_size, num_heads=cfg.num_heads):
@@ -381,6 +388,19 @@ def _k_scale(layer: Any) -> float:
         return 1.0
     value = getattr(layer, "k_scale_float", None)
     return float(value) if value is not None else float(layer.k_scale)
+
+
+def _phases_served(runner: Any, name: str) -> tuple[Phase, ...]:
+    """The phases sglang resolved ``name`` for (both when the runner does not say)."""
+    server_args = getattr(runner, "server_args", None)
+    if server_args is None:
+        return (Phase.DECODE, Phase.PREFILL)
+    from sglang.srt.arg_groups.overrides import attention_backends_of, resolved_view
+
+    prefill, decode = attention_backends_of(resolved_view(server_args))
+    phases = tuple(p for p, b in ((Phase.DECODE, decode), (Phase.PREFILL, prefill))
+                   if b == name)
+    return phases or (Phase.DECODE, Phase.PREFILL)
 
 
 def _absorbed_layers(model: Any, model_config: Any) -> dict[int, Any]:
