@@ -83,6 +83,7 @@ class TinyServer:
     kv_dtype: torch.dtype = torch.bfloat16
     num_layers: int = 2
     seed: int = 0
+    device: str = "cpu"
     req_pool: Any = None
     kv_pool: Any = None
     mqa: list[Any] = field(default_factory=list)
@@ -95,12 +96,12 @@ class TinyServer:
         publish_test_config()
         self.gen = torch.Generator().manual_seed(self.seed)
         self.rng = random.Random(self.seed)
-        self.req_pool = ReqToTokenPool(size=8, max_context_len=MAX_CONTEXT, device="cpu",
-                                       enable_memory_saver=False)
+        self.req_pool = ReqToTokenPool(size=8, max_context_len=MAX_CONTEXT,
+                                       device=self.device, enable_memory_saver=False)
         self.kv_pool = MLATokenToKVPool(
             size=self.req_pool.size * MAX_CONTEXT, page_size=self.page_size, dtype=self.kv_dtype,
             kv_lora_rank=LATENT, qk_rope_head_dim=ROPE, layer_num=self.num_layers,
-            device="cpu", enable_memory_saver=False)
+            device=self.device, enable_memory_saver=False)
         for i in range(self.num_layers):
             mqa = RadixAttention(HEADS, ROW, SCALE, num_kv_heads=1, layer_id=i,
                                  v_head_dim=LATENT)
@@ -128,7 +129,7 @@ class TinyServer:
         return (x.float() / s).to(self.kv_dtype).float() * s
 
     def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen).bfloat16()
+        return torch.randn(*shape, generator=self.gen).bfloat16().to(self.device)
 
     # -- requests -----------------------------------------------------------------------
     def new_request(self, prefix: int) -> int:
@@ -136,13 +137,14 @@ class TinyServer:
         row = self.free_rows.pop(0)
         pages = [self.free_pages.pop() for _ in range(MAX_CONTEXT // self.page_size)]
         slots = torch.tensor([pages[t // self.page_size] * self.page_size + t % self.page_size
-                              for t in range(MAX_CONTEXT)], dtype=torch.int32)
+                              for t in range(MAX_CONTEXT)], dtype=torch.int32,
+                             device=self.device)
         self.req_pool.req_to_token[row] = slots
         self.contents[row] = []
         for i in range(self.num_layers):
             rows = self.randn(prefix, ROW)
             self._sglang_write(i, slots[:prefix], rows)
-            self.contents[row].append([self.stored(rows, i)])
+            self.contents[row].append([self.stored(rows, i).cpu()])
         return row
 
     def _sglang_write(self, i: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -169,11 +171,13 @@ class TinyServer:
         seq = [p + e for p, e in zip(prefix, extend)]
         loc = torch.cat([self.slots(r, p, s) for r, p, s in zip(rows, prefix, seq)])
         tokens = sum(extend)
+        dev = self.device
         fields: dict[str, Any] = dict(
             forward_mode=sg_mode, batch_size=len(rows),
-            input_ids=torch.zeros(tokens, dtype=torch.long),
-            req_pool_indices=torch.tensor(rows, dtype=torch.long), out_cache_loc=loc,
-            positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)]))
+            input_ids=torch.zeros(tokens, dtype=torch.long, device=dev),
+            req_pool_indices=torch.tensor(rows, dtype=torch.long, device=dev),
+            out_cache_loc=loc,
+            positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)]).to(dev))
         if mode == "DECODE":
             lens = seq
         elif mode == "TARGET_VERIFY":
@@ -181,16 +185,18 @@ class TinyServer:
             fields["spec_info"] = verify_input(extend[0])
         else:
             lens = seq
-            fields.update(extend_prefix_lens=torch.tensor(prefix),
-                          extend_seq_lens=torch.tensor(extend), extend_prefix_lens_cpu=prefix,
+            fields.update(extend_prefix_lens=torch.tensor(prefix, device=dev),
+                          extend_seq_lens=torch.tensor(extend, device=dev),
+                          extend_prefix_lens_cpu=prefix,
                           extend_seq_lens_cpu=extend, extend_num_tokens=tokens)
-        fb = sglang_batch.ForwardBatch(seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens),
+        fb = sglang_batch.ForwardBatch(seq_lens=torch.tensor(lens, device=dev),
+                                       seq_lens_cpu=torch.tensor(lens),
                           seq_lens_sum=sum(lens), **fields)
         q, k, stored = [], [], []
         for i in range(self.num_layers):
             q.append(self.randn(tokens, HEADS, ROW))
             k.append(self.randn(tokens, 1, ROW))
-            new = self.stored(k[i][:, 0], i)
+            new = self.stored(k[i][:, 0], i).cpu()
             seqs, start = [], 0
             for r, e in zip(rows, extend):
                 cached = torch.cat(self.contents[r][i]) if self.contents[r][i] else \

@@ -178,7 +178,7 @@ def test_mha_companion_runs_attnregs_ragged_mha() -> None:
 # ---------------------------------------------------------------------------------------
 # sglang's decode graph runner hooks, driven without a device graph
 # ---------------------------------------------------------------------------------------
-def capture_batch(mode: str, bs: int, per_req: int, fill: int) -> object:
+def capture_batch(mode: str, bs: int, per_req: int, fill: int, device: str = "cpu") -> object:
     """What sglang's decode runner hands the backend before capturing ``bs``: its static
     buffers, every sequence a padding one (row 0 of req_to_token, the fill length)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -187,9 +187,11 @@ def capture_batch(mode: str, bs: int, per_req: int, fill: int) -> object:
     seq = torch.full((bs,), fill, dtype=torch.long)
     return ForwardBatch(
         forward_mode=ForwardMode[mode], batch_size=bs,
-        input_ids=torch.zeros(tokens, dtype=torch.long),
-        req_pool_indices=torch.zeros(bs, dtype=torch.long), seq_lens=seq, seq_lens_cpu=seq,
-        out_cache_loc=torch.zeros(tokens, dtype=torch.long), seq_lens_sum=int(seq.sum()),
+        input_ids=torch.zeros(tokens, dtype=torch.long, device=device),
+        req_pool_indices=torch.zeros(bs, dtype=torch.long, device=device),
+        seq_lens=seq.to(device), seq_lens_cpu=seq,
+        out_cache_loc=torch.zeros(tokens, dtype=torch.long, device=device),
+        seq_lens_sum=int(seq.sum()),
         spec_info=verify_input(per_req) if mode == "TARGET_VERIFY" else None)
 
 
@@ -201,12 +203,12 @@ def replay_view(step: Step, bs: int, fill: int) -> object:
     fb = step.forward_batch
     raw = fb.batch_size
     seq = torch.full((bs,), fill, dtype=torch.long)
-    seq[:raw] = fb.seq_lens
-    indices = torch.zeros(bs, dtype=torch.long)
+    seq[:raw] = fb.seq_lens_cpu
+    indices = torch.zeros(bs, dtype=torch.long, device=fb.req_pool_indices.device)
     indices[:raw] = fb.req_pool_indices
     return SimpleNamespace(
         batch_size=bs, forward_mode=fb.forward_mode, actual_forward_mode=fb.forward_mode,
-        req_pool_indices=indices, seq_lens=seq, seq_lens_cpu=seq.clone(),
+        req_pool_indices=indices, seq_lens=seq.to(indices.device), seq_lens_cpu=seq,
         seq_lens_sum=fb.seq_lens_sum + (bs - raw) * fill, num_padding=bs - raw,
         out_cache_loc=fb.out_cache_loc, spec_info=fb.spec_info)
 
@@ -261,6 +263,54 @@ def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
     with capturing(GraphMode.FULL):
         model_step(max_bs * per_req, captured[max_bs])
     assert not any(o.any() for o in out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("mode", "per_req"), [("DECODE", 1), ("TARGET_VERIFY", 3)])
+def test_sglang_style_cuda_graphs_on_a_gpu(mode: str, per_req: int) -> None:
+    """As sglang's decode runner does on a GPU: metadata before each capture, a warm-up on a
+    side stream, ``torch.cuda.graph`` with no attnreg capture context (the backend sees a
+    capturing stream: FULL), then a smaller real batch replayed through the largest graph."""
+    server = TinyServer(page_size=16, seed=5, device="cuda")
+    bridge = make_bridge(server, "triton")
+    fill = bridge.get_cuda_graph_seq_len_fill_value()
+    max_bs = 4
+    bridge.init_cuda_graph_state(max_bs, max_bs * per_req)
+    rows_max = max_bs * per_req
+    q = [torch.zeros(rows_max, HEADS, 576, dtype=BF16, device="cuda") for _ in range(2)]
+    k = [torch.zeros(rows_max, 1, 576, dtype=BF16, device="cuda") for _ in range(2)]
+
+    def model_step(n: int, fb: object) -> list[torch.Tensor]:
+        return [bridge.forward(q[i][:n], k[i][:n], k[i][:n, :, :LATENT], server.mqa[i], fb)
+                for i in range(2)]
+
+    graphs, outs = {}, {}
+    mempool = torch.cuda.graph_pool_handle()
+    for bs in (max_bs, 2):
+        fb = capture_batch(mode, bs, per_req, fill, device="cuda")
+        bridge.init_forward_metadata_out_graph(fb, in_capture=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model_step(bs * per_req, fb)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[bs] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[bs], pool=mempool):
+            outs[bs] = model_step(bs * per_req, fb)
+    prefix = [5, 18, 40]
+    rows = [server.new_request(p) for p in prefix]
+    step = server.step(mode, rows, prefix, [per_req] * 3)
+    bridge.init_forward_metadata_out_graph(replay_view(step, max_bs, fill))
+    n = step.spec.num_tokens
+    for i in range(2):
+        q[i].zero_()
+        k[i].zero_()
+        q[i][:n] = step.q[i]
+        k[i][:n] = step.k[i]
+    graphs[max_bs].replay()
+    torch.cuda.synchronize()
+    check([o[:n].reshape(n, -1) for o in outs[max_bs]], server, step)
+    assert not any(o[n:].any() for o in outs[max_bs])
 
 
 # ---------------------------------------------------------------------------------------
