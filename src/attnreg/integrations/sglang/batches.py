@@ -112,6 +112,8 @@ def _lengths(forward_batch: Any, mode: ForwardMode, bs: int, backend: str
              ) -> tuple[list[int], list[int]]:
     """(prefix_lens, extend_lens) of the first ``bs`` sequences."""
     fb = forward_batch
+    if bs == 0:  # an idle rank replaying a padded graph
+        return [], []
     if mode is ForwardMode.EXTEND:
         prefix = _host(getattr(fb, "extend_prefix_lens_cpu", None),
                        getattr(fb, "extend_prefix_lens", None))
