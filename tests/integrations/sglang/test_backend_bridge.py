@@ -267,10 +267,13 @@ def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("mode", "per_req"), [("DECODE", 1), ("TARGET_VERIFY", 3)])
-def test_sglang_style_cuda_graphs_on_a_gpu(mode: str, per_req: int) -> None:
-    """As sglang's decode runner does on a GPU: metadata before each capture, a warm-up on a
-    side stream, ``torch.cuda.graph`` with no attnreg capture context (the backend sees a
-    capturing stream: FULL), then a smaller real batch replayed through the largest graph."""
+def test_cuda_graphs_of_the_bridge_on_a_gpu(mode: str, per_req: int) -> None:
+    """The decode runner's order on a GPU: metadata before each capture (largest first),
+    a warm-up on a side stream, real CUDA graphs recorded with host syncs forbidden, then
+    a smaller real batch replayed through the largest graph.  attnreg's GraphRunner records
+    (the project's one capture path); sglang's own runner records the same calls."""
+    from attnreg.runtime import GraphRunner
+
     server = TinyServer(page_size=16, seed=5, device="cuda")
     bridge = make_bridge(server, "triton")
     fill = bridge.get_cuda_graph_seq_len_fill_value()
@@ -279,24 +282,18 @@ def test_sglang_style_cuda_graphs_on_a_gpu(mode: str, per_req: int) -> None:
     rows_max = max_bs * per_req
     q = [torch.zeros(rows_max, HEADS, 576, dtype=BF16, device="cuda") for _ in range(2)]
     k = [torch.zeros(rows_max, 1, 576, dtype=BF16, device="cuda") for _ in range(2)]
+    outs: dict[int, list[torch.Tensor]] = {}
 
-    def model_step(n: int, fb: object) -> list[torch.Tensor]:
-        return [bridge.forward(q[i][:n], k[i][:n], k[i][:n, :, :LATENT], server.mqa[i], fb)
-                for i in range(2)]
+    def model_step(bs: int, fb: object) -> None:
+        n = bs * per_req
+        outs[bs] = [bridge.forward(q[i][:n], k[i][:n], k[i][:n, :, :LATENT], server.mqa[i],
+                                   fb) for i in range(2)]
 
-    graphs, outs = {}, {}
-    mempool = torch.cuda.graph_pool_handle()
+    runner = GraphRunner("cuda", forbid_sync=True)
     for bs in (max_bs, 2):
         fb = capture_batch(mode, bs, per_req, fill, device="cuda")
         bridge.init_forward_metadata_out_graph(fb, in_capture=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            model_step(bs * per_req, fb)
-        torch.cuda.current_stream().wait_stream(side)
-        graphs[bs] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[bs], pool=mempool):
-            outs[bs] = model_step(bs * per_req, fb)
+        runner.capture(lambda bs=bs, fb=fb: model_step(bs, fb), GraphMode.FULL, key=bs)
     prefix = [5, 18, 40]
     rows = [server.new_request(p) for p in prefix]
     step = server.step(mode, rows, prefix, [per_req] * 3)
@@ -307,7 +304,7 @@ def test_sglang_style_cuda_graphs_on_a_gpu(mode: str, per_req: int) -> None:
         k[i].zero_()
         q[i][:n] = step.q[i]
         k[i][:n] = step.k[i]
-    graphs[max_bs].replay()
+    runner[max_bs].replay()
     torch.cuda.synchronize()
     check([o[:n].reshape(n, -1) for o in outs[max_bs]], server, step)
     assert not any(o[n:].any() for o in outs[max_bs])
