@@ -30,6 +30,9 @@ from attnreg.testing.workload import compare, oracle_mha, oracle_mla
 from ._bridge_env import HEADS, LATENT, SCALE, Step, TinyServer, verify_input
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+#: Triton runs on the GPU where there is one (its cpu declaration needs the interpreter,
+#: which the test suite turns on only without a GPU).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 #: name -> (sglang mode, prefix lens, extend lens)
 CASES = {
@@ -121,7 +124,7 @@ def test_reference_backend_in_sglang(case: str, kv_dtype: torch.dtype, page_size
 @pytest.mark.parametrize("case", ["extend_with_prefix", "decode", "target_verify"])
 @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
 def test_triton_backend_in_sglang(case: str, kv_dtype: torch.dtype) -> None:
-    server = TinyServer(page_size=16, kv_dtype=kv_dtype, seed=1)
+    server = TinyServer(page_size=16, kv_dtype=kv_dtype, seed=1, device=TRITON_DEVICE)
     step, _ = new_step(server, case)
     check(run(make_bridge(server, "triton"), server, step), server, step)
 
@@ -215,15 +218,15 @@ def replay_view(step: Step, bs: int, fill: int) -> object:
 
 @pytest.mark.parametrize(("mode", "per_req"), [("DECODE", 1), ("TARGET_VERIFY", 3)])
 def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
-    server = TinyServer(page_size=16, seed=3)
+    server = TinyServer(page_size=16, seed=3, device=TRITON_DEVICE)
     bridge = make_bridge(server, "triton")
     fill = bridge.get_cuda_graph_seq_len_fill_value()
     max_bs = 4
     bridge.init_cuda_graph_state(max_bs, max_bs * per_req)
     rows_max = max_bs * per_req
     # the static inputs and outputs a captured graph records
-    q = [torch.zeros(rows_max, HEADS, 576, dtype=BF16) for _ in range(2)]
-    k = [torch.zeros(rows_max, 1, 576, dtype=BF16) for _ in range(2)]
+    q = [torch.zeros(rows_max, HEADS, 576, dtype=BF16, device=TRITON_DEVICE) for _ in range(2)]
+    k = [torch.zeros(rows_max, 1, 576, dtype=BF16, device=TRITON_DEVICE) for _ in range(2)]
     out: list[torch.Tensor] = [torch.empty(0)] * 2
 
     def model_step(n: int, fb: object) -> None:
@@ -232,7 +235,7 @@ def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
 
     captured = {}
     for bs in (max_bs, 2):  # largest first, as sglang captures
-        fb = capture_batch(mode, bs, per_req, fill)
+        fb = capture_batch(mode, bs, per_req, fill, device=TRITON_DEVICE)
         bridge.init_forward_metadata_out_graph(fb, in_capture=True)
         model_step(bs * per_req, fb)  # sglang's warm-up run, outside the capture
         with capturing(GraphMode.FULL):
