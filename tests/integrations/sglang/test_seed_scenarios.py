@@ -64,10 +64,10 @@ EXPECTED: dict[str, Expected] = {
                                  ("backend.pinning",)),
     "dsv3_flashinfer_h200": Expected(("breakable", "full"), ("breakable", "full"),
                                      ("backend.pinning",)),
-    # attnreg's triton declares no verify batches: the plan says they run eagerly
-    # (spec.eager); the modes are sglang's, whose own triton captures verify itself.
+    # attnreg's triton declares verify and draft-extend batches of up to 8 tokens in its
+    # FULL decode graphs: the plan captures them at 4 tokens per sequence (spec.graph).
     "dsv3_triton_h200_mtp4": Expected(("breakable", "full"), ("breakable", "full"),
-                                      ("spec.eager",)),
+                                      ("spec.graph",)),
     "dsv3_triton_h200_pp2": Expected(("disabled", "full"), ("disabled", "full"),
                                      ("feature.pipeline_parallel",)),
     "dsv3_triton_h200_a2a_mooncake": Expected(("disabled", "full"), ("disabled", "full"),

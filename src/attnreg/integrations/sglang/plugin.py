@@ -10,6 +10,11 @@ after every plugin ran):
 * ``apply_cuda_graph_compatibility`` -> :func:`.steps.early_step`;
 * ``disable_prefill_cuda_graph_for_deepseek_trtllm_mla`` -> :func:`.steps.policy_step`.
 
+It also registers every attnreg backend as an sglang attention backend
+``attnreg_<name>`` (:func:`.registration.register_attention_backends`), so
+``--attention-backend attnreg_triton`` runs attnreg's kernels.  The two halves
+are independent: a release without the hook points still gets the backends.
+
 This module imports no sglang (and no torch) at import time.
 """
 
@@ -41,11 +46,30 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """sglang plugin entry point: install attnreg's graph policy when switched on."""
+    """sglang plugin entry point: when switched on, install attnreg's graph policy and
+    register attnreg's backends as sglang attention backends."""
     if not enabled():
         logger.debug("attnreg sglang plugin loaded but off (set %s=1 to switch it on)",
                      ENV_SWITCH)
         return
+    _install_policy()
+    _register_backends()
+
+
+def _register_backends() -> None:
+    try:
+        from .registration import register_attention_backends
+
+        names = register_attention_backends()
+    except ImportError as exc:
+        # A release that moved the attention registry: the policy half still works.
+        logger.warning("attnreg attention backends NOT registered with sglang (%s); "
+                       "the bridge is tested with sglang 0.5.23", exc)
+        return
+    logger.info("attnreg backends selectable with --attention-backend: %s", ", ".join(names))
+
+
+def _install_policy() -> None:
     import pkgutil
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
