@@ -61,7 +61,7 @@ class Section:
     Attributes
     ----------
     id : str
-        ``ceilings``, ``P1`` ... ``P6``, ``prefill`` or ``pool``.
+        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec`` or ``pool``.
     title : str
     module : str
         The module under ``benchmarks`` that holds the three functions below.
@@ -124,6 +124,8 @@ SECTIONS: tuple[Section, ...] = (
             "run_p4", "p4_checks", "render_p4", needs=("ceilings",)),
     Section("prefill", "Prefill: absorbed extend vs MHA ragged prefill + decompression",
             "prefill", needs=("ceilings",)),
+    Section("spec", "Speculative decoding: a 4-draft verify step, graph vs eager vs decode",
+            "speculative"),
     Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host",
             results="cpu-startup.json"),
     Section("pool", "MLAKVPool.free: 100,000 pages of a 400,000-page pool", "pool_free",

@@ -22,8 +22,7 @@ Run it standalone (one device call)::
 
     python -m benchmarks.speculative --out $OUT/speculative.json
 
-or as the ``spec`` section of ``python -m benchmarks`` once registered in
-``benchmarks/_harness.py``'s ``SECTIONS``.  ``--dry-run`` runs tiny shapes on a
+or as the ``spec`` section of ``python -m benchmarks`` (``--only spec``).  ``--dry-run`` runs tiny shapes on a
 cpu (Triton interpreter, graphs replayed eagerly): it checks the harness and
 measures nothing.
 """
