@@ -209,10 +209,9 @@ def test_mha_is_refused_under_breakable_capture_where_mla_is_pinned() -> None:
 
 def test_unsupported_page_size_and_query_dtype_are_refused() -> None:
     cfg = MLAConfig(num_heads=H, page_size=8, device=DEVICE)
-    tri, _ = backends(cfg)
-    sc = make_scenario(cfg, [0], [3])
+    # an undeclared page size is refused when the backend is created
     with pytest.raises(UnsupportedError, match=r"page size 8 not in \[1, 16, 32, 64\]"):
-        tri.forward_extend(sc.q, None, None, sc.pool, sc.batch)
+        backends(cfg)
     cfg16 = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
     tri16, _ = backends(cfg16)
     sc16 = make_scenario(cfg16, [0], [3], q_dtype=torch.float32)

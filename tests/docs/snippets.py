@@ -6,7 +6,11 @@ What a page may contain, and how ``test_doc_snippets.py`` checks it:
 * ```` ```python ```` blocks: run (they must not raise); blocks of one page share
   one namespace, in page order, with its pycon blocks;
 * ```` ```bash ```` blocks: every command runs (``attnreg ...``, ``python ...``,
-  with ``VAR=value`` prefixes) and must exit 0;
+  with ``VAR=value`` prefixes) and must exit 0; the commands of one page run in
+  page order in one scratch directory, as a reader runs them, and a
+  ``python -m pip install`` installs into a scratch directory that the page's
+  later commands see (:func:`pip_install_argv`), never into the environment
+  running the tests;
 * blocks between generated markers (``<!-- output: ... -->`` and the other
   kinds of ``scripts/build_docs.py``) are checked by ``test_generated_docs.py``;
 * any other language (``text``, ``toml``, ``json``) is data, not run, unless a
@@ -22,9 +26,12 @@ A directive is an HTML comment on the line right above the fence:
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,7 +44,7 @@ from .conftest import DOCS, REPO
 #: here yet.  To enable one, delete it from this set and run
 #: `python -m pytest tests/docs/test_doc_snippets.py`; fix what fails (or mark a
 #: GPU-only block with `<!-- doctest: skip: REASON -->` and say so on the page).
-PENDING: frozenset[str] = frozenset({"runtime.md", "tutorial.md", "conformance.md"})
+PENDING: frozenset[str] = frozenset({"conformance.md"})
 
 #: Languages that are run; every other fenced block is data (or an excerpt).
 PYTHON = ("python", "pycon")
@@ -155,6 +162,7 @@ def workdir(tmp: Path) -> Path:
     Documented commands use repository paths (``examples/...``, ``tests/...``);
     files they write land in the scratch directory, not in the checkout.
     """
+    tmp.mkdir(parents=True, exist_ok=True)
     for entry in REPO.iterdir():
         if entry.name.startswith(".") or entry.name in ("build", "dist"):
             continue
@@ -164,15 +172,86 @@ def workdir(tmp: Path) -> Path:
     return tmp
 
 
+def is_pip_install(argv: list[str]) -> bool:
+    return argv[1:4] == ["-m", "pip", "install"]
+
+
+def _distribution_name(project: Path) -> str | None:
+    """The ``[project] name`` of a source tree's pyproject.toml (None: not found)."""
+    pyproject = project / "pyproject.toml"
+    if not pyproject.is_file():
+        return None
+    found = re.search(r'^name\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def pip_install_argv(argv: list[str], cwd: Path, site: Path) -> list[str] | None:
+    """A documented ``python -m pip install ...`` as the doc tests run it (None: skip it).
+
+    It installs into ``site`` (``--target``), never into the environment
+    running the tests; the page's later commands get ``site`` on PYTHONPATH.
+    Local source trees are copied next to ``cwd`` first, so an in-tree build
+    leaves no ``build/`` or ``*.egg-info`` in the checkout; ``-e`` is dropped
+    (an editable install of a copy would point at the copy, and PYTHONPATH
+    does not read the ``.pth`` file that makes it work).  Nothing is fetched:
+    ``--no-deps``, and no build isolation when setuptools is importable here.
+    A source tree whose distribution this environment already has (a
+    developer who followed the tutorial) is not installed twice: None.
+    """
+    out = [argv[0], "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--no-deps", "--target", str(site)]
+    if importlib.util.find_spec("setuptools") is not None:
+        out += ["--no-build-isolation", "--no-index"]
+    sources = cwd.parent / "pip-src"
+    for arg in argv[4:]:
+        if arg in ("-e", "--editable"):
+            continue
+        tree = cwd / arg
+        if not arg.startswith("-") and tree.is_dir():
+            name = _distribution_name(tree)
+            if name is not None and _installed(name):
+                return None
+            copy = sources / tree.name
+            shutil.copytree(tree.resolve(), copy, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__",
+                                                          ".pytest_cache"))
+            arg = str(copy)
+        out.append(arg)
+    return out
+
+
 def run_command(command: str, cwd: Path, base_env: dict[str, str],
-                timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run a documented command in ``cwd`` with ``base_env`` plus its own assignments."""
+                timeout: float = 300, site: Path | None = None
+                ) -> subprocess.CompletedProcess[str]:
+    """Run a documented command in ``cwd`` with ``base_env`` plus its own assignments.
+
+    ``site``: where a ``pip install`` installs (:func:`pip_install_argv`); it
+    goes on every command's PYTHONPATH, after the command's own entries.
+    """
     assigned, argv = argv_of(command)
     env = dict(base_env)
     if "ATTNREG_PLUGINS" in assigned:
         # the command names its plugins itself: autoload on, limited to them
         env.pop("ATTNREG_DISABLE_PLUGIN_AUTOLOAD", None)
     env.update(assigned)
+    if is_pip_install(argv):
+        if site is None:
+            raise ValueError(f"{command!r}: a documented pip install runs only with a scratch "
+                             "site= (never into the environment running the tests)")
+        scratch = pip_install_argv(argv, cwd, site)
+        if scratch is None:
+            return subprocess.CompletedProcess(argv, 0, "already installed here\n", "")
+        argv = scratch
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(site)]))
     if "PYTHONPATH" in env:
         env["PYTHONPATH"] = os.pathsep.join(
             str((cwd / p).resolve()) if p and not os.path.isabs(p) else p

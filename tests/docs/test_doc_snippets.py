@@ -40,8 +40,9 @@ def _python_pages() -> list[Path]:
             if any(s.lang in sn.PYTHON and not s.generated for s in sn.snippets(p))]
 
 
-def _shell_snippets() -> list[sn.Snippet]:
-    return [s for p in sn.checked_pages() for s in sn.snippets(p)
+def _shell_snippets(page: Path | None = None) -> list[sn.Snippet]:
+    pages = sn.checked_pages() if page is None else [page]
+    return [s for p in pages for s in sn.snippets(p)
             if s.lang in sn.SHELL and not s.generated and s.skip_reason is None]
 
 
@@ -87,21 +88,31 @@ def test_python_examples_run_and_print_what_the_page_shows(page, tmp_path, monke
 
 @pytest.fixture(scope="module")
 def shell_env(build_docs) -> dict[str, str]:
-    """The environment documented commands run in: none of the caller's attnreg settings."""
+    """The environment documented commands run in: none of the caller's attnreg settings,
+    and nothing written into the checkout through the scratch directory's links."""
     env = build_docs.clean_env()
     env.pop("COLUMNS", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTEST_ADDOPTS"] = "-p no:cacheprovider"
     return env
 
 
-@pytest.mark.parametrize("snippet", _shell_snippets(), ids=lambda s: s.label)
-def test_shell_commands_run(snippet, shell_env, tmp_path):
-    cwd = sn.workdir(tmp_path)
-    commands = sn.shell_commands(snippet.text)
-    assert commands, f"{snippet.label}: a shell block without a command"
-    for command in commands:
-        proc = sn.run_command(command, cwd, shell_env)
-        assert proc.returncode == 0, (f"{snippet.label}: `{command}` exits {proc.returncode}:\n"
-                                      f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+@pytest.mark.parametrize("page", [p for p in sn.checked_pages() if _shell_snippets(p)],
+                         ids=_name)
+def test_shell_commands_run(page, shell_env, tmp_path):
+    """The page's commands, in page order, in one scratch directory (a reader's shell)."""
+    cwd = sn.workdir(tmp_path / "repo")
+    failures = []
+    for snippet in _shell_snippets(page):
+        commands = sn.shell_commands(snippet.text)
+        if not commands:
+            failures.append(f"{snippet.label}: a shell block without a command")
+        for command in commands:
+            proc = sn.run_command(command, cwd, shell_env, site=tmp_path / "site")
+            if proc.returncode != 0:
+                failures.append(f"{snippet.label}: `{command}` exits {proc.returncode}:\n"
+                                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    assert failures == [], "\n".join(failures)
 
 
 @pytest.mark.parametrize("snippet", _excerpts(), ids=lambda s: s.label)
@@ -160,6 +171,16 @@ def test_every_block_is_run_skipped_with_a_reason_or_data():
                 problems.append(f"{s.label}: a {s.lang} block that reads like code: label it "
                                 "bash/pycon, or mark it an excerpt of a command")
     assert problems == [], "\n".join(problems)
+
+
+def test_the_runtime_page_runs_its_engine_examples():
+    """docs/runtime.md is checked here, with its GraphRunner replays and its engine loop
+    (they used to run in tests/runtime, one block at a time)."""
+    page = DOCS / "runtime.md"
+    assert page in sn.checked_pages()
+    blocks = [s.text for s in sn.snippets(page) if s.lang == "pycon" and not s.skip_reason]
+    assert any("GraphRunner" in b and ".replay()" in b for b in blocks)
+    assert any("capture_pieces" in b for b in blocks) and any("sync(" in b for b in blocks)
 
 
 def test_pending_pages_exist():
@@ -231,6 +252,23 @@ def test_a_failing_command_is_reported(shell_env, tmp_path):
     assert refused("attnreg compat --platform cuda:sm100") is None
     with pytest.raises(ValueError, match="run `attnreg` and `python` commands only"):
         sn.argv_of("make demo")
+
+
+def test_a_documented_pip_install_goes_to_a_scratch_site(tmp_path, shell_env):
+    cwd = sn.workdir(tmp_path / "repo")
+    site = tmp_path / "site"
+    _, argv = sn.argv_of(".venv/bin/python -m pip install -e examples/attnreg-example-backend")
+    with pytest.raises(ValueError, match="never into the environment"):
+        sn.run_command(".venv/bin/python -m pip install -e examples/attnreg-example-backend",
+                       cwd, shell_env)
+    scratch = sn.pip_install_argv(argv, cwd, site)
+    if scratch is None:  # this environment has the example already: not installed twice
+        assert sn._installed("attnreg-example-backend")
+        return
+    copy = tmp_path / "pip-src" / "attnreg-example-backend"
+    assert scratch[-1] == str(copy) and (copy / "pyproject.toml").is_file()
+    assert "-e" not in scratch and scratch[scratch.index("--target") + 1] == str(site)
+    assert "--no-deps" in scratch
 
 
 def test_an_excerpt_matches_verbatim_with_ellipsis_only():

@@ -93,6 +93,15 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     **kwargs
         Backend-specific options; the base class accepts none, so a misspelt
         option is an error rather than silently ignored.
+
+    Raises
+    ------
+    UnsupportedError
+        When ``config.page_size`` is a page size none of the backend's kernels
+        that read the paged pool declares
+        (:func:`~attnreg.runtime.validation.page_size_problems`).  Everything
+        else of a request (heads, dtypes, head dims, method, capture mode) is
+        checked at each forward, before any launch.
     """
 
     #: Overridden per instance by ``capabilities.backend``.
@@ -107,11 +116,11 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
             raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
         self.config = config
         self.capabilities = capabilities
+        self.name = capabilities.backend
         #: requests already found inside the declaration: the declaration is
         #: frozen, so the eager hot path checks each distinct request once
         self._accepted_requests: set[tuple[object, ...]] = set()
         self._lse_caps: Capabilities | None = None
-        self.name = capabilities.backend
         self.device = resolve_device(config.device)
         self.forward_metadata: ForwardMetadata[PlanT] | None = None
         self.graph_state: GraphState[BuffersT] | None = None
@@ -119,6 +128,14 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         self._graph_metadata: dict[tuple[ForwardMode, int, int], ForwardMetadata[PlanT]] = {}
         #: (forward mode, graph mode, query tokens) already found served by the declaration
         self._served: set[tuple[ForwardMode, GraphMode, int | None]] = set()
+        # Refused here, not at the first forward: every forward of this backend reads a
+        # pool of config.page_size, so a page size none of its paged kernels declares
+        # could only fail later (before the subclass imports its kernel library).
+        self._raise_if("page size",
+                       validation.page_size_problems(config.page_size, capabilities),
+                       "build the MLAConfig with a page size the backend declares "
+                       "(`attnreg backends --json` lists them), or choose a backend that "
+                       "declares this one")
 
     # ------------------------------------------------------------------------------
     # capture mode

@@ -13,6 +13,8 @@ import operator
 
 import torch
 
+from attnreg.registry import Capabilities, ForwardMethod
+
 from .batch import ForwardBatch
 from .config import MLAConfig
 from .pool import MLAKVLayer, MLAKVPool
@@ -22,6 +24,7 @@ __all__ = [
     "batch_problems",
     "new_rows_problems",
     "output_problems",
+    "page_size_problems",
     "pool_problems",
     "query_problems",
     "ragged_kv_problems",
@@ -60,6 +63,25 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
             map(operator.ne, seq, map(operator.add, pre, ext))):
         problems.append("host lengths disagree: seq_lens must equal prefix_lens + extend_lens")
     return problems
+
+
+def page_size_problems(page_size: int, capabilities: Capabilities) -> list[str]:
+    """Why no kernel of ``capabilities`` that reads the paged KV pool takes ``page_size``.
+
+    The kernels that read the pool are the absorbed-MLA ones and any that
+    declares page sizes; one without page sizes takes every size.  Empty when
+    one of them takes ``page_size``, or when the backend declares none (ragged
+    kernels only: nothing it runs depends on the page size).  What
+    :class:`~attnreg.runtime.AttentionBackend` checks when it is created: a
+    pool of that page size could serve none of its paged forwards.
+    """
+    readers = [k for k in capabilities.kernels
+               if k.page_sizes or k.method is ForwardMethod.MLA]
+    if not readers or any(not k.page_sizes or page_size in k.page_sizes for k in readers):
+        return []
+    declared = sorted({p for k in readers for p in k.page_sizes})
+    return [f"page size {page_size} not in {declared} (the page sizes {capabilities.backend}'s "
+            f"kernels that read the paged KV pool declare on {capabilities.platform})"]
 
 
 def pool_problems(pool: MLAKVPool | MLAKVLayer, config: MLAConfig,
