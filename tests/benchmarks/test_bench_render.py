@@ -17,7 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import cost_gate, decode, graphs, multi_gpu, overhead, prefill, render, split_kv
+from benchmarks import (
+    cost_gate,
+    decode,
+    graphs,
+    multi_gpu,
+    overhead,
+    prefill,
+    render,
+    speculative,
+    split_kv,
+)
 from benchmarks._harness import SCHEMA, SECTIONS
 from benchmarks._report import load_notes
 from benchmarks.metrics import decode_bytes, evaluate
@@ -110,12 +120,23 @@ def synthetic_device_doc() -> dict[str, Any]:
                 "gemm_bf16": {"n": 8192, "flops": 2 * 8192 ** 3, "timing": _timing(1500.0),
                               "TFLOPs": 733.0}}
 
+    spec_rows = [{"backend": "triton",
+                  "errors": {k: 5e-3 for k in ("verify_graph", "verify_eager", "decode_graph",
+                                               "decode_eager")},
+                  **{k: {"median_us": us} for k, us in (("verify_graph", 90.0),
+                                                         ("verify_eager", 120.0),
+                                                         ("decode_graph", 60.0),
+                                                         ("decode_eager", 80.0))}}]
+    spec = {"batch": 32, "prefix": 4096, "heads": 128, "drafts": 4, "page_size": 64,
+            "rows": spec_rows, "timing": SYNTHETIC}
+    spec["checks"] = [c.to_dict() for c in speculative.checks(spec)]
+
     def ok(data: dict[str, Any]) -> dict[str, Any]:
         return {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": data}
 
     return {"schema": SCHEMA, "meta": _meta(), "sections": {
         "ceilings": ok(ceilings), "P1": ok(p1), "P2": ok(p2), "P3": ok(p3), "P4": ok(p4),
-        "prefill": ok(pf), "P6": ok(p6),
+        "prefill": ok(pf), "P6": ok(p6), "spec": ok(spec),
         "P5": {"title": SYNTHETIC, "status": "skipped", "reason": "measured on the CPU machine",
                "data": {}}}}
 
