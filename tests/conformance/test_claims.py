@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -305,3 +306,17 @@ def test_a_cpu_run_of_a_fixed_head_count_list_claims_its_smallest_16_and_largest
     fixed = {c.combo.num_heads for c in expand_claims(caps, "cpu", heads=[32])
              if c.kind is ClaimKind.EAGER and c.combo.phase is Phase.DECODE}
     assert fixed == {32}
+
+
+def test_multi_layer_claims_run_a_head_count_the_fp8_kernel_declares():
+    # FlashMLA-like: the bf16 kernel takes 1..128 heads, the fp8 one only (16, 32)
+    caps = get_registry().declaration("triton", "cuda:sm90")
+    bf16, fp8 = (replace(k, kv_dtypes=frozenset({kv}), **extra)
+                 for k, kv, extra in ((caps.kernels[0], DType.BF16, {}),
+                                      (caps.kernels[0], DType.FP8_E4M3,
+                                       {"head_counts": (16, 32), "max_heads": 32})))
+    caps = replace(caps, kernels=(bf16, fp8))
+    for device in ("cpu", "cuda"):
+        multi = [c for c in expand_claims(caps, device) if c.check is Check.MULTI_LAYER]
+        assert multi and all(c.combo.kv_dtype is DType.FP8_E4M3 for c in multi)
+        assert all(c.combo.num_heads in (16, 32) for c in multi), [c.id for c in multi]

@@ -525,12 +525,17 @@ def _lse_claims(caps: Capabilities, device: str, heads: Sequence[int] | None) ->
 
 def _multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
                        heads: Sequence[int] | None) -> Combo | None:
-    """The base configuration, with an fp8 pool where declared (per-layer scales matter)."""
+    """The base configuration, with an fp8 pool where declared (per-layer scales matter):
+    the fp8 kernel's own base where it takes other head counts than the base's."""
     base = base_combo(caps, method, phase, device, heads)
     if base is None:
         return None
     fp8 = [(q, kv) for q, kv in _pairs_for(caps, method, phase) if kv is DType.FP8_E4M3]
-    return replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]) if fp8 else base
+    if not fp8:
+        return base
+    variant = _declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
+                                device, heads)
+    return variant or base
 
 
 def _multi_layer_eager_claims(caps: Capabilities, device: str,
