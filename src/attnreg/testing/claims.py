@@ -29,7 +29,11 @@ pytest plugin turns each claim into one test item.  Three kinds:
 
 Combinations: by default every declared value of every dimension is covered at
 least once (a base configuration, then one dimension varied at a time); with
-``exhaustive=True`` the full cartesian product is expanded.
+``exhaustive=True`` the full cartesian product is expanded.  Head counts: 16,
+128 and the largest declared on cuda; on cpu the base runs 2 (or the smallest
+declared), 16 and the largest declared run one small batch.  Each (method,
+phase) and each capture mode's capture path is also claimed at
+:data:`YARN_SM_SCALE` as ``MLAConfig.sm_scale`` (ids ending ``/sm_scale0.1352``).
 
 :func:`other_platform_claims` lists what a backend declares only for other
 CUDA platforms (:data:`CUDA_PLATFORMS`), as claims skipped with a reason that

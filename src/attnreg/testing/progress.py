@@ -90,7 +90,8 @@ class ClaimProgress:
 
     def __init__(self, lines: StepLines, registry: BackendRegistry | None = None) -> None:
         self.lines = lines
-        self._claim_ids: set[str] = set()
+        self._claim_ids: set[str] = set()  # every claim's node id
+        self._running: set[str] = set()  # those that run (a line each)
         self._jit_backends: dict[str, bool] = {}
         self._built: set[str] = set()
         self._registry = registry
@@ -103,7 +104,8 @@ class ClaimProgress:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         claims = [(item.nodeid, _claim_of(item)) for item in session.items]
         running = [(nodeid, c) for nodeid, c in claims if c is not None and not c.skip_reason]
-        self._claim_ids = {nodeid for nodeid, _ in running}
+        self._claim_ids = {nodeid for nodeid, c in claims if c is not None}
+        self._running = {nodeid for nodeid, _ in running}
         self.lines.total = len(running)
         skipped = sum(1 for _, c in claims if c is not None and c.skip_reason)
         if running:
@@ -115,7 +117,7 @@ class ClaimProgress:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        if item.nodeid not in self._claim_ids:
+        if item.nodeid not in self._running:
             return
         claim = _claim_of(item)
         assert claim is not None
