@@ -63,8 +63,10 @@ for m in ("torch", "triton", "flashinfer", "flash_attn.cute"):
 EOF
 
 conformance() {  # conformance BACKEND LIMIT_S
-  timeout "$2" python3 -m attnreg conformance --backend "$1" --device cuda \
-    --json "$work/conf-$1.json" >"$work/conf-$1.log" 2>&1
+  # --progress: a line per claim (i of N, elapsed, time left, JIT notices) in the log,
+  # so a run cut by the timeout still says how far it got
+  timeout "$2" python3 -m attnreg conformance --backend "$1" --device cuda --progress \
+    -o "$work/conf-$1.json" >"$work/conf-$1.log" 2>&1
   echo "rc=$?" >>"$work/conf-$1.log"
 }
 
@@ -88,6 +90,7 @@ finish() {
   tar czf "$OUT/$step.tgz" -C "$work" .
   for f in "$work"/*.log; do
     echo "===== $(basename "$f")"
+    grep -E "^\[ *[0-9.]+s\] [0-9]+ of [0-9]+: claim " "$f" | tail -1  # the last claim reached
     grep -E "^(OK|REFUTED|NOTHING)|verified,|rc=|passed|failed|error" "$f" | tail -8
   done
 }

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -16,8 +18,10 @@ from attnreg.registry import (
     SupportKind,
     get_registry,
 )
+from attnreg.testing.batches import eager_specs, quick_specs
 from attnreg.testing.claims import (
     CPU_RUNNABLE_CAPTURE_CHECKS,
+    YARN_SM_SCALE,
     Check,
     ClaimKind,
     expand_claims,
@@ -244,3 +248,75 @@ def test_multi_layer_claims_use_an_fp8_pool_where_declared():
     assert {c.kind for c in multi} == {ClaimKind.EAGER, ClaimKind.CAPTURE}
     assert all(c.combo.kv_dtype is DType.FP8_E4M3 for c in multi)
     assert all(not c.needs_device_graphs for c in multi)
+
+
+# -- issue 17: a non-default softmax scale, and the head counts a cpu run covers ---------
+
+@pytest.mark.parametrize("name,platform,device", [
+    ("reference", "cpu", "cpu"), ("triton", "cpu", "cpu"), ("triton", "cuda:sm90", "cuda"),
+    ("flashinfer_mla", "cuda:sm90", "cuda"), ("flash_attn_cute", "cuda:sm90", "cuda"),
+    ("flash_attn_cute", "cuda:sm100", "cuda"), ("trtllm_mla", "cuda:sm100", "cuda"),
+])
+def test_every_method_and_capture_path_is_also_claimed_at_a_yarn_softmax_scale(name, platform,
+                                                                               device):
+    claims = _claims(name, platform, device)
+    scaled = [c for c in claims if c.combo is not None and c.combo.sm_scale is not None]
+    assert {c.combo.sm_scale for c in scaled} == {YARN_SM_SCALE}
+    assert abs(YARN_SM_SCALE - 1 / math.sqrt(192)) > 0.05  # far from the default
+    assert all(c.id.endswith("/sm_scale0.1352") for c in scaled)
+    # eagerly: every (method, phase) the backend serves
+    plain = [c for c in claims if c.check is Check.MATCHES_REFERENCE and not c.speculative]
+    assert {(c.combo.method, c.combo.phase) for c in scaled if c.kind is ClaimKind.EAGER} \
+        == {(c.combo.method, c.combo.phase) for c in plain}
+    # under capture: each capture-mode code path of the default scale has a scaled twin
+    paths = [c for c in claims if c.check is Check.CAPTURE_PATH and not c.speculative]
+    assert {(c.combo.phase, c.graph_mode, c.combo.method) for c in paths
+            if c.combo.sm_scale is None} \
+        == {(c.combo.phase, c.graph_mode, c.combo.method) for c in paths
+            if c.combo.sm_scale is not None}
+    assert all(not c.skip_reason for c in scaled)
+
+
+def test_a_cpu_run_claims_16_and_the_largest_declared_head_count_on_one_small_batch():
+    claims = _claims("triton", "cpu", "cpu")
+    plain = [c for c in claims if c.check is Check.MATCHES_REFERENCE and not c.speculative
+             and c.combo.sm_scale is None]
+    for method, phase in {(c.combo.method, c.combo.phase) for c in plain}:
+        mine = [c for c in plain if (c.combo.method, c.combo.phase) == (method, phase)]
+        assert {c.combo.num_heads for c in mine} == {2, 16, 128}, (method, phase)
+        for c in mine:
+            if c.combo.num_heads == 2:
+                assert c.batches == eager_specs(phase, method=method), c.id
+            else:  # the interpreter runs every head in turn: one small batch
+                assert c.batches == quick_specs(phase), c.id
+    # cuda: 16 and 128 on the phase's full batches, as before
+    cuda = [c for c in _claims("triton", "cuda:sm90", "cuda")
+            if c.check is Check.MATCHES_REFERENCE and not c.speculative]
+    assert {c.combo.num_heads for c in cuda} == {16, 128}
+    assert all(c.batches == eager_specs(c.combo.phase, method=c.combo.method) for c in cuda)
+
+
+def test_a_cpu_run_of_a_fixed_head_count_list_claims_its_smallest_16_and_largest():
+    # trtllm_mla's decode kernel declares (16, 32, 64, 128); FlashMLA's (1, ..., 128)
+    caps = get_registry().declaration("trtllm_mla", "cuda:sm100")
+    decode = {c.combo.num_heads for c in expand_claims(caps, "cpu")
+              if c.check is Check.MATCHES_REFERENCE and c.combo.phase is Phase.DECODE}
+    assert decode == {16, 128}
+    # --heads fixes the list: nothing else is added
+    fixed = {c.combo.num_heads for c in expand_claims(caps, "cpu", heads=[32])
+             if c.kind is ClaimKind.EAGER and c.combo.phase is Phase.DECODE}
+    assert fixed == {32}
+
+
+def test_multi_layer_claims_run_a_head_count_the_fp8_kernel_declares():
+    # FlashMLA-like: the bf16 kernel takes 1..128 heads, the fp8 one only (16, 32)
+    caps = get_registry().declaration("triton", "cuda:sm90")
+    bf16, fp8 = (replace(k, kv_dtypes=frozenset({kv}), **extra)
+                 for k, kv, extra in ((caps.kernels[0], DType.BF16, {}),
+                                      (caps.kernels[0], DType.FP8_E4M3,
+                                       {"head_counts": (16, 32), "max_heads": 32})))
+    caps = replace(caps, kernels=(bf16, fp8))
+    for device in ("cpu", "cuda"):
+        multi = [c for c in expand_claims(caps, device) if c.check is Check.MULTI_LAYER]
+        assert multi and all(c.combo.kv_dtype is DType.FP8_E4M3 for c in multi)
+        assert all(c.combo.num_heads in (16, 32) for c in multi), [c.id for c in multi]

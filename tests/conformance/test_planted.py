@@ -48,8 +48,8 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
     # (d) split plan frozen at capture: caught on cpu too, in the capture-mode path
     "planted_frozen_splits": {
         f"capture/decode/full/capture_path/mla/{P}": "long_kv (bs=2, seq_lens=[1101, 41]): "
-                                                     "output differs from the float32 oracle",
-        f"capture/decode/full/padded_rows/mla/{P}": "output differs from the float32 oracle",
+                                                     "output differs from the float64 oracle",
+        f"capture/decode/full/padded_rows/mla/{P}": "output differs from the float64 oracle",
     },
     # (e) int64 lengths accepted and read as int32
     "planted_int64_lengths": {
@@ -85,10 +85,12 @@ MODULES = ("ragged_absorbed", "split_assert", "dispose", "frozen_splits", "int64
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("planted")
-    # capture-mode paths and index-dtype refusals; the MHA piecewise path has no defect,
-    # and the engine-contract claims (speculative, multi-layer) have their own run below
+    # capture-mode paths and index-dtype refusals at the default softmax scale; the MHA
+    # piecewise path has no defect, and the engine-contract claims (speculative,
+    # multi-layer) and the configured-scale ones have their own runs below
     args = ["--device", "cpu", "-k", "((capture and not /mha/) or index_dtype) and not "
-                                     "target_verify and not draft_extend and not multi_layer"]
+                                     "target_verify and not draft_extend and not multi_layer "
+                                     "and not sm_scale"]
     for module in MODULES:
         args += ["--plugin", f"planted.{module}"]
     for name in CPU_DEFECTS:
@@ -165,6 +167,63 @@ def test_each_engine_contract_defect_is_refuted_where_it_is_and_nowhere_else(eng
     assert len(verified) >= 2, "the same run verifies the claims the defect does not touch"
 
 
+# (k)-(l) what the base configuration hides: a hard-coded softmax scale, heads beyond 8
+SCALED = "bf16-bf16/p16/h2/576x512/sm_scale0.1352"
+SCALED_MHA = "bf16-bf16/p16/h2/192x128/sm_scale0.1352"
+DIFFERS = "output differs from the float64 oracle"
+CONFIG_DEFECTS: dict[str, dict[str, str]] = {
+    # every claim run with MLAConfig.sm_scale set, eager and through the capture path
+    "planted_fixed_scale": {
+        f"eager/decode/mla/{SCALED}": f"ragged_decode (bs=4, seq_lens=[1, 6, 17, 34]): {DIFFERS}",
+        f"eager/prefill/mla/{SCALED}": DIFFERS,
+        f"eager/prefill/mha/{SCALED_MHA}": DIFFERS,
+        f"eager/prefill/mha_chunked_kv/{SCALED_MHA}": DIFFERS,
+        f"capture/decode/full/capture_path/mla/{SCALED}": "warm-up under capture: ragged_decode",
+        f"capture/prefill/breakable/capture_path/mla/{SCALED}": DIFFERS,
+        f"capture/prefill/tc_piecewise/capture_path/mla/{SCALED}": DIFFERS,
+        f"capture/prefill/tc_piecewise/capture_path/mha/{SCALED_MHA}": DIFFERS,
+    },
+    # the cpu run's 16 and 128 (largest declared) head claims
+    "planted_heads_block8": {
+        "eager/decode/mla/bf16-bf16/p16/h16/576x512": f"ragged_decode (bs=4, seq_lens=[1, 6, "
+                                                      f"17, 34]): {DIFFERS}",
+        "eager/decode/mla/bf16-bf16/p16/h128/576x512": DIFFERS,
+        "eager/prefill/mla/bf16-bf16/p16/h16/576x512": f"short_extend (bs=2, seq_lens=[8, 2]): "
+                                                       f"{DIFFERS}",
+        "eager/prefill/mla/bf16-bf16/p16/h128/576x512": DIFFERS,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def config_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("config")
+    # the claims that vary the scale and the head count, and the base configuration's
+    # decode claim as the control both defects pass
+    args = ["--device", "cpu", "--plugin", "planted.config_facts",
+            "-k", "(planted_fixed_scale and sm_scale) or (planted_heads_block8 and "
+                  "eager/ and mla/bf16-bf16/p16/ and not sm_scale) or "
+                  "eager/decode/mla/bf16-bf16/p16/h2/576x512"]
+    for name in CONFIG_DEFECTS:
+        args += ["--backend", name]
+    return conformance(tmp, *args)
+
+
+@pytest.mark.parametrize("backend", sorted(CONFIG_DEFECTS))
+def test_a_fixed_scale_and_wrong_heads_beyond_8_are_refuted_on_cpu(config_run, backend):
+    code, out, data = config_run
+    assert code == 1 and data is not None, out
+    refuted = {cid.removeprefix(backend + "/"): msg
+               for cid, msg in by_status(data, "refuted").items()
+               if cid.startswith(backend + "/")}
+    expected = CONFIG_DEFECTS[backend]
+    assert set(refuted) == set(expected), out
+    for cid, needle in expected.items():
+        assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
+    # at the default scale and 2 heads both compute what the oracle computes
+    assert f"{backend}/eager/decode/mla/bf16-bf16/p16/h2/576x512" in by_status(data, "verified")
+
+
 GPU_DEFECTS: dict[str, tuple[str, dict[str, str]]] = {
     # (c) a scratch buffer the graph recorded is freed during real capture
     "planted_dispose_in_graph": ("decode and (allocator_churn or no_sync_alloc)", {
@@ -176,9 +235,9 @@ GPU_DEFECTS: dict[str, tuple[str, dict[str, str]]] = {
     # (d) split plan frozen at capture, lengths change at replay
     "planted_frozen_splits": ("decode and (split_kv or replay/mla/bf16-bf16/)", {
         "capture/decode/full/split_kv/mla/bf16-bf16/p16/h16/576x512":
-            "output differs from the float32 oracle",
+            "output differs from the float64 oracle",
         "capture/decode/full/replay/mla/bf16-bf16/p16/h16/576x512":
-            "output differs from the float32 oracle",
+            "output differs from the float64 oracle",
     }),
 }
 
@@ -214,8 +273,8 @@ def served_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     args = ["--device", "cpu", "--plugin", "planted.fallback", "--plugin",
             "planted.eager_segment",
-            "-k", "(fallback and tc_piecewise and /mla/ and (capture_path or fallback_served)) "
-                  "or (eager_ and breakable and /mla/ and capture_path)"]
+            "-k", "((fallback and tc_piecewise and /mla/ and (capture_path or fallback_served)) "
+                  "or (eager_ and breakable and /mla/ and capture_path)) and not sm_scale"]
     for name in ("planted_fallback_mismatch", "planted_native_but_fallback",
                  "planted_fallback_honest", "planted_fallback_silent",
                  "planted_eager_attention", "planted_eager_with_block"):

@@ -44,7 +44,7 @@ from .conftest import DOCS, REPO
 #: here yet.  To enable one, delete it from this set and run
 #: `python -m pytest tests/docs/test_doc_snippets.py`; fix what fails (or mark a
 #: GPU-only block with `<!-- doctest: skip: REASON -->` and say so on the page).
-PENDING: frozenset[str] = frozenset({"conformance.md"})
+PENDING: frozenset[str] = frozenset()
 
 #: Languages that are run; every other fenced block is data (or an excerpt).
 PYTHON = ("python", "pycon")

@@ -42,7 +42,7 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, str, di
 def test_two_gloo_ranks_agree_on_every_vote_and_replay_path(tmp_path: Path) -> None:
     code, out, data = _run(tmp_path, "--nprocs", "2", "--backend", "gloo", "--trials", "200",
                            "--gate-steps", "16", "--heads", "2",
-                           "-k", "eager/decode/mla/bf16-bf16/p16")
+                           "-k", "eager/decode/mla/bf16-bf16/p16 and not sm_scale")
     assert code == 0, out
     workers = data["workers"]
     vote = workers["vote"]

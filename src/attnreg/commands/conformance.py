@@ -5,7 +5,10 @@ prints the claims table; ``-o/--output PATH`` also writes the report (schema
 in ``attnreg.testing.report``), ``--json`` prints it on stdout instead of the
 table (pytest's own lines then go to stderr).  ``--json PATH``, the form
 before the CLI conventions were unified, still writes PATH with a
-deprecation warning.  Exit status: 0 when no claim is refuted, 1 when
+deprecation warning.  While claims run, stderr shows ``i of N: claim <id>`` with
+the elapsed time and an estimate of the time left, and a notice before a
+flashinfer kernel variant may JIT-compile (when stderr is a terminal, or with
+``--progress``; never with ``-q/--quiet``).  Exit status: 0 when no claim is refuted, 1 when
 one is (or no claim could be collected, or a backend asked for by name cannot
 run here), 2 on bad input or when pytest itself could not run.
 
@@ -78,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="list the claims the declaration expands to, run nothing")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list verified claims too, and show pytest's tracebacks")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress lines (shown on stderr when it is a terminal: claim "
+                             "i of N, elapsed, time left, a notice before a JIT compile)")
+    parser.add_argument("--progress", action="store_true",
+                        help="progress lines on stderr even when it is not a terminal (a log "
+                             "file)")
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to pytest as is (repeatable)")
     parser.add_argument("--merge", action="append", default=[], metavar="REPORT",
@@ -108,8 +117,9 @@ def _plugin_autoloads() -> bool:
 
 
 def pytest_args(args: argparse.Namespace, ini_path: Path,
-                report_path: Path | None = None) -> list[str]:
-    """The pytest command line that runs the suite for ``args``."""
+                report_path: Path | None = None, *, progress: bool = False) -> list[str]:
+    """The pytest command line that runs the suite for ``args`` (``progress``: the
+    command prints a line per claim, so pytest's own per-test marks are left out)."""
     import attnreg
 
     package_root = Path(attnreg.__file__).resolve().parent.parent
@@ -162,6 +172,8 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
     else:
         # the claims table says what failed and why; pytest's own summary would repeat it
         argv += ["-q", "--tb=no", "--no-header", "-rN"]
+    if progress and not args.list:
+        argv += ["-o", "console_output_style=classic"]  # no [ 42%]: the lines say i of N
     argv += list(args.pytest_arg)
     return argv
 
@@ -247,6 +259,23 @@ def merge_reports(args: argparse.Namespace) -> int:
     return 0 if merged.ok else 1
 
 
+def _progress_plugins(args: argparse.Namespace) -> list[object]:
+    """The pytest plugin printing progress lines, when they are on (else nothing).
+
+    On when stderr is a terminal or with ``--progress``, off with ``--quiet`` and
+    ``--list`` (nothing runs).  The lines go to stderr, so ``--json`` stdout stays
+    one document.
+    """
+    from attnreg.profiling.progress import Progress
+
+    lines = Progress.for_terminal(0, quiet=args.quiet or args.list, force=args.progress)
+    if not lines.enabled:
+        return []
+    from attnreg.testing.progress import ClaimProgress
+
+    return [ClaimProgress(lines)]
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _deprecated_json_path(args)
     if problem:
@@ -265,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import pytest
 
+    plugins = _progress_plugins(args)
     with tempfile.TemporaryDirectory(prefix="attnreg-conformance-") as tmp:
         ini = Path(tmp) / "pytest.ini"
         ini.write_text("[pytest]\n")
@@ -274,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
         to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json \
             else contextlib.nullcontext()
         with to_stderr:
-            code = int(pytest.main(pytest_args(args, ini, report_path)))
+            code = int(pytest.main(pytest_args(args, ini, report_path,
+                                               progress=bool(plugins)), plugins=plugins))
         unavailable = _unavailable_requested(args, report_path)
         if args.json and not args.list and report_path.exists():
             print_json(json.loads(report_path.read_text()))

@@ -2,7 +2,7 @@
 
 ``attnreg conformance --backend NAME`` (or ``pytest --pyargs attnreg.testing.suite
 --attnreg-backend NAME``) turns every claim of a backend's declaration into a
-test against a float32 oracle, including real CUDA-graph capture and replay on
+test against a float64 oracle, including real CUDA-graph capture and replay on
 a GPU, and reports each claim as verified, refuted or skipped (with why).
 
 Modules: :mod:`.claims` (declaration -> claims, pure), :mod:`.batches` (named

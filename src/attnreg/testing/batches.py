@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from attnreg.registry.capabilities import ForwardMethod, ForwardMode, Phase
 
-__all__ = ["CAPTURE_REPLAY_SPECS", "CHUNKED_PREFIX_SPECS", "SPECS", "SPECULATIVE_EAGER_SPECS",
-           "SPECULATIVE_PREFIXES", "SPECULATIVE_REPLAY_SPECS", "BatchSpec", "batch_names",
-           "batch_spec", "chunk_tokens", "eager_specs", "replay_specs"]
+__all__ = ["CAPTURE_REPLAY_SPECS", "CHUNKED_PREFIX_SPECS", "QUICK_SPECS", "SPECS",
+           "SPECULATIVE_EAGER_SPECS", "SPECULATIVE_PREFIXES", "SPECULATIVE_REPLAY_SPECS", "BatchSpec", "batch_names",
+           "batch_spec", "chunk_tokens", "eager_specs", "quick_specs", "replay_specs"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,13 @@ SPECULATIVE_REPLAY_SPECS: dict[ForwardMode, tuple[str, ...]] = {
     ForwardMode.DRAFT_EXTEND: ("draft_extend_ragged", "draft_extend_single",
                                "draft_extend_long_kv", "draft_extend_ragged"),
 }
+#: One small batch per phase: what a cpu run checks the configurations that vary the
+#: head count beyond the base (16, the largest declared) or the softmax scale on.  Several
+#: sequences of different lengths, with and without a cached prefix.
+QUICK_SPECS: dict[Phase, tuple[str, ...]] = {
+    Phase.DECODE: ("ragged_decode",),
+    Phase.PREFILL: ("short_extend",),
+}
 #: Prefill specs with a cached prefix: what chunked-prefix MHA is checked on.
 CHUNKED_PREFIX_SPECS: tuple[str, ...] = ("extend_with_prefix", "mixed_lengths",
                                          "long_kv_extend")
@@ -228,6 +235,12 @@ def eager_specs(phase: Phase, forward_mode: ForwardMode | None = None,
     if method is ForwardMethod.MHA_CHUNKED_KV:
         return CHUNKED_PREFIX_SPECS
     return EAGER_SPECS[phase]
+
+
+def quick_specs(phase: Phase) -> tuple[str, ...]:
+    """:data:`QUICK_SPECS` of ``phase`` (every method: ``short_extend`` has a cached
+    prefix, so it serves chunked-prefix MHA too)."""
+    return QUICK_SPECS[phase]
 
 
 def replay_specs(phase: Phase, forward_mode: ForwardMode | None = None) -> tuple[str, ...]:

@@ -29,7 +29,11 @@ pytest plugin turns each claim into one test item.  Three kinds:
 
 Combinations: by default every declared value of every dimension is covered at
 least once (a base configuration, then one dimension varied at a time); with
-``exhaustive=True`` the full cartesian product is expanded.
+``exhaustive=True`` the full cartesian product is expanded.  Head counts: 16,
+128 and the largest declared on cuda; on cpu the base runs 2 (or the smallest
+declared), 16 and the largest declared run one small batch.  Each (method,
+phase) and each capture mode's capture path is also claimed at
+:data:`YARN_SM_SCALE` as ``MLAConfig.sm_scale`` (ids ending ``/sm_scale0.1352``).
 
 :func:`other_platform_claims` lists what a backend declares only for other
 CUDA platforms (:data:`CUDA_PLATFORMS`), as claims skipped with a reason that
@@ -39,6 +43,7 @@ names those platforms, so a report shows what this device could not check.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -56,11 +61,12 @@ from attnreg.registry.capabilities import (
 )
 from attnreg.registry.strenum import StrEnum
 
-from .batches import eager_specs, replay_specs
+from .batches import eager_specs, quick_specs, replay_specs
 
 __all__ = [
     "CPU_RUNNABLE_CAPTURE_CHECKS",
     "CUDA_PLATFORMS",
+    "YARN_SM_SCALE",
     "Check",
     "Claim",
     "ClaimKind",
@@ -156,7 +162,11 @@ def head_dims_config(method: ForwardMethod, head_dims: tuple[int, int]) -> dict[
 
 @dataclass(frozen=True)
 class Combo:
-    """One concrete input configuration of a forward pass."""
+    """One concrete input configuration of a forward pass.
+
+    ``sm_scale`` None: ``MLAConfig``'s default softmax scale (1/sqrt of the
+    q/k nope + rope dims); a value: that scale (a YaRN-scaled model's).
+    """
 
     method: ForwardMethod
     phase: Phase
@@ -165,21 +175,24 @@ class Combo:
     page_size: int
     num_heads: int
     head_dims: tuple[int, int]
+    sm_scale: float | None = None
 
     def label(self) -> str:
+        scale = "" if self.sm_scale is None else f"/sm_scale{self.sm_scale:.4g}"
         return (f"{self.q_dtype}-{self.kv_dtype}/p{self.page_size}/h{self.num_heads}/"
-                f"{self.head_dims[0]}x{self.head_dims[1]}")
+                f"{self.head_dims[0]}x{self.head_dims[1]}{scale}")
 
     def describe(self) -> str:
+        scale = "" if self.sm_scale is None else f" sm_scale={self.sm_scale:.4g}"
         return (f"{self.phase} {self.method} q={self.q_dtype} kv={self.kv_dtype} "
                 f"page={self.page_size} heads={self.num_heads} "
-                f"dims={self.head_dims[0]}/{self.head_dims[1]}")
+                f"dims={self.head_dims[0]}/{self.head_dims[1]}{scale}")
 
     def to_dict(self) -> dict[str, object]:
         return {"method": self.method.value, "phase": self.phase.value,
                 "q_dtype": self.q_dtype.value, "kv_dtype": self.kv_dtype.value,
                 "page_size": self.page_size, "num_heads": self.num_heads,
-                "head_dims": list(self.head_dims)}
+                "head_dims": list(self.head_dims), "sm_scale": self.sm_scale}
 
 
 @dataclass(frozen=True)
@@ -276,9 +289,18 @@ class Claim:
 # ---------------------------------------------------------------------------
 
 _DTYPE_ORDER = (DType.BF16, DType.FP16, DType.FP32, DType.FP8_E4M3)
-#: Head counts tried per device: DeepSeek-V3's 128 heads split over TP 8 / TP 1.
-_HEADS = {"cpu": (2,), "cuda": (16, 128)}
+#: Head counts tried per device (each kernel adds the largest it declares): DeepSeek-V3's
+#: 128 heads split over TP 8 / TP 1; on cpu the base configuration runs 2 (the Triton
+#: interpreter runs every head's program in turn), 16 and the largest run one small
+#: batch each (:func:`~attnreg.testing.batches.quick_specs`).
+_HEADS = {"cpu": (2, 16), "cuda": (16, 128)}
 _PREFERRED_PAGE = 16
+
+#: A softmax scale other than ``MLAConfig``'s default 1/sqrt(192): DeepSeek-V3's under
+#: YaRN (rope factor 40, mscale_all_dim 1), ``mscale ** 2 / sqrt(192)`` with ``mscale =
+#: 0.1 ln 40 + 1``, about 0.1352.  ``sm_scale`` claims run with it, so a backend that
+#: hard-codes the default scale is refuted.
+YARN_SM_SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)
 
 
 def _ordered(dtypes: Iterable[DType]) -> list[DType]:
@@ -309,14 +331,24 @@ def _dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
 
 def _head_counts(k: KernelConstraints, device: str,
                  heads: Sequence[int] | None = None) -> list[int]:
+    """The head counts claimed for kernel ``k``; the first is the base configuration's.
+
+    cuda: every declared count (a fixed list), else 16, 128 and ``max_heads``.  cpu:
+    the smallest declared (else 2), then at least 16 and the largest declared, so a
+    kernel wrong above a few heads is refuted there too.
+    """
     if heads:
         # the caller fixed the head counts (e.g. one tensor-parallel rank's share):
         # claim those the kernel declares, and nothing else
         return sorted({h for h in heads if k.accepts_heads(h)})
     if k.head_counts:
-        return sorted(k.head_counts)[:1] if device == "cpu" else sorted(k.head_counts)
-    wanted = [h for h in _HEADS.get(device, _HEADS["cuda"]) if k.accepts_heads(h)]
-    return wanted or [1]
+        declared = sorted(k.head_counts)
+        if device != "cpu":
+            return declared
+        return sorted({declared[0], *[h for h in declared if h >= 16][:1], declared[-1]})
+    wanted = {h for h in (*_HEADS.get(device, _HEADS["cuda"]), k.max_heads)
+              if k.accepts_heads(h)}
+    return sorted(wanted) or [1]
 
 
 def _page_sizes(k: KernelConstraints, caps: Capabilities, phase: Phase) -> list[int]:
@@ -392,19 +424,45 @@ def _eager_claims(caps: Capabilities, device: str, exhaustive: bool,
         for phase in (Phase.DECODE, Phase.PREFILL):
             if phase not in k.phases:
                 continue
+            base_heads = min(_head_counts(k, device, heads), default=0)
             for combo in _combos(caps, k, phase, device, exhaustive, heads):
                 if combo in seen:
                     continue
                 seen.add(combo)
                 specs = eager_specs(phase, method=combo.method)
+                if device == "cpu" and not heads and combo.num_heads != base_heads:
+                    # the interpreter runs each head's programs in turn: one small batch
+                    specs = quick_specs(phase)
                 claims.append(Claim(
                     caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
                     f"{combo.describe()} matches the float64 oracle on "
                     f"{', '.join(specs)} and writes only its own KV slots",
                     batches=specs))
+    claims += _sm_scale_eager_claims(caps, device, heads)
     claims += _speculative_eager_claims(caps, device, exhaustive, heads)
     claims += _lse_claims(caps, device, heads)
     claims += _multi_layer_eager_claims(caps, device, heads)
+    return claims
+
+
+def _sm_scale_eager_claims(caps: Capabilities, device: str,
+                           heads: Sequence[int] | None) -> list[Claim]:
+    """One per (method, phase): the base configuration with :data:`YARN_SM_SCALE` as
+    ``MLAConfig.sm_scale`` (on cpu on one small batch)."""
+    claims: list[Claim] = []
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        for method in caps.methods(phase):
+            base = base_combo(caps, method, phase, device, heads)
+            if base is None:
+                continue
+            combo = replace(base, sm_scale=YARN_SM_SCALE)
+            specs = quick_specs(phase) if device == "cpu" \
+                else eager_specs(phase, method=method)
+            claims.append(Claim(
+                caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
+                f"{combo.describe()} (MLAConfig.sm_scale set to a YaRN-scaled model's, not "
+                f"the default 1/sqrt(qk dims)) matches the float64 oracle at that scale on "
+                f"{', '.join(specs)} and writes only its own KV slots", batches=specs))
     return claims
 
 
@@ -471,7 +529,8 @@ def _lse_claims(caps: Capabilities, device: str, heads: Sequence[int] | None) ->
 
 def _multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
                        heads: Sequence[int] | None) -> Combo | None:
-    """The base configuration, with an fp8 pool where declared (per-layer scales matter)."""
+    """The base configuration, with an fp8 pool where declared (per-layer scales matter):
+    the fp8 kernel's own base where it takes other head counts than the base's."""
     base = base_combo(caps, method, phase, device, heads)
     if base is None:
         return None
@@ -660,6 +719,15 @@ def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: Fo
         f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
         "code path (capture metadata, then replay metadata for each batch) is "
         "driven without a device graph", needs_graphs=False)
+    if forward_mode is None:
+        # what is planned at capture must use the config's scale too (on cpu: the
+        # capture batch and one replay)
+        scaled = replace(base, sm_scale=YARN_SM_SCALE)
+        add(Check.CAPTURE_PATH,
+            f"{where}, {method} with MLAConfig.sm_scale {YARN_SM_SCALE:.4g} (a YaRN-scaled "
+            f"model's) runs {how} and matches the oracle at that scale when its "
+            "capture-mode code path is driven without a device graph", combo=scaled,
+            needs_graphs=False, batches=replay[:2] if device == "cpu" else replay)
     if forward_mode is None and sup.is_fallback:
         add(Check.FALLBACK_SERVED,
             f"{where}, {method} is served by the declared fallback {sup.fallback_to} "

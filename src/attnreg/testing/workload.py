@@ -86,7 +86,8 @@ TOLERANCES: dict[DType, Tolerance] = {
 
 
 def make_config(combo: Combo, device: str, *, max_context_len: int = 8192) -> MLAConfig:
-    """The MLAConfig of a claim's combination (head dims become config fields)."""
+    """The MLAConfig of a claim's combination (head dims become config fields; a combo's
+    ``sm_scale`` the config's, None keeping the default)."""
     dims = head_dims_config(combo.method, combo.head_dims) or {}
     kwargs: dict[str, int] = {}
     if combo.method is ForwardMethod.MLA:
@@ -98,7 +99,7 @@ def make_config(combo: Combo, device: str, *, max_context_len: int = 8192) -> ML
         kwargs["qk_rope_head_dim"] = dims.get("qk_rope_head_dim", 64)
     return MLAConfig(num_heads=combo.num_heads, page_size=combo.page_size,
                      kv_dtype=combo.kv_dtype, q_dtype=combo.q_dtype, device=device,
-                     max_context_len=max_context_len, **kwargs)
+                     max_context_len=max_context_len, sm_scale=combo.sm_scale, **kwargs)
 
 
 def layer_scales(config: MLAConfig, num_layers: int = 1) -> list[float]:
@@ -438,7 +439,7 @@ def compare(out: torch.Tensor, expected: torch.Tensor, q_dtype: DType,
     row, head, col = (flat // (err.shape[1] * err.shape[2]),
                       (flat // err.shape[2]) % err.shape[1], flat % err.shape[2])
     seq, tok = _locate(row, spec)
-    return (f"{spec.describe()}: output differs from the float32 oracle in "
+    return (f"{spec.describe()}: output differs from the float64 oracle in "
             f"{int(bad.sum())}/{bad.numel()} elements (tolerance atol {tol.atol}, rtol "
             f"{tol.rtol} for {q_dtype}); worst |err| {float(err.view(-1)[flat]):.3g} at "
             f"sequence {seq} (prefix {spec.seqs[seq][0]}), new token {tok}, head {head}, "

@@ -19,7 +19,10 @@ The conformance suite must refute each one, with a message pointing at the cause
   companion when asked to;
 * ``planted_memory_overdeclared`` / ``planted_memory_undeclared`` /
   ``planted_padding_rows`` (g, ``capture_declared``): capture memory far from what
-  is declared, either way, and padding output rows left unwritten.
+  is declared, either way, and padding output rows left unwritten;
+* ``planted_fixed_scale`` / ``planted_heads_block8`` (k, l, ``config_facts``): the
+  softmax scale fixed at 1/sqrt(192) whatever ``MLAConfig.sm_scale`` says, and
+  heads beyond the first 8 given the first 8's output.
 
 Load one with ``--attnreg-plugin planted.<module>`` (``tests/conformance`` on
 ``PYTHONPATH``) or ``load_registry(extra_plugins=[("planted", module)])``.
