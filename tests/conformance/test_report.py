@@ -87,7 +87,19 @@ def test_merge_refuses_reports_of_different_machines_or_versions():
     a = _run_report("a")
     with pytest.raises(ValueError, match="platform 'cuda:sm100'"):
         Report.merge([a, _run_report("b", platform="cuda:sm100")])
-    with pytest.raises(ValueError, match="libraries"):
+    with pytest.raises(ValueError, match="torch 2.13.0, an earlier one 2.11.0"):
         Report.merge([a, _run_report("b", libraries={"torch": "2.13.0"})])
     with pytest.raises(ValueError, match="nothing to merge"):
         Report.merge([])
+
+
+def test_merge_takes_a_library_installed_for_one_run_only():
+    # flash-attn-4 installed only for its backend's run: one machine, one library set
+    a = _run_report("a", libraries={"torch": "2.11.0", "flash-attn-4": None})
+    b = _run_report("b", libraries={"torch": "2.11.0", "flash-attn-4": "4.0.0b36"})
+    merged = Report.merge([a, b])
+    assert merged.header["libraries"] == {"torch": "2.11.0", "flash-attn-4": "4.0.0b36"}
+    assert a.header["libraries"]["flash-attn-4"] is None
+    with pytest.raises(ValueError, match="flash-attn-4 4.0.0b37"):
+        Report.merge([b, _run_report("c", libraries={"torch": "2.11.0",
+                                                     "flash-attn-4": "4.0.0b37"})])

@@ -166,7 +166,9 @@ class Report:
         ------
         ValueError
             When the reports come from different platforms, devices or library
-            versions: such a merge would describe a run that never happened.
+            versions (a library absent from one run and present in another is
+            not a difference: the merged header lists its version): such a merge
+            would describe a run that never happened.
         """
         reports = list(reports)
         if not reports:
@@ -175,13 +177,25 @@ class Report:
         merged = cls(dict(first))
         backends: list[str] = []
         unavailable: dict[str, str] = {}
+        libraries: dict[str, str | None] = dict(first.get("libraries") or {})
         for i, rep in enumerate(reports):
-            for key in ("platform", "device", "device_name", "libraries"):
+            for key in ("platform", "device", "device_name"):
                 if rep.header.get(key) != first.get(key):
                     raise ValueError(
                         f"cannot merge conformance reports: report {i + 1} has {key} "
                         f"{rep.header.get(key)!r}, report 1 has {first.get(key)!r}; merge only "
                         "runs of one machine and one set of library versions")
+            # A library one run lacks (None) and another has is the same set: a backend's
+            # library installed for its own run (flash-attn-4, say); two versions are not.
+            for name, version in (rep.header.get("libraries") or {}).items():
+                known = libraries.get(name)
+                if version and known and version != known:
+                    raise ValueError(
+                        f"cannot merge conformance reports: report {i + 1} has {name} "
+                        f"{version}, an earlier one {known}; merge only runs of one machine "
+                        "and one set of library versions")
+                if version or name not in libraries:
+                    libraries[name] = version or known
             for name in list(rep.header.get("backends", [])) + rep.backends():
                 if name not in backends:
                     backends.append(name)
@@ -190,6 +204,7 @@ class Report:
                 merged.add(result)
         merged.header["backends"] = backends
         merged.header["unavailable"] = unavailable
+        merged.header["libraries"] = libraries
         return merged
 
     # -- text ----------------------------------------------------------------
