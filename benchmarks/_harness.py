@@ -40,6 +40,7 @@ from attnreg.profiling.progress import Progress
 __all__ = [
     "SCHEMA",
     "SECTIONS",
+    "shown_path",
     "RunContext",
     "Section",
     "SkipSection",
@@ -452,6 +453,16 @@ def _release_memory(ctx: RunContext) -> None:
     gc.collect()
     if ctx._torch is not None and ctx.cuda:
         ctx.torch.cuda.empty_cache()
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` relative to the working directory when inside it: committed results
+    name no machine's paths (the repository root is where the benchmarks run)."""
+    try:
+        # absolute(), not resolve(): a venv's python is a link out of the tree
+        return str(Path(path).absolute().relative_to(Path.cwd().absolute()))
+    except ValueError:
+        return str(path)
 
 
 def python_command() -> str:

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 if __package__ in (None, ""):  # run as a script: the helpers are benchmarks'
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attnreg.profiling import load_average  # noqa: E402
-from benchmarks._harness import _cpu_model  # noqa: E402
+from benchmarks._harness import _cpu_model, shown_path  # noqa: E402
 from benchmarks._report import Page, ResultsFile, rel  # noqa: E402
 from benchmarks.metrics import Check  # noqa: E402
 from benchmarks.overhead import DIRECT  # noqa: E402
@@ -324,7 +324,7 @@ def write(label: str, argv: list[str], rows: list[dict[str, Any]], path: Path,
     env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
     doc["runs"][label] = {
         "command": env + " ".join([COMMAND, *argv]),
-        "attnreg_source": str(Path(attnreg.__file__).resolve().parent),
+        "attnreg_source": shown_path(Path(attnreg.__file__).resolve().parent),
         "date_utc": datetime.datetime.now(datetime.timezone.utc)
         .strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),

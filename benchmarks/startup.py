@@ -25,7 +25,7 @@ from typing import Any
 
 from attnreg.profiling import load_average, spread
 
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, shown_path
 from ._report import Page, md_table
 from .metrics import Check, evaluate
 
@@ -83,7 +83,8 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
         ctx.log(f"P5 {label}: median {r['median_ms']:.1f} ms "
                 f"(p20 {r['p20_ms']:.1f}, p80 {r['p80_ms']:.1f}), +{r['above_python_ms']:.1f} ms")
     imports = imported_modules(COMPAT_ARGS, env)
-    data.update(tool=tool, attnreg=" ".join(attnreg), python=sys.executable,
+    data.update(tool=tool, attnreg=" ".join(shown_path(a) for a in attnreg),
+                python=shown_path(sys.executable),
                 results=results, imports=imports,
                 load_average={"before": load_before, "after": load_average()})
     data["checks"] = [c.to_dict() for c in checks(data)]
