@@ -148,7 +148,8 @@ def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
     claims = expand_claims(_caps("cuda:sm90"), "cuda")
     # the plain eager claims (multi-layer, LSE and speculative ones add their own)
     eager = [c.combo for c in claims if c.kind is ClaimKind.EAGER
-             and c.check is Check.MATCHES_REFERENCE and c.forward_mode is None]
+             and c.check is Check.MATCHES_REFERENCE and c.forward_mode is None
+             and c.combo.sm_scale is None]
     assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.BF16) == list(HEAD_COUNTS)
     assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.FP8_E4M3) \
         == list(FP8_HEAD_COUNTS)
