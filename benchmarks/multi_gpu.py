@@ -531,7 +531,7 @@ def run_conformance(args: argparse.Namespace, out_dir: Path, heads: int,
         report = out_dir / f"conformance-rank{r}-h{heads}.json"
         text = out_dir / f"conformance-rank{r}-h{heads}.txt"
         cmd = [sys.executable, "-m", "attnreg", "conformance", "--backend", "triton",
-               "--device", device, "--heads", str(heads), "--json", str(report),
+               "--device", device, "--heads", str(heads), "-o", str(report),
                "--pytest-arg=--tb=short"]
         if args.conformance_k:
             cmd += ["-k", args.conformance_k]
