@@ -60,7 +60,31 @@ def _check_scale(scale: float, is_fp8: bool, kv_dtype: DType, where: str) -> flo
     return scale
 
 
-class MLAKVLayer:
+class _PagedGeometry:
+    """What a pool and each of its layers derive alike from their page geometry."""
+
+    __slots__ = ()
+    kv_lora_rank: int
+    rope_dim: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def row_dim(self) -> int:
+        """Width of one token's row: latent + rope (576)."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def padding_slot(self) -> int:
+        """The slot padded graph replays write their dummy tokens to."""
+        return PADDING_PAGE * self.page_size
+
+
+class MLAKVLayer(_PagedGeometry):
     """One layer of an :class:`MLAKVPool`: its buffer, its FP8 scale, reads and writes.
 
     What a backend's forward hooks receive as ``pool``: the kernels read
@@ -90,24 +114,10 @@ class MLAKVLayer:
         self.scale_tensor = torch.full((1,), self.scale, dtype=torch.float32,
                                        device=self.device)
 
-    # -- geometry ----------------------------------------------------------------------
-    @property
-    def row_dim(self) -> int:
-        """Width of one token's row: latent + rope (576)."""
-        return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
-
+    # -- geometry: row_dim, num_slots, padding_slot from _PagedGeometry ----------------
     @property
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
-
-    @property
-    def padding_slot(self) -> int:
-        """The slot padded graph replays write their dummy tokens to."""
-        return PADDING_PAGE * self.page_size
 
     @property
     def kv_scale(self) -> float:
@@ -202,7 +212,7 @@ def _scales(scale: float | Sequence[float], num_layers: int) -> list[float]:
     return values
 
 
-class MLAKVPool:
+class MLAKVPool(_PagedGeometry):
     """A paged latent KV cache of ``num_layers`` layers, each ``[num_pages, page_size, 576]``.
 
     One page bookkeeping (free list) serves every layer: a sequence owns the
@@ -405,24 +415,10 @@ class MLAKVPool:
         """Layer 0's dequantisation scale (1.0 unless fp8)."""
         return self.layers[0].scale
 
-    # -- geometry --------------------------------------------------------------------
-    @property
-    def row_dim(self) -> int:
-        """Width of one token's row: latent + rope (576)."""
-        return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
-
+    # -- geometry: row_dim, num_slots, padding_slot from _PagedGeometry --------------
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].buffer.dtype
-
-    @property
-    def padding_slot(self) -> int:
-        """The slot padded graph replays write their dummy tokens to."""
-        return PADDING_PAGE * self.page_size
 
     @property
     def nbytes(self) -> int:
