@@ -85,6 +85,23 @@ def check_tensor(name: str, t, *, ndim: int | None = None,
                          f"got strides {tuple(t.stride())}")
 
 
+def check_lse(lse, rows: int, heads: int, device) -> None:
+    """``lse`` must be None or a float32 ``[rows, heads]`` tensor on ``device``, heads contiguous."""
+    if lse is None:
+        return
+    check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=device)
+    if tuple(lse.shape) != (rows, heads):
+        raise ValueError(f"lse: expected shape {(rows, heads)}, got {tuple(lse.shape)}")
+
+
+def lse_launch_args(lse, stride_name: str, store: bool = True) -> dict:
+    """The LSE keywords of a JIT launch: store into ``lse`` [rows, H] float32 when given
+    (``store`` False: this launch leaves it to another kernel, e.g. the split merge)."""
+    if lse is None or not store:
+        return {}
+    return {"LSE": lse, stride_name: lse.stride(0), "STORE_LSE": True}
+
+
 def check_index(name: str, t, *, ndim: int, device: torch.device,
                 shape0: int | None = None) -> None:
     """Index tensors must be int32 on q's device; int64 is refused, never converted.

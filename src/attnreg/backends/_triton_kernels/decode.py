@@ -61,6 +61,7 @@ from ._common import (
     _dot,
     check_index,
     check_kv_scale,
+    check_lse,
     check_tensor,
     dot_upcast,
     kv_dtypes_for,
@@ -531,15 +532,6 @@ def _request_key(q, kv_cache, page_table, seq_lens, out, kv_scale, max_splits, w
                 type(force_num_splits), None if lse is None else _meta(lse))
     except (AttributeError, TypeError, IndexError):
         return None
-
-
-def check_lse(lse, rows: int, heads: int, device) -> None:
-    """``lse`` must be None or a float32 ``[rows, heads]`` tensor on ``device``, heads contiguous."""
-    if lse is None:
-        return
-    check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=device)
-    if tuple(lse.shape) != (rows, heads):
-        raise ValueError(f"lse: expected shape {(rows, heads)}, got {tuple(lse.shape)}")
 
 
 def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0,

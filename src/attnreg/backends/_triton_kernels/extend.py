@@ -41,13 +41,15 @@ from ._common import (
     _dot,
     check_index,
     check_kv_scale,
+    check_lse,
     check_tensor,
     dot_upcast,
     kv_tile,
+    lse_launch_args,
     next_pow2,
     tile_rows,
 )
-from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs, check_lse
+from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs
 
 
 @triton.jit
@@ -447,7 +449,7 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
         BLOCK_N=block_n, D_V=D_LATENT, D_PE=D_ROPE, KV_FP8=is_fp8, KV_SCALE_PTR=scale_ptr,
         UPCAST=dot_upcast(q.dtype), SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_lse_args(lse, "stride_lse_t", not split),
+        **lse_launch_args(lse, "stride_lse_t", not split),
     )
     if split:
         block_d = 128
@@ -458,13 +460,6 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
             B, H, num_splits,
             SPLITS_POW2=max(2, next_pow2(num_splits)), CHUNK_S=min(16, next_pow2(num_splits)),
             BLOCK_D=block_d, num_warps=4, num_stages=2,
-            **_lse_args(lse, "stride_lse_t", True),
+            **lse_launch_args(lse, "stride_lse_t", True),
         )
     return out
-
-
-def _lse_args(lse, stride_name: str, store: bool) -> dict:
-    """The LSE keywords of a launch: store into ``lse`` [rows, H] float32 when given."""
-    if lse is None or not store:
-        return {}
-    return {"LSE": lse, stride_name: lse.stride(0), "STORE_LSE": True}

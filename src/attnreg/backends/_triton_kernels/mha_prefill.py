@@ -26,9 +26,11 @@ from ._common import (
     LOG2E,
     _dot,
     check_index,
+    check_lse,
     check_tensor,
     dot_upcast,
     interpreting,
+    lse_launch_args,
     next_pow2,
     split_pow2,
 )
@@ -215,10 +217,7 @@ def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, ma
     check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=dev)
     if tuple(out.shape) != (Tq, H, Dv):
         raise ValueError(f"out: expected shape {(Tq, H, Dv)}, got {tuple(out.shape)}")
-    if lse is not None:
-        check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=dev)
-        if tuple(lse.shape) != (Tq, H):
-            raise ValueError(f"lse: expected shape {(Tq, H)}, got {tuple(lse.shape)}")
+    check_lse(lse, Tq, H, dev)
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if B > 0 else 0
     if not isinstance(max_q_len, int) or max_q_len < 0:
@@ -242,7 +241,6 @@ def mha_prefill(q, k, v, qo_indptr, kv_indptr, out, *, sm_scale, causal=True, ma
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         UPCAST=dot_upcast(q.dtype),
         num_warps=warps, num_stages=stages,
-        **({} if lse is None else {"LSE": lse, "stride_lse_t": lse.stride(0),
-                                   "STORE_LSE": True}),
+        **lse_launch_args(lse, "stride_lse_t"),
     )
     return out
