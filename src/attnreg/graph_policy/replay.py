@@ -44,6 +44,7 @@ from typing import Union, cast
 
 from ..registry.capabilities import (
     PHASE_FORWARD_MODES,
+    SPECULATIVE_MODES,
     ForwardMethod,
     ForwardMode,
     GraphMode,
@@ -69,7 +70,6 @@ logger = logging.getLogger("attnreg.graph_policy")
 #: ``"auto"`` (the shipped profile for the plan, if any) or None (no cost model).
 CostProfileArg = Union[CostProfile, str, "os.PathLike[str]", None]
 
-_SPEC_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 # one source for which phase serves a forward mode: the registry's PHASE_FORWARD_MODES
 # (the runtime's phase_of reads it too)
 _PHASE_OF_MODE = {mode: phase for phase, modes in PHASE_FORWARD_MODES.items() for mode in modes}
@@ -352,7 +352,7 @@ class ReplayGate:
         phase = _PHASE_OF_MODE[mode]
         pp = self.plan.phase(phase)
         shapes = self.shapes_for(mode)
-        if mode in _SPEC_MODES and shapes is None:
+        if mode in SPECULATIVE_MODES and shapes is None:
             spec = self.plan.speculative_for(mode)
             why = spec.message if spec is not None else (
                 "speculative decoding is off in this plan (ServerFeatures."
@@ -367,7 +367,7 @@ class ReplayGate:
             return ReplayReason("gate.batch_slots",
                                 f"{batch.batch_size} requests exceed the "
                                 f"{shapes.max_requests} captured {mode} slots")
-        if mode in _SPEC_MODES and batch.batch_size > 0:
+        if mode in SPECULATIVE_MODES and batch.batch_size > 0:
             reason = self._spec_query_reason(batch, shapes)
             if reason is not None:
                 return reason
