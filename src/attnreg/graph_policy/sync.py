@@ -309,13 +309,14 @@ def sync(local: BatchFacts, group: Any = None, *,
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    start = time.monotonic()
-    if "gloo" in backend:
+    deadline = time.monotonic() + timeout
+    gloo = "gloo" in backend
+    if gloo:
         _arrive(dist, group, timeout)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(rows, mine, group=group, async_op=True)
-    _wait(work, start + timeout, timeout, backend)
+    _wait(work, deadline, timeout, backend, blocking=gloo)
     # Every rank unpacks the same rows: the same answer, or the same error on all.
     try:
         return unpack([r.tolist() for r in rows])
@@ -356,18 +357,35 @@ def _arrive(dist: Any, group: Any, timeout: float) -> None:
                         "process group is unusable now", timeout_s=timeout) from None
 
 
-def _wait(work: Any, deadline: float, timeout: float, backend: str) -> None:
-    """Wait for an async collective until ``deadline`` (NCCL's own wait does not time out)."""
-    spins = 0
+def _wait(work: Any, deadline: float, timeout: float, backend: str, *, blocking: bool) -> None:
+    """Wait for an async collective until ``deadline``.
+
+    gloo's ``wait(timeout)`` blocks in C++ and honours the timeout; NCCL's only
+    orders the streams (its host wait never times out), so it is polled.
+    """
+    def timed_out() -> SyncError:
+        return SyncError(f"sync timed out after {timeout:g} s: not every rank joined the "
+                         f"exchange ({backend} cannot tell which ranks are missing; a gloo "
+                         "group names them). Every data-parallel rank, idle ones included, "
+                         "must call sync each step; the process group is unusable now",
+                         timeout_s=timeout)
+
+    if blocking:
+        from datetime import timedelta
+
+        left = max(deadline - time.monotonic(), 1e-3)
+        try:
+            work.wait(timeout=timedelta(seconds=left))
+        except RuntimeError:
+            raise timed_out() from None
+        return
+    spin_until = time.monotonic() + 2e-3  # a healthy exchange is quick: spin, then doze
     while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise SyncError(f"sync timed out after {timeout:g} s: not every rank joined the "
-                            f"exchange ({backend} cannot tell which ranks are missing; a gloo "
-                            "group names them). Every data-parallel rank, idle ones included, "
-                            "must call sync each step; the process group is unusable now",
-                            timeout_s=timeout)
-        spins += 1
-        time.sleep(0 if spins < 2000 else 0.0002)  # spin first: a healthy exchange is quick
+        now = time.monotonic()
+        if now > deadline:
+            raise timed_out()
+        if now > spin_until:
+            time.sleep(2e-4)
     work.wait()
 
 
