@@ -1,5 +1,7 @@
 """One rank of the data-parallel fault test:
-``python _sync_fault_worker.py RANK WORLD INIT_FILE OUT_DIR TIMEOUT``.
+``python _sync_fault_worker.py RANK WORLD INIT_FILE OUT_DIR TIMEOUT [BACKEND]``.
+
+BACKEND is ``gloo`` (default) or ``nccl`` (one GPU per rank).
 
 In order, every rank of one gloo group runs:
 
@@ -81,9 +83,14 @@ def decode(rank: int, idle: bool) -> ReplayBatch:
 
 def main() -> None:
     rank, world, init_file, out_dir, timeout = sys.argv[1:6]
+    backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
     r, n, t = int(rank), int(world), float(timeout)
     out = Path(out_dir)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=r, world_size=n,
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(r)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=r, world_size=n,
                             timeout=timedelta(seconds=120))
     gate = make_gate()
     result: dict[str, object] = {}

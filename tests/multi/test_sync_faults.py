@@ -1,5 +1,8 @@
 """Data-parallel agreement under faults, 8 gloo ranks on the CPU (issue 26, item 5).
 
+The same test runs over NCCL with one GPU per rank where 8 GPUs are present
+(``-m gpu``; there no rank can name the missing one).
+
 One launch of 8 processes (tests/multi/_sync_fault_worker.py) runs, in order:
 an idle rank in a prefill step and in a decode step (the documented vote),
 one rank whose plan has other decode buckets (every rank raises SyncError
@@ -38,12 +41,31 @@ TIMEOUT = 3.0
 SLACK = 10.0
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(scope="module", params=[
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        _gpus() < WORLD, reason=f"NCCL sync faults need {WORLD} CUDA GPUs")]),
+])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:  # type: ignore[type-arg]
-    tmp = tmp_path_factory.mktemp("sync_faults")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
+def per_rank(tmp_path_factory: pytest.TempPathFactory,
+             backend: str) -> list[dict]:  # type: ignore[type-arg]
+    tmp = tmp_path_factory.mktemp(f"sync_faults_{backend}")
+    # NVLink multicast stays off on the lent machines (docs/multi_gpu.md)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD),
-                               str(tmp / "store"), str(tmp), str(TIMEOUT)],
+                               str(tmp / "store"), str(tmp), str(TIMEOUT), backend],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(WORLD)]
     deadline = time.monotonic() + 300
@@ -102,7 +124,7 @@ def test_a_rank_with_another_plan_makes_every_rank_raise_naming_both_fingerprint
 
 
 def test_a_rank_that_never_calls_sync_makes_the_others_raise_within_the_timeout(
-        per_rank: list[dict]) -> None:  # type: ignore[type-arg]
+        per_rank: list[dict], backend: str) -> None:  # type: ignore[type-arg]
     absent = WORLD - 1
     assert per_rank[absent]["absent"] == {"skipped": True}
     for r in range(absent):
@@ -110,6 +132,10 @@ def test_a_rank_that_never_calls_sync_makes_the_others_raise_within_the_timeout(
         assert "error" in got, (r, got)
         assert got["timeout_s"] == TIMEOUT and f"timed out after {TIMEOUT:g} s" in got["error"]
         assert TIMEOUT * 0.9 <= got["elapsed_s"] <= TIMEOUT + SLACK, (r, got["elapsed_s"])
+    if backend == "nccl":  # NCCL cannot tell who is missing
+        assert all("nccl cannot tell which ranks are missing" in per_rank[r]["absent"]["error"]
+                   and per_rank[r]["absent"]["missing_ranks"] is None for r in range(absent))
+        return
     # gloo's monitored barrier tells the group's rank 0 who is missing
     assert per_rank[0]["absent"]["missing_ranks"] == [absent]
     assert f"rank {absent} never called sync" in per_rank[0]["absent"]["error"]
