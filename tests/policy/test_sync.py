@@ -180,10 +180,10 @@ def test_an_idle_rank_forces_eager_in_a_prefill_step_and_pads_in_a_decode_step()
     assert step.replay and step.bucket == 4 and step.idle_ranks == (1,)
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
 def test_sync_refuses_a_timeout_that_is_not_positive(timeout: float) -> None:
     from attnreg.graph_policy import DEFAULT_SYNC_TIMEOUT_S, sync
 
     assert DEFAULT_SYNC_TIMEOUT_S == 60.0
-    with pytest.raises(ValueError, match="positive number of seconds"):
+    with pytest.raises(ValueError, match="positive, finite number of seconds"):
         sync(BatchFacts(True, ForwardMode.DECODE, 1, 1, 1, 1), timeout=timeout)

@@ -47,6 +47,7 @@ inside :func:`sync`.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -293,9 +294,9 @@ def sync(local: BatchFacts, group: Any = None, *,
     ValueError
         ``timeout`` is not a positive number of seconds.
     """
-    if not timeout > 0:
-        raise ValueError(f"sync(timeout={timeout!r}): give a positive number of seconds "
-                         f"(default {DEFAULT_SYNC_TIMEOUT_S:g})")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"sync(timeout={timeout!r}): give a positive, finite number of "
+                         f"seconds (default {DEFAULT_SYNC_TIMEOUT_S:g})")
     row = pack(local)
     if "torch.distributed" not in sys.modules:
         return unpack([row])  # nobody can have initialised a process group
@@ -350,11 +351,14 @@ def _arrive(dist: Any, group: Any, timeout: float) -> None:
                             "called sync (every other rank did). Every data-parallel rank, "
                             "idle ones included, must call sync each step; the process group "
                             "is unusable now", missing_ranks=missing, timeout_s=timeout) from None
+        where = ("the other ranks did not all arrive" if me == 0 else
+                 "the group's rank 0 did not release it (a rank never called sync: rank 0's "
+                 "SyncError names it; or rank 0 is the missing one)")
+        cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise SyncError(f"sync timed out after {timeout:g} s on rank {me}: this rank arrived, "
-                        "but the group's rank 0 did not release it (a rank never called sync: "
-                        "rank 0's SyncError names it; or rank 0 is the missing one). Every "
-                        "data-parallel rank, idle ones included, must call sync each step; the "
-                        "process group is unusable now", timeout_s=timeout) from None
+                        f"but {where}. Every data-parallel rank, idle ones included, must call "
+                        "sync each step; the process group is unusable now (gloo: "
+                        f"{cause})", timeout_s=timeout) from None
 
 
 def _wait(work: Any, deadline: float, timeout: float, backend: str, *, blocking: bool) -> None:
