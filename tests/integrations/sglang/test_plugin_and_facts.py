@@ -101,7 +101,8 @@ def test_gap_names_what_attnreg_cannot_represent(plugin_on: None,
                                                  models: dict[str, Path]) -> None:
     outcome = _outcome(models, "dsv3_fa3_h200")
     assert outcome.plan is None
-    assert any("fa3" in gap for gap in outcome.facts.gaps)
+    assert any("fa3" in gap for gap in outcome.facts.all_gaps)
+    assert set(outcome.facts.phase_gaps) == {Phase.PREFILL, Phase.DECODE}
     assert [d.rule for d in outcome.bridge if d.rule == "sglang.gap"] == ["sglang.gap"]
 
 
