@@ -77,6 +77,9 @@ REPLAY_ATOL = REPLAY_RTOL = 2e-2
 #: Per-trial odds that a rank is eligible, drawn per trial (shared by all ranks) so
 #: that both vote outcomes are common at any world size.
 ODDS = (0.5, 0.8, 0.95)
+#: The sequence length of every gate batch: well inside any plan's captured context (the
+#: gate answers gate.fact_missing for a batch whose lengths it is not told).
+GATE_SEQ_LEN = 16
 #: What makes a drawn batch ineligible (the gate rule that must fire).
 BLOCKERS = ("gate.batch_slots", "gate.lora", "gate.input_embeds", "gate.replace_embeds",
             "gate.hidden_capture", "gate.spec_forward_mode")
@@ -179,7 +182,7 @@ def draw_replay_batch(seed: int, step: int, rank: int, max_bs: int) -> tuple[Any
     rng = _rng(seed, step, rank, 0x6A)
     bs = rng.randint(1, max_bs)
     if rng.random() < p_clean:
-        return ReplayBatch(ForwardMode.DECODE, bs), "gate.ok"
+        return ReplayBatch(ForwardMode.DECODE, bs, seq_lens=[GATE_SEQ_LEN] * bs), "gate.ok"
     blocker = rng.choice(BLOCKERS)
     fields: dict[str, Any] = {}
     mode = ForwardMode.DECODE
@@ -195,7 +198,7 @@ def draw_replay_batch(seed: int, step: int, rank: int, max_bs: int) -> tuple[Any
         fields["capture_hidden"] = rng.choice((HiddenCapture.LAST, HiddenCapture.FULL))
     else:
         mode = rng.choice((ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND))
-    return ReplayBatch(mode, bs, **fields), blocker
+    return ReplayBatch(mode, bs, seq_lens=[GATE_SEQ_LEN] * bs, **fields), blocker
 
 
 # ---------------------------------------------------------------------------

@@ -137,23 +137,27 @@ def test_earlier_rules_still_win() -> None:
     g = gate()
     assert g.can_replay(prefill(0, 64, lora=True))[1].rule == "gate.lora"
     assert g.can_replay(prefill(0, 9000))[1].rule == "gate.num_tokens_above_max"
-    decode = ReplayBatch(ForwardMode.DECODE, 4)
+    decode = ReplayBatch(ForwardMode.DECODE, 4, seq_lens=(10,) * 4)
     assert g.can_replay(decode)[1].rule == "gate.ok"  # decode is not the cost model's
 
 
-def test_unknown_lengths_are_an_error_not_a_guess() -> None:
+def test_unknown_lengths_are_answered_eagerly_not_guessed() -> None:
     # Issue 16: the same batch must get the same answer at schedule and forward time,
-    # so with a cost model the per-request lengths are required, never estimated.
+    # so with a cost model the per-request lengths are needed, never estimated: a batch
+    # without them runs eagerly (gate.fact_missing), naming the length.
     g = gate()
-    with pytest.raises(ValueError, match="ReplayBatch.num_tokens is required"):
-        g.can_replay(ReplayBatch(ForwardMode.EXTEND, 1, prefix_lens=(4096,)))
-    with pytest.raises(ValueError, match="ReplayBatch.extend_lens is required"):
-        g.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024, prefix_lens=(0, 0)))
-    with pytest.raises(ValueError, match="ReplayBatch.prefix_lens is required"):
-        g.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, extend_lens=(512, 512)))
+    for batch, fact in [
+            (ReplayBatch(ForwardMode.EXTEND, 1, prefix_lens=(4096,)), "num_tokens"),
+            (ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024, prefix_lens=(0, 0),
+                         seq_lens=(512, 512)), "extend_lens"),
+            (ReplayBatch(ForwardMode.EXTEND, 2, extend_lens=(512, 512), seq_lens=(512, 512)),
+             "prefix_lens")]:
+        ok, reason = g.can_replay(batch)
+        assert not ok and (reason.rule, reason.fact) == ("gate.fact_missing", fact), reason
     # Without a cost model neither is needed: no rule reads them.
     plain = ReplayGate(sim())
-    assert plain.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024))[0]
+    assert plain.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, num_tokens=1024,
+                                        seq_lens=(512, 512)))[0]
 
 
 def test_extend_lens_stand_in_for_num_tokens() -> None:

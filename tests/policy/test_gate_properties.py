@@ -3,9 +3,11 @@
 An engine asks the gate twice about a batch: when it schedules it (and the
 data-parallel ranks exchange their answers) and when it runs it.  The two
 calls may describe the batch differently (``num_tokens`` or ``extend_lens``,
-``seq_lens`` or prefix + new tokens).  The gate must give the same answer
-from the same facts, and must never answer from a fact it lacks: a call
-without a fact the answer depends on raises ``ValueError``, it does not guess.
+``seq_lens`` or prefix + new tokens), and the schedule-time call may lack
+facts (None: not known there).  The gate must give the same answer from the
+same facts, and must never answer from a fact it lacks: a rule that needs a
+missing fact answers ``gate.fact_missing``, so removing facts never turns an
+eager answer into a replay and never changes a replay's bucket.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import assume, event, given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from attnreg.graph_policy import (
+    GATE_RULES,
     CostProfile,
     EngineFacts,
     GraphConfig,
     HiddenCapture,
     ReplayBatch,
     ReplayGate,
+    ReplayReason,
     ServerFeatures,
     SyncError,
     pack,
@@ -98,8 +102,9 @@ class Facts:
                            **dict(self.extras))
 
     def partial(self, keep: frozenset[str]) -> ReplayBatch:
-        """Schedule time: some of the facts, in another form."""
-        fields: dict[str, Any] = dict(self.extras)
+        """Schedule time: some of the facts, in another form; the others None (unknown)."""
+        fields: dict[str, Any] = {flag: (value if flag in keep else None)
+                                  for flag, value in self.flags()}
         if "num_tokens" in keep:
             fields["num_tokens"] = sum(self.new)
         if "extend_lens" in keep:
@@ -109,6 +114,11 @@ class Facts:
         if "seq_lens" in keep:
             fields["seq_lens"] = tuple(p + n for p, n in zip(self.prefix, self.new))
         return ReplayBatch(self.mode, len(self.new), **fields)
+
+    def flags(self) -> tuple[tuple[str, Any], ...]:
+        """Every flag's value (the defaults where the draw set none)."""
+        values = {**FLAG_DEFAULTS, **dict(self.extras)}
+        return tuple(sorted(values.items()))
 
 
 @st.composite
@@ -135,39 +145,42 @@ def batch_facts(draw: st.DrawFn) -> Facts:
     return Facts(mode, prefix, new, tuple(sorted(extras.items())))
 
 
-FIELDS = ("num_tokens", "extend_lens", "prefix_lens", "seq_lens")
+FLAG_DEFAULTS: dict[str, Any] = {"lora": False, "has_input_embeds": False,
+                                 "has_replace_embeds": False, "return_logprob": False,
+                                 "capture_hidden": HiddenCapture.NULL}
+LENGTHS = ("num_tokens", "extend_lens", "prefix_lens", "seq_lens")
+FIELDS = LENGTHS + tuple(FLAG_DEFAULTS)
 
 
-def _answer(gate: ReplayGate, batch: ReplayBatch) -> tuple[Any, ...] | None:
-    """(ok, reason, bucket), or None when the gate refuses to answer without a fact."""
-    try:
-        ok, reason = gate.can_replay(batch)
-        return ok, reason, gate.bucket_for(batch) if ok else None
-    except ValueError as exc:
-        assert "is required here" in str(exc), exc
-        return None
+def _answer(gate: ReplayGate, batch: ReplayBatch) -> tuple[bool, ReplayReason, int | None]:
+    """(ok, reason, bucket of a replay)."""
+    ok, reason = gate.can_replay(batch)
+    return ok, reason, gate.bucket_for(batch) if ok else None
 
 
 @given(st.sampled_from(range(len(GATES))), batch_facts(),
        st.frozensets(st.sampled_from(FIELDS)))
-def test_schedule_time_and_forward_time_answers_are_identical(
+def test_removing_facts_never_turns_eager_into_replay_nor_changes_the_bucket(
         which: int, facts: Facts, keep: frozenset[str]) -> None:
     gate = GATES[which]
-    if facts.partial(keep).max_seq_len is None:
-        # Without lengths the engine vouches for its context limit (see the module doc).
-        longest = max((p + n for p, n in zip(facts.prefix, facts.new)), default=0)
-        assume(longest <= gate.plan.engine.max_context_len)
     forward = _answer(gate, facts.full())
-    assert forward is not None, "every fact was given"
+    assert forward[1].rule != "gate.fact_missing", "every fact was given"
     event(f"{facts.mode}: {forward[1].rule}")
     scheduled = _answer(gate, facts.partial(keep))
-    if scheduled is None:
-        event("schedule time lacked a fact the answer depends on: refused, not guessed")
-        # What an engine's scheduler always has (new tokens and cached tokens per
-        # request) is enough for every answer.
-        assert not {"extend_lens", "prefix_lens"} <= keep
-        return
-    assert scheduled == forward, (keep, facts)
+    # The answer from fewer facts is the answer from all of them, or eager for a
+    # named missing fact: never a replay where forward time runs eagerly, never
+    # another bucket.
+    if scheduled != forward:
+        ok, reason, _ = scheduled
+        assert not ok and reason.rule == "gate.fact_missing", (keep, facts, scheduled)
+        assert reason.fact in FIELDS and reason.needed_by in GATE_RULES
+        event(f"schedule time lacked {reason.fact}: eager")
+    if scheduled[0]:
+        assert forward[0] and scheduled[2] == forward[2]
+    # What an engine's scheduler always has (new and cached tokens per request, the
+    # flags) is enough for every answer.
+    if {"extend_lens", "prefix_lens", *FLAG_DEFAULTS} <= keep:
+        assert scheduled == forward, (keep, facts)
     # The same facts on another "rank" (a second gate on the same plan) agree too.
     twin = ReplayGate(gate.plan, cost_profile=gate.cost_profile)
     assert _answer(twin, facts.full()) == forward
@@ -189,7 +202,14 @@ def test_unpack_agrees_on_one_answer_or_refuses_mixed_forward_modes(
         return
     agreed = unpack(rows)
     assert unpack(list(rows)) == agreed  # every rank unpacks the same rows to the same answer
-    assert agreed.replay == (bool(busy) and all(f.eligible for f in busy))
+    idle = [r for r, f in enumerate(local) if f.batch_size == 0]
+    assert agreed.idle_ranks == tuple(idle)
+    # an idle rank beside a busy one keeps a prefill step eager (sglang's prefill runner)
+    idle_prefill = bool(busy and idle) and agreed.forward_mode is ForwardMode.EXTEND
+    assert agreed.replay == (bool(busy) and all(f.eligible for f in busy) and not idle_prefill)
+    assert agreed.fingerprint == gate.fingerprint.digest
+    if idle_prefill and all(f.eligible for f in busy):
+        event("an idle rank kept an eligible prefill step eager")
     if agreed.replay:
         assert agreed.bucket == max(f.bucket for f in busy if f.bucket is not None)
         # The agreed bucket holds every rank's batch.

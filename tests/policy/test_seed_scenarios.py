@@ -122,13 +122,14 @@ def test_mla_under_breakable_is_enabled_where_the_backend_pins_mla() -> None:
     assert plan.prefill.mode is GraphMode.BREAKABLE  # no blanket "MLA disables BCG" rule
     assert plan.prefill.pinned_method is ForwardMethod.MLA
     gate = ReplayGate(plan)
-    ok, reason = gate.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, 100, prefix_lens=(0, 37)))
+    ok, reason = gate.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, 100, prefix_lens=(0, 37),
+                                          extend_lens=(60, 40)))
     assert ok, reason
 
 
 def prefix_batch() -> ReplayBatch:
     return ReplayBatch(ForwardMode.EXTEND, batch_size=3, num_tokens=200,
-                       prefix_lens=(0, 512, 64))
+                       prefix_lens=(0, 512, 64), extend_lens=(100, 50, 50))
 
 
 @pytest.mark.parametrize("platform,backend", [("cuda:sm100", "flash_attn_cute"),
@@ -148,7 +149,8 @@ def test_prefix_batch_runs_eagerly_where_mla_is_not_pinned() -> None:
     ok, reason = gate.can_replay(prefix_batch())
     assert not ok and reason.rule == "gate.mha_companion_prefix"
     # Without a prefix the companion path is capturable: the batch replays.
-    ok, reason = gate.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, 200, prefix_lens=(0, 0)))
+    ok, reason = gate.can_replay(ReplayBatch(ForwardMode.EXTEND, 2, 200, prefix_lens=(0, 0),
+                                         extend_lens=(100, 100)))
     assert ok, reason
     pinning = [d for d in plan.decisions if d.rule == "backend.pinning"]
     assert pinning and "eagerly" in pinning[0].message

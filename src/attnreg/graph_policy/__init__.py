@@ -13,8 +13,10 @@ implementations) and imports no torch at import time.
 * :data:`RULES`: every rule id a decision, violation or replay reason can
   carry, with its severity, source, what it reads and what it does;
 * :func:`sync` (and :func:`pack` / :func:`unpack`): all data-parallel ranks
-  agree on one replay decision, bucket and forward mode in one gather;
-  :func:`vote` is the bool-only AND it replaces;
+  agree on one replay decision, bucket and forward mode in one gather, with a
+  :class:`PlanFingerprint` (:func:`plan_fingerprint`) proving they share a plan
+  and a timeout (:data:`DEFAULT_SYNC_TIMEOUT_S`); :func:`vote` is the
+  bool-only AND it replaces;
 * :func:`capturing`, :func:`dispose_tensor`, :class:`eager_break`: the
   capture context runtime code consults.
 """
@@ -34,6 +36,7 @@ from .cost_profile import CostProfile, CostProfileError, load_profile
 from .decisions import Decision, Severity, Source
 from .engine import EngineFacts
 from .features import FEATURE_RULES, FeatureRule, ServerFeatures
+from .fingerprint import PlanFingerprint, cost_profile_id, plan_fingerprint
 from .model import AttentionKind, ModelFacts
 from .plan import (
     CaptureBudget,
@@ -48,16 +51,28 @@ from .replay import GATE_RULES, HiddenCapture, ReplayBatch, ReplayGate, ReplayRe
 from .resolve import resolve
 from .rule_ids import RULES, RuleInfo
 from .selection import BackendChoice
-from .sync import PACKED_WIDTH, Agreed, BatchFacts, SyncError, pack, sync, unpack
+from .sync import (
+    DEFAULT_SYNC_TIMEOUT_S,
+    PACK_VERSION,
+    PACKED_WIDTH,
+    Agreed,
+    BatchFacts,
+    SyncError,
+    pack,
+    sync,
+    unpack,
+)
 from .vote import vote
 
 __all__ = [
     "DEFAULT_CAPTURE_BUDGET_FRACTION",
     "DEFAULT_MAX_SEQ_LEN",
+    "DEFAULT_SYNC_TIMEOUT_S",
     "FEATURE_RULES",
     "GATE_RULES",
     "MODEL_PRESETS",
     "PACKED_WIDTH",
+    "PACK_VERSION",
     "RULES",
     "Agreed",
     "AttentionKind",
@@ -77,6 +92,7 @@ __all__ = [
     "HiddenCapture",
     "ModelFacts",
     "PhasePlan",
+    "PlanFingerprint",
     "ReplayBatch",
     "ReplayGate",
     "ReplayReason",
@@ -88,6 +104,7 @@ __all__ = [
     "SyncError",
     "break_handler",
     "capturing",
+    "cost_profile_id",
     "current_capture",
     "default_mode",
     "dispose_tensor",
@@ -96,6 +113,7 @@ __all__ = [
     "is_capturing",
     "load_profile",
     "pack",
+    "plan_fingerprint",
     "preset",
     "resolve",
     "sync",

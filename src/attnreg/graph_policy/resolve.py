@@ -37,6 +37,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..registry.capabilities import (
+    SPECULATIVE_MODES,
     Capabilities,
     CaptureShape,
     ForwardMethod,
@@ -78,7 +79,6 @@ __all__ = ["capture_shape", "resolve"]
 logger = logging.getLogger("attnreg.graph_policy")
 
 _PHASES = (Phase.PREFILL, Phase.DECODE)
-_SPEC_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 #: A KV pool size far above any real one: a capture estimate that changes between
 #: pool size 0 and this one grows with the pool (a fallback converting it in-graph).
 _PROBE_POOL_BYTES = 1 << 50
@@ -186,7 +186,7 @@ def _spec_plans(caps: Capabilities, decode_mode: GraphMode, n: int,
                 trace: _Trace) -> tuple[SpecModePlan, ...]:
     """How target-verify and draft-extend batches run, with one decision each."""
     out = []
-    for mode in _SPEC_MODES:
+    for mode in SPECULATIVE_MODES:
         eager = caps.eager_serving(mode)
         eager_ok = eager is not None and (n < 1 or eager.serves_query_len(n))
         tokens = f"{n} tokens per sequence" if n > 0 else "an unknown number of draft tokens"
@@ -602,7 +602,7 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
     def shapes_now() -> dict[Phase, tuple[CapturedShapes, ...]]:
         spec = () if spec_tokens is None else tuple(
             SpecModePlan(m, "graph", decode_caps.backend, spec_tokens, "")
-            for m in _SPEC_MODES
+            for m in SPECULATIVE_MODES
             if modes[Phase.DECODE] is not GraphMode.DISABLED and spec_tokens > 0
             and not _spec_graph_problem(decode_caps, m, spec_tokens))
         return {p: _captured_shapes(ctxs[p], modes[p], cfg, spec) for p in _PHASES}

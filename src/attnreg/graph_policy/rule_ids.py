@@ -198,6 +198,12 @@ _GATE_RULES = (  # in evaluation order: the first that fails is the reason
           "more requests than captured slots (decode-phase graphs: the largest batch "
           "bucket; prefill: `prefill_max_requests`, capped by the engine's max running "
           "requests)"),
+    _rule("gate.fact_missing", GATE, _H, Source.BATCH,
+          "the fact the rule at its place needs (`reason.fact`, `reason.needed_by`)",
+          "in the place of any rule below whose fact the batch does not carry (None: not "
+          "known at this call site, e.g. `prefix_lens` or `capture_hidden` at schedule time): "
+          "the batch runs eagerly, never on a guess, so an answer from fewer facts never "
+          "replays where the answer from all of them would not"),
     _rule("gate.spec_query_len", GATE, _H, Source.BATCH, "`num_tokens` / `extend_lens`",
           "a target-verify batch whose tokens per sequence are not the captured draft tokens, "
           "or a draft-extend batch with a sequence above them"),

@@ -7,6 +7,7 @@ kernel library.
 from .capabilities import (
     CAPTURE_GRAPH_MODES,
     METHOD_HEAD_DIMS,
+    SPECULATIVE_MODES,
     VALID_GRAPH_MODES,
     Capabilities,
     CaptureMemory,
@@ -57,6 +58,7 @@ __all__ = [
     "KNOWN_DEVICES",
     "METHOD_HEAD_DIMS",
     "PLATFORM_TRAITS",
+    "SPECULATIVE_MODES",
     "VALIDATION_PLATFORMS",
     "VALID_GRAPH_MODES",
     "AttnregError",

@@ -44,6 +44,7 @@ __all__ = [
     "KernelConstraints",
     "Phase",
     "Requirement",
+    "SPECULATIVE_MODES",
     "SplitKV",
     "SupportKind",
 ]
@@ -61,6 +62,14 @@ class ForwardMode(StrEnum):
     EXTEND = "extend"
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
+
+
+#: The speculative-decoding forward modes: decode-phase batches with several new
+#: tokens per sequence (target verify: the draft tokens of every sequence; draft
+#: extend: its accepted ones), run with absorbed MLA.  The one definition the
+#: policy, the runtime and the conformance suite import.
+SPECULATIVE_MODES: tuple[ForwardMode, ...] = (ForwardMode.TARGET_VERIFY,
+                                              ForwardMode.DRAFT_EXTEND)
 
 
 class GraphMode(StrEnum):

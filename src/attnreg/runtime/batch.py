@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from attnreg.registry import ForwardMode
+from attnreg.registry import SPECULATIVE_MODES, ForwardMode  # SPECULATIVE_MODES: re-exported
 
 from .dtypes import resolve_device
 
@@ -39,12 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SPECULATIVE_MODES", "ForwardBatch", "PrefixChunk", "decode_batch", "draft_extend_batch", "extend_batch",
            "verify_batch"]
-
-
-#: The speculative-decoding forward modes: decode-phase batches with several new tokens
-#: per sequence, run by ``forward_extend`` with absorbed MLA.
-SPECULATIVE_MODES: tuple[ForwardMode, ...] = (ForwardMode.TARGET_VERIFY,
-                                              ForwardMode.DRAFT_EXTEND)
 
 
 def _cumsum(values: Sequence[int]) -> list[int]:

@@ -48,6 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from attnreg.registry.capabilities import (
+    SPECULATIVE_MODES,
     Capabilities,
     DType,
     ForwardMethod,
@@ -131,9 +132,6 @@ CPU_RUNNABLE_CAPTURE_CHECKS = frozenset({Check.REFUSES_CAPTURE, Check.CAPTURE_PA
 
 #: Pool layers a ``multi_layer`` claim runs (each with its own contents and fp8 scale).
 MULTI_LAYER_COUNT = 3
-
-#: Forward modes with several new tokens per sequence, served by decode-phase graphs.
-SPECULATIVE_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 #: DeepSeek-style MLA: (head_dim_qk, head_dim_v) -> the MLAConfig fields that give it.
 #: MLA: q/k = kv_lora_rank + rope, v = kv_lora_rank.  MHA: q/k = nope + rope, v = v_head_dim.
