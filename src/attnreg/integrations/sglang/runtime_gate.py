@@ -60,6 +60,8 @@ __all__ = [
     "RuntimeRule",
     "gate_of",
     "prefill_verdict",
+    "replay_batch",
+    "schedule_capture_hidden",
 ]
 
 logger = logging.getLogger("attnreg.integrations.sglang")
@@ -75,6 +77,8 @@ class ReplayCall:
     ``None`` means "not known at this call site" (sglang's convention for
     ``capture_hidden_mode`` and ``prefix_lens``).  ``site`` is ``"forward"``
     or ``"schedule"`` (for the log only: the verdict never reads it).
+    ``seq_lens`` are the batch's ``seq_lens_cpu``, the numbers sglang's own
+    context-bound check reads at that call site (None: not known).
     """
 
     batch_size: int
@@ -90,6 +94,7 @@ class ReplayCall:
     batch_max_context_len: int | None = None
     contains_mm_inputs: bool = False
     site: str = "forward"
+    seq_lens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -249,6 +254,7 @@ def replay_batch(runner: Any, call: ReplayCall) -> ReplayBatch:
         has_replace_embeds=call.replace_embeds is not None,
         capture_hidden=_hidden(call.capture_hidden_mode),  # type: ignore[arg-type]
         return_logprob=bool(call.return_logprob),
+        seq_lens=call.seq_lens,
     )
 
 
@@ -288,64 +294,120 @@ def prefill_verdict(runner: Any, call: ReplayCall, gate: ReplayGate) -> PrefillV
 
 # --- the hooks --------------------------------------------------------------------------
 
-#: The row of a rank with no batch (and of sglang's inactive slots).
-IDLE_FACTS = BatchFacts(eligible=True, forward_mode=ForwardMode.EXTEND, batch_size=0,
-                        num_tokens=0, max_seq_len=0)
-
-
 @dataclass
-class _Vote:
-    """This thread's data-parallel vote: the row it sends, and whether attnreg decides."""
+class _Site:
+    """What this thread's current call site knows beyond ``can_replay_locally``'s arguments.
 
-    row: BatchFacts = IDLE_FACTS
+    ``site`` is None outside both call sites (a direct call: sglang's arguments only).
+    ``row`` is the attnreg row this rank sends in the vote's ``MLPSyncBatchInfo``,
+    ``fingerprint`` the gate's (every row of the exchange carries it).
+    """
+
+    site: str | None = None
+    seq_lens: tuple[int, ...] | None = None
+    capture_hidden: int | None = None
+    row: BatchFacts | None = None
     attnreg_decides: bool = False
-    in_progress: bool = False
+    fingerprint: Any = None
 
 
-_VOTE: contextvars.ContextVar[_Vote] = contextvars.ContextVar("attnreg_sglang_vote")
+_SITE: contextvars.ContextVar[_Site] = contextvars.ContextVar("attnreg_sglang_site")
 
 
-def _vote() -> _Vote:
+def _state() -> _Site:
     try:
-        return _VOTE.get()
+        return _SITE.get()
     except LookupError:
-        state = _Vote()
-        _VOTE.set(state)
+        state = _Site()
+        _SITE.set(state)
         return state
+
+
+def _host_lens(values: Any) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return tuple(int(v) for v in values)
+
+
+def _idle_facts(fingerprint: Any) -> BatchFacts:
+    """The row of a rank with no batch (and of sglang's inactive slots)."""
+    return BatchFacts(eligible=True, forward_mode=ForwardMode.EXTEND, batch_size=0,
+                      num_tokens=0, max_seq_len=0, fingerprint=fingerprint)
+
+
+def schedule_capture_hidden(local_batch: Any, model_runner: Any) -> int | None:
+    """The hidden-state mode the forward of ``local_batch`` will capture, by sglang's own
+    rule (``ForwardBatch.init_new`` without an override); None when it cannot be read."""
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        get_required_capture_hidden_mode,
+        get_server_return_hidden_states_mode,
+    )
+
+    try:
+        request = CaptureHiddenMode.NULL if model_runner.is_draft_worker else max(
+            local_batch.return_hidden_states_mode, get_server_return_hidden_states_mode())
+        return int(get_required_capture_hidden_mode(request, local_batch.spec_info))
+    except (AttributeError, RuntimeError):  # sglang's config not published: not known
+        return None
 
 
 def _can_replay_locally(original: Callable[..., bool], runner: Any, **kwargs: Any) -> bool:
     gate = gate_of(runner)
     if gate is None:
         return original(runner, **kwargs)
-    vote = _vote()
-    call = ReplayCall(**kwargs, site="schedule" if vote.in_progress else "forward")
+    state = _state()
+    if kwargs.get("capture_hidden_mode") is None and state.capture_hidden is not None:
+        kwargs["capture_hidden_mode"] = state.capture_hidden
+    call = ReplayCall(**kwargs, site=state.site or "direct", seq_lens=state.seq_lens)
     verdict = prefill_verdict(runner, call, gate)
-    if vote.in_progress:
-        vote.row = verdict.facts
-    logger.debug("attnreg: prefill %s at %s time: %s: %s",
+    if state.site == "schedule":
+        state.row = verdict.facts
+    logger.debug("attnreg: prefill %s (%s call): %s: %s",
                  "replays" if verdict.replay else "runs eagerly", call.site, verdict.rule,
                  verdict.message)
     return verdict.replay
 
 
+def _can_run_graph(original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
+    """Around sglang's forward-time check: the batch's host lengths reach the gate."""
+    state = _state()
+    saved = (state.site, state.seq_lens, state.capture_hidden)
+    state.site, state.seq_lens, state.capture_hidden = (
+        "forward", _host_lens(forward_batch.seq_lens_cpu), None)
+    try:
+        return original(runner, forward_batch)
+    finally:
+        state.site, state.seq_lens, state.capture_hidden = saved
+
+
 def _local_vote(original: Callable[..., bool], **kwargs: Any) -> bool:
-    """Around sglang's vote: record the row this rank sends in ``MLPSyncBatchInfo``."""
+    """Around sglang's vote: the ScheduleBatch's facts reach the gate, and the row this
+    rank sends in ``MLPSyncBatchInfo`` is recorded."""
     local = kwargs.get("local_batch")
     runner = kwargs.get("prefill_graph_runner")
-    vote = _vote()
-    vote.attnreg_decides = runner is not None and hasattr(runner, "model_runner") \
-        and gate_of(runner) is not None
+    state = _state()
+    gate = gate_of(runner) if runner is not None and hasattr(runner, "model_runner") else None
+    state.attnreg_decides = gate is not None
+    state.fingerprint = gate.fingerprint if gate is not None else None
+    idle = local is None or local.forward_mode.is_idle()
     # A busy rank whose vote never reaches can_replay_locally (no prefill graph
     # runner, a decode batch not eligible for the conversion) is ineligible.
-    idle = local is None or local.forward_mode.is_idle()
-    vote.row = IDLE_FACTS if idle else BatchFacts(
-        eligible=False, forward_mode=ForwardMode.EXTEND, batch_size=local.batch_size())
-    vote.in_progress = True
+    state.row = _idle_facts(state.fingerprint) if idle else BatchFacts(
+        eligible=False, forward_mode=ForwardMode.EXTEND, batch_size=local.batch_size(),
+        fingerprint=state.fingerprint)
+    saved = (state.site, state.seq_lens, state.capture_hidden)
+    if not idle:
+        state.seq_lens = _host_lens(local.seq_lens_cpu)
+        state.capture_hidden = schedule_capture_hidden(local, runner.model_runner) \
+            if gate is not None else None
+    state.site = "schedule"
     try:
         return original(**kwargs)
     finally:
-        vote.in_progress = False
+        state.site, state.seq_lens, state.capture_hidden = saved
 
 
 def _with_row(tensor: Any, info: Any, facts: BatchFacts) -> Any:
@@ -357,21 +419,23 @@ def _with_row(tensor: Any, info: Any, facts: BatchFacts) -> Any:
 
 
 def _local_tensor(result: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
-    return _with_row(result, info, _vote().row)
+    state = _state()
+    return _with_row(result, info, state.row or _idle_facts(state.fingerprint))
 
 
 def _fallback_tensor(result: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
-    return _with_row(result, info, IDLE_FACTS)
+    return _with_row(result, info, _idle_facts(_state().fingerprint))
 
 
 def _after_all_gather(result: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
-    """Every rank unpacks the same gathered attnreg rows: the same answer or the same error."""
+    """Every rank unpacks the same gathered attnreg rows: the same answer or the same
+    :class:`~attnreg.graph_policy.SyncError` (another plan's fingerprint)."""
     width = getattr(info, "_attnreg_width", None)
     if width is None or info.tp0_info_cpu is None:
         return result
     agreed = unpack(info.tp0_info_cpu[:, width:].tolist())
     info.attnreg_agreed = agreed
-    if _vote().attnreg_decides:
+    if _state().attnreg_decides:
         info.can_run_prefill_cuda_graph = bool(info.can_run_prefill_cuda_graph
                                                and agreed.replay)
     return result
@@ -381,6 +445,7 @@ def _after_all_gather(result: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
 #: ``HookRegistry``.
 HOOKS: dict[str, tuple[str, Callable[..., Any]]] = {
     f"{_RUNNER}.can_replay_locally": ("AROUND", _can_replay_locally),
+    f"{_RUNNER}.can_run_graph": ("AROUND", _can_run_graph),
     f"{_DP}._local_prefill_cuda_graph_vote": ("AROUND", _local_vote),
     f"{_DP}.MLPSyncBatchInfo._get_local_tensor": ("AFTER", _local_tensor),
     f"{_DP}.MLPSyncBatchInfo._get_fallback_tensor": ("AFTER", _fallback_tensor),
