@@ -427,3 +427,26 @@ def test_a_prefill_phase_left_to_sglang_has_no_attnreg_gate(server_args: Any) ->
     runner = make_runner(decode_only)
     assert runtime_gate.gate_of(runner) is None
     assert not runner.can_run_graph(forward_batch([8], [4]))  # sglang's not-is_cuda rule
+
+
+def test_the_doc_lists_every_kept_condition_and_bridge_id() -> None:
+    from attnreg.integrations.sglang.decisions import BRIDGE_RULES
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "integrations" / "sglang.md").read_text()
+    assert [r.rule for r in runtime_gate.SGLANG_RUNTIME_RULES if f"`{r.rule}`" not in doc] == []
+    assert [rule for rule in BRIDGE_RULES if f"`{rule}`" not in doc] == []
+
+
+def test_lengths_that_disagree_with_the_token_count_are_not_guessed(server_args: Any) -> None:
+    """sglang folds encoder replay rows into some models' token counts: the lengths then
+    disagree with num_tokens, and the gate answers from neither (eager, fact_missing)."""
+    runner = make_runner(server_args)
+    gate = runtime_gate.gate_of(runner)
+    assert gate is not None
+    call = runtime_gate.ReplayCall(batch_size=1, num_tokens=12, input_embeds=None,
+                                   replace_embeds=None, prefix_lens=[0],
+                                   is_target_verify=False, capture_hidden_mode=0,
+                                   return_logprob=False, seq_lens=(8,))
+    verdict = runtime_gate.prefill_verdict(runner, call, gate)
+    assert (verdict.replay, verdict.rule) == (False, "gate.fact_missing")
+    assert "seq_lens" in verdict.message

@@ -42,6 +42,7 @@ outcome lives).
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -242,8 +243,19 @@ def replay_batch(runner: Any, call: ReplayCall) -> ReplayBatch:
     """The :class:`ReplayBatch` attnreg's gate sees for one call (unknown stays unknown).
 
     The prefill runner serves EXTEND (and MIXED: an extend batch whose
-    decode requests are one-token extends) batches.
+    decode requests are one-token extends) batches.  Where the call's token
+    count and lengths disagree (sglang folds encoder replay rows into the
+    token count of some models), the lengths are not known: the gate then
+    answers ``gate.fact_missing`` at both call sites alike.
     """
+    try:
+        return _replay_batch(runner, call, call.seq_lens)
+    except ValueError:
+        return _replay_batch(runner, call, None)
+
+
+def _replay_batch(runner: Any, call: ReplayCall, seq_lens: tuple[int, ...] | None
+                  ) -> ReplayBatch:
     return ReplayBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=int(call.batch_size),
@@ -254,7 +266,7 @@ def replay_batch(runner: Any, call: ReplayCall) -> ReplayBatch:
         has_replace_embeds=call.replace_embeds is not None,
         capture_hidden=_hidden(call.capture_hidden_mode),  # type: ignore[arg-type]
         return_logprob=bool(call.return_logprob),
-        seq_lens=call.seq_lens,
+        seq_lens=seq_lens,
     )
 
 
@@ -371,23 +383,26 @@ def _can_replay_locally(original: Callable[..., bool], runner: Any, **kwargs: An
     return verdict.replay
 
 
-def _can_run_graph(original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
+def _can_run_graph(original: Callable[..., bool], runner: Any, *args: Any,
+                   **kwargs: Any) -> bool:
     """Around sglang's forward-time check: the batch's host lengths reach the gate."""
+    forward_batch = args[0] if args else kwargs["forward_batch"]
     state = _state()
     saved = (state.site, state.seq_lens, state.capture_hidden)
     state.site, state.seq_lens, state.capture_hidden = (
         "forward", _host_lens(forward_batch.seq_lens_cpu), None)
     try:
-        return original(runner, forward_batch)
+        return original(runner, *args, **kwargs)
     finally:
         state.site, state.seq_lens, state.capture_hidden = saved
 
 
-def _local_vote(original: Callable[..., bool], **kwargs: Any) -> bool:
+def _local_vote(original: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
     """Around sglang's vote: the ScheduleBatch's facts reach the gate, and the row this
     rank sends in ``MLPSyncBatchInfo`` is recorded."""
-    local = kwargs.get("local_batch")
-    runner = kwargs.get("prefill_graph_runner")
+    bound = inspect.signature(inspect.unwrap(original)).bind(*args, **kwargs).arguments
+    local = bound.get("local_batch")
+    runner = bound.get("prefill_graph_runner")
     state = _state()
     gate = gate_of(runner) if runner is not None and hasattr(runner, "model_runner") else None
     state.attnreg_decides = gate is not None
@@ -405,7 +420,7 @@ def _local_vote(original: Callable[..., bool], **kwargs: Any) -> bool:
             if gate is not None else None
     state.site = "schedule"
     try:
-        return original(**kwargs)
+        return original(*args, **kwargs)
     finally:
         state.site, state.seq_lens, state.capture_hidden = saved
 
