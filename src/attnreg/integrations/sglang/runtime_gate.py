@@ -245,8 +245,9 @@ def replay_batch(runner: Any, call: ReplayCall) -> ReplayBatch:
     The prefill runner serves EXTEND (and MIXED: an extend batch whose
     decode requests are one-token extends) batches.  Where the call's token
     count and lengths disagree (sglang folds encoder replay rows into the
-    token count of some models), the lengths are not known: the gate then
-    answers ``gate.fact_missing`` at both call sites alike.
+    token count of some models), the disagreeing ``seq_lens`` are dropped,
+    never a scheduler crash: the gate answers from the facts that remain
+    (or ``gate.fact_missing``), at both call sites alike.
     """
     try:
         return _replay_batch(runner, call, call.seq_lens)
