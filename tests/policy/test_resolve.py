@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -127,6 +128,30 @@ def test_backend_unavailable_on_the_platform_is_a_policy_error() -> None:
         sim("cuda:sm90", TEXT_MLA, "trtllm_mla")
     assert all("backend.unavailable" in r for r in info.value.reasons)
     assert len(info.value.reasons) == 2  # both phases
+
+
+@pytest.mark.parametrize("platform, model, backends, config", [
+    ("cuda:sm90", TEXT_MLA, "trtllm_mla", None),                  # unavailable, both phases
+    ("cuda:sm100", TEXT_MLA, "flash_attn_cute", None),            # no decode kernel
+    ("cuda:sm90", MODEL_PRESETS["llama-3-8b"], None, None),       # none fits
+    ("cuda", TEXT_MLA, None, None),                               # no architecture
+    ("cpu", TEXT_MLA, None, GraphConfig.from_user(decode="full")),  # a locked mode
+])
+def test_every_reason_has_the_documented_form(platform: str, model: ModelFacts,
+                                              backends: object, config: object) -> None:
+    # GraphPolicyError's docstring: "PHASE[ MODE (set by the user)]: RULE_ID: message",
+    # or "RULE_ID: message" for a reason about no phase (issue 28: its old docstring said
+    # every reason starts with the rule id).
+    from attnreg.graph_policy import RULES
+
+    form = re.compile(r"^(?:(?:prefill|decode)(?: [a-z_]+ \(set by the user\))?: )?"
+                      r"([a-z_]+\.[a-z_0-9]+): \S")
+    with pytest.raises(GraphPolicyError) as info:
+        sim(platform, model, backends, config)  # type: ignore[arg-type]
+    assert info.value.reasons
+    for reason in info.value.reasons:
+        found = form.match(reason)
+        assert found and found.group(1) in RULES, reason
 
 
 def test_prefill_only_backend_cannot_serve_decode() -> None:

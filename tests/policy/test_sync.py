@@ -125,3 +125,65 @@ def test_one_ineligible_rank_keeps_every_rank_eager() -> None:
     no = BatchFacts(False, ForwardMode.DECODE, 9, 9, None, 10)
     agreed = unpack([pack(ok), pack(no), pack(ok)])
     assert not agreed.replay and agreed.bucket is None and agreed.ineligible_ranks == (1,)
+
+
+def _gate(buckets: tuple[int, ...] = (1, 2, 4, 8), **kwargs: object):  # type: ignore[no-untyped-def]
+    from attnreg.graph_policy import GraphConfig, ReplayGate, resolve
+
+    plan = resolve("cuda:sm90", "deepseek-v3", "triton", GraphConfig(decode_batch_sizes=buckets),
+                   assume_installed=True)
+    return ReplayGate(plan, **kwargs)  # type: ignore[arg-type]
+
+
+def test_rows_from_gates_with_different_plans_are_refused_naming_both_fingerprints() -> None:
+    from attnreg.graph_policy import ReplayBatch
+
+    batch = ReplayBatch("decode", 3, seq_lens=[5, 6, 7])
+    # The case: the largest bucket, 4, would be agreed, and rank 1 never captured 4.
+    ours, theirs = _gate(), _gate((1, 3, 5, 7))
+    assert (ours.bucket_for(batch), theirs.bucket_for(batch)) == (4, 3)
+    a, b = ours.fingerprint.digest, theirs.fingerprint.digest
+    with pytest.raises(SyncError) as info:
+        unpack([pack(ours.facts(batch)), pack(theirs.facts(batch)), pack(ours.facts(batch))])
+    assert f"fingerprint {a} on ranks 0, 2; {b} on rank 1" in str(info.value)
+    assert info.value.fingerprints == (a, b, a)
+    # facts built by hand carry none, and may not be mixed with a gate's
+    hand = BatchFacts(True, ForwardMode.DECODE, 3, 3, 4, 7)
+    with pytest.raises(SyncError, match=f"fingerprint {a} on rank 0; none on rank 1"):
+        unpack([pack(ours.facts(batch)), pack(hand)])
+    agreed = unpack([pack(ours.facts(batch))] * 2)
+    assert agreed.fingerprint == a and agreed.replay and agreed.bucket == 4
+
+
+def test_the_fingerprint_covers_the_gate_settings_and_the_cost_profile() -> None:
+    from attnreg.graph_policy import HiddenCapture
+
+    base = _gate().fingerprint
+    assert _gate().fingerprint == base and len(base.digest) == 12  # stable across builds
+    assert _gate(captured_hidden=HiddenCapture.FULL).fingerprint.differences(base) == \
+        ("captured_hidden",)
+    assert _gate(eager_logprob_tail=True).fingerprint.differences(base) == \
+        ("eager_logprob_tail",)
+    assert dict(base.fields)["pack_version"] == "2"
+    assert base.as_int() < 2 ** 48 and f"{base.as_int():012x}" == base.digest
+
+
+def test_an_idle_rank_forces_eager_in_a_prefill_step_and_pads_in_a_decode_step() -> None:
+    busy = BatchFacts(True, ForwardMode.EXTEND, 2, 100, 128, 300)
+    idle = BatchFacts(True, ForwardMode.EXTEND, 0, 0, 64, 0)
+    prefill = unpack([pack(busy), pack(idle), pack(busy)])
+    assert not prefill.replay and prefill.bucket is None and prefill.idle_ranks == (1,)
+    assert unpack([pack(busy), pack(busy)]).replay  # the idle rank was the reason
+    verify = BatchFacts(True, ForwardMode.TARGET_VERIFY, 3, 6, 4, 50)
+    decode_idle = BatchFacts(True, ForwardMode.DECODE, 0, 0, 1, 0)
+    step = unpack([pack(verify), pack(decode_idle)])
+    assert step.replay and step.bucket == 4 and step.idle_ranks == (1,)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
+def test_sync_refuses_a_timeout_that_is_not_positive(timeout: float) -> None:
+    from attnreg.graph_policy import DEFAULT_SYNC_TIMEOUT_S, sync
+
+    assert DEFAULT_SYNC_TIMEOUT_S == 60.0
+    with pytest.raises(ValueError, match="positive, finite number of seconds"):
+        sync(BatchFacts(True, ForwardMode.DECODE, 1, 1, 1, 1), timeout=timeout)

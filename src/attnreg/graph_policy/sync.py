@@ -47,6 +47,7 @@ inside :func:`sync`.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -293,9 +294,9 @@ def sync(local: BatchFacts, group: Any = None, *,
     ValueError
         ``timeout`` is not a positive number of seconds.
     """
-    if not timeout > 0:
-        raise ValueError(f"sync(timeout={timeout!r}): give a positive number of seconds "
-                         f"(default {DEFAULT_SYNC_TIMEOUT_S:g})")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"sync(timeout={timeout!r}): give a positive, finite number of "
+                         f"seconds (default {DEFAULT_SYNC_TIMEOUT_S:g})")
     row = pack(local)
     if "torch.distributed" not in sys.modules:
         return unpack([row])  # nobody can have initialised a process group
@@ -309,13 +310,14 @@ def sync(local: BatchFacts, group: Any = None, *,
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    start = time.monotonic()
-    if "gloo" in backend:
+    deadline = time.monotonic() + timeout
+    gloo = "gloo" in backend
+    if gloo:
         _arrive(dist, group, timeout)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(rows, mine, group=group, async_op=True)
-    _wait(work, start + timeout, timeout, backend)
+    _wait(work, deadline, timeout, backend, blocking=gloo)
     # Every rank unpacks the same rows: the same answer, or the same error on all.
     try:
         return unpack([r.tolist() for r in rows])
@@ -349,25 +351,45 @@ def _arrive(dist: Any, group: Any, timeout: float) -> None:
                             "called sync (every other rank did). Every data-parallel rank, "
                             "idle ones included, must call sync each step; the process group "
                             "is unusable now", missing_ranks=missing, timeout_s=timeout) from None
+        where = ("the other ranks did not all arrive" if me == 0 else
+                 "the group's rank 0 did not release it (a rank never called sync: rank 0's "
+                 "SyncError names it; or rank 0 is the missing one)")
+        cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise SyncError(f"sync timed out after {timeout:g} s on rank {me}: this rank arrived, "
-                        "but the group's rank 0 did not release it (a rank never called sync: "
-                        "rank 0's SyncError names it; or rank 0 is the missing one). Every "
-                        "data-parallel rank, idle ones included, must call sync each step; the "
-                        "process group is unusable now", timeout_s=timeout) from None
+                        f"but {where}. Every data-parallel rank, idle ones included, must call "
+                        "sync each step; the process group is unusable now (gloo: "
+                        f"{cause})", timeout_s=timeout) from None
 
 
-def _wait(work: Any, deadline: float, timeout: float, backend: str) -> None:
-    """Wait for an async collective until ``deadline`` (NCCL's own wait does not time out)."""
-    spins = 0
+def _wait(work: Any, deadline: float, timeout: float, backend: str, *, blocking: bool) -> None:
+    """Wait for an async collective until ``deadline``.
+
+    gloo's ``wait(timeout)`` blocks in C++ and honours the timeout; NCCL's only
+    orders the streams (its host wait never times out), so it is polled.
+    """
+    def timed_out() -> SyncError:
+        return SyncError(f"sync timed out after {timeout:g} s: not every rank joined the "
+                         f"exchange ({backend} cannot tell which ranks are missing; a gloo "
+                         "group names them). Every data-parallel rank, idle ones included, "
+                         "must call sync each step; the process group is unusable now",
+                         timeout_s=timeout)
+
+    if blocking:
+        from datetime import timedelta
+
+        left = max(deadline - time.monotonic(), 1e-3)
+        try:
+            work.wait(timeout=timedelta(seconds=left))
+        except RuntimeError:
+            raise timed_out() from None
+        return
+    spin_until = time.monotonic() + 2e-3  # a healthy exchange is quick: spin, then doze
     while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise SyncError(f"sync timed out after {timeout:g} s: not every rank joined the "
-                            f"exchange ({backend} cannot tell which ranks are missing; a gloo "
-                            "group names them). Every data-parallel rank, idle ones included, "
-                            "must call sync each step; the process group is unusable now",
-                            timeout_s=timeout)
-        spins += 1
-        time.sleep(0 if spins < 2000 else 0.0002)  # spin first: a healthy exchange is quick
+        now = time.monotonic()
+        if now > deadline:
+            raise timed_out()
+        if now > spin_until:
+            time.sleep(2e-4)
     work.wait()
 
 

@@ -4,6 +4,11 @@ Each rank computes its local eligibility with :class:`ReplayGate`; ranks
 whose decisions differ would issue mismatched collectives inside and outside
 the graph, so the schedule-time decision is the AND over ranks, computed with
 ``all_reduce(MIN)`` on a one-element int tensor.
+
+Superseded by :func:`~attnreg.graph_policy.sync`, which also agrees on the
+bucket and forward mode, checks that every rank shares one plan (its
+fingerprint), waits at most a timeout, and has a documented vote for an idle
+rank; ``vote`` has none of those.
 """
 
 from __future__ import annotations

@@ -139,8 +139,12 @@ class GraphPolicyError(AttnregError):
     """The graph configuration cannot run: a locked mode breaks a hard rule, or no
     backend can serve a phase.
 
-    ``reasons`` lists every reason (each starts with the policy rule id);
-    ``hint`` says what to do.
+    ``reasons`` lists every reason, each naming its policy rule id (listed in
+    ``attnreg.graph_policy.RULES``) before its message.  A reason about one
+    phase starts with that phase, and with the mode when the user locked it:
+    ``"decode: backend.unavailable: ..."``, ``"prefill breakable (set by the
+    user): backend.capture_unsupported: ..."``; one about no phase starts with
+    the rule id: ``"platform.arch_required: ..."``.  ``hint`` says what to do.
     """
 
     DEFAULT_HINT = ("Unlock the mode (drop the explicit flag) or choose a backend that "
