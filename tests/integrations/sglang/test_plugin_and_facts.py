@@ -218,3 +218,15 @@ def test_a_release_without_the_runtime_hook_points_keeps_sglangs_rules(
     plugin.register()
     assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
     assert "bridge NOT installed" in caplog.text and "sglang.srt.managers.gone.f" in caplog.text
+
+
+def test_a_declaration_gap_names_the_phases_its_reasons_are_about() -> None:
+    from attnreg.integrations.sglang.adapter import DeclarationGap
+
+    assert DeclarationGap(["decode: backend.unavailable: x"]).phases == {Phase.DECODE}
+    assert DeclarationGap(["prefill breakable (set by the user): backend.x: y",
+                           "decode: backend.unavailable: x"]).phases == {Phase.PREFILL,
+                                                                         Phase.DECODE}
+    # a reason about no phase (the platform) concerns the whole server
+    assert DeclarationGap(["platform.arch_required: x"]).phases == {Phase.PREFILL,
+                                                                   Phase.DECODE}

@@ -45,8 +45,13 @@ class DeclarationGap(Exception):
 
     def __init__(self, reasons: list[str]):
         self.reasons = reasons
-        named = {p for p in _PHASES for r in reasons if r.startswith(f"{p.value}: ")}
-        unnamed = any(not any(r.startswith(f"{p.value}: ") for p in _PHASES) for r in reasons)
+        # resolve()'s reasons about a phase start with it ("decode: ...", "prefill
+        # breakable (set by the user): ..."); one about no phase with its rule id.
+        def about(reason: str, phase: Phase) -> bool:
+            return reason.startswith((f"{phase.value}:", f"{phase.value} "))
+
+        named = {p for p in _PHASES for r in reasons if about(r, p)}
+        unnamed = any(not any(about(r, p) for p in _PHASES) for r in reasons)
         self.phases = frozenset(_PHASES) if unnamed or not named else frozenset(named)
         super().__init__("; ".join(reasons))
 
