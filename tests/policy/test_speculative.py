@@ -124,12 +124,13 @@ def test_built_in_backends_replay_verify_batches_up_to_their_declared_draft_toke
     plan = sim("cuda:sm90", TEXT_MLA, engine=spec(4))
     verify = plan.speculative_for(VERIFY)
     assert verify is not None and verify.how == "graph"
-    assert "flashinfer_mla declares target_verify (<= 8 tokens per sequence" in verify.message
+    assert "flashinfer_mla declares target_verify (<= 16 tokens per sequence" in \
+        verify.message
     assert plan.decode.mode is GraphMode.FULL  # plain decode graphs are unaffected
-    # more drafts than any built-in declares (8): neither graphs nor eager serve them
-    verify = sim("cuda:sm90", TEXT_MLA, engine=spec(9)).speculative_for(VERIFY)
+    # more drafts than any built-in declares (flashinfer_mla's 16): nothing serves them
+    verify = sim("cuda:sm90", TEXT_MLA, engine=spec(17)).speculative_for(VERIFY)
     assert verify is not None and verify.how == "unserved"
-    assert "does not declare target_verify batches of 9 tokens" in verify.message
+    assert "does not declare target_verify batches of 17 tokens" in verify.message
 
 
 def test_speculative_decoding_off_plans_nothing_for_it() -> None:

@@ -115,14 +115,46 @@ def write_models(root: Path) -> dict[str, Path]:
     return out
 
 
+@contextlib.contextmanager
+def simulated_rocm(arch_version: int, kfd_root: Path) -> Iterator[None]:
+    """Make sglang see one AMD GPU (HIP), whose KFD topology under ``kfd_root`` reports
+    ``gfx_target_version`` ``arch_version`` (90402 = gfx942) beside a CPU node.
+
+    sglang's platform has no arch fact for HIP; the bridge reads the topology.
+    """
+    from sglang.srt.runtime_context import override_platform
+
+    from attnreg.integrations.sglang import facts as bridge_facts
+
+    for node, version in (("0", 0), ("1", arch_version)):
+        if node == "1" and not arch_version:
+            continue  # a topology with no GPU node: the arch cannot be read
+        (kfd_root / node).mkdir(parents=True, exist_ok=True)
+        (kfd_root / node / "properties").write_text(
+            f"simd_count 304\ngfx_target_version {version}\n")
+    facts = dict(is_cuda=False, is_hip=True, device_sm=0, device_capability=(9, 4),
+                 is_sm90=False, is_hopper_with_cuda_12_3=False, is_sm100=False,
+                 is_sm100_or_sm110=False, is_blackwell=False, has_flashinfer=False)
+    with override_platform(**facts), \
+            mock.patch("sglang.srt.utils.is_cuda", return_value=False), \
+            mock.patch("sglang.srt.utils.is_hip", return_value=True), \
+            mock.patch.object(bridge_facts, "KFD_NODES", kfd_root):
+        yield
+
+
 @dataclass(frozen=True)
 class Scenario:
-    """One server: a model, a simulated GPU and the sglang arguments a user passes."""
+    """One server: a model, a simulated GPU and the sglang arguments a user passes.
+
+    ``sm`` is a CUDA compute capability; ``rocm`` (a KFD ``gfx_target_version``,
+    90402 = gfx942; 0 for a topology without a GPU node) makes it an AMD GPU instead.
+    """
 
     name: str
     model: str
     sm: int
     args: dict[str, Any] = field(default_factory=dict)
+    rocm: int | None = None
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -157,22 +189,39 @@ SCENARIOS: tuple[Scenario, ...] = (
     # An sglang rule attnreg has no fact for (which MoE transports were validated).
     Scenario("dsv3_triton_h200_a2a_mooncake", "deepseek-v3", 90,
              {"attention_backend": "triton", "moe_a2a_backend": "mooncake"}),
+    # Split backends with a per-phase gap: cutlass_mla has no attnreg declaration.
+    Scenario("dsv3_trtllm_prefill_cutlass_decode_b200", "deepseek-v3", 100,
+             {"prefill_attention_backend": "trtllm_mla",
+              "decode_attention_backend": "cutlass_mla"}),
+    # ROCm (MI300X): attnreg's reference is the one declaration that covers rocm.
+    # Not compared with sglang's own run: without the plugin attnreg_reference is
+    # not one of sglang's backends.
+    Scenario("dsv3_reference_mi300x", "deepseek-v3", 0,
+             {"attention_backend": "attnreg_reference"}, rocm=90402),
 )
 
 SCENARIO_BY_NAME = {s.name: s for s in SCENARIOS}
 
 
-def run_scenario(scenario: Scenario, models: dict[str, Path]) -> dict[str, Any]:
+def run_scenario(scenario: Scenario, models: dict[str, Path],
+                 kfd_root: Path | None = None) -> dict[str, Any]:
     """Resolve the scenario's ``ServerArgs``; the outcome as plain data.
 
     ``{"prefill": mode, "decode": mode, "backends": [...], "sources": [...]}``
-    or ``{"error": type, "message": text}`` when startup refuses it.
+    or ``{"error": type, "message": text}`` when startup refuses it.  A ROCm
+    scenario needs ``kfd_root``, a directory for its simulated KFD topology.
     """
     prepare_imports()
     from sglang.srt.arg_groups.overrides import attention_backends_of, resolved_view
     from sglang.srt.server_args import ServerArgs
 
-    with simulated_gpu(scenario.sm):
+    if scenario.rocm is not None:
+        if kfd_root is None:
+            raise ValueError(f"{scenario.name} is a ROCm scenario: pass kfd_root")
+        platform = simulated_rocm(scenario.rocm, kfd_root)
+    else:
+        platform = simulated_gpu(scenario.sm)
+    with platform:
         try:
             server_args = ServerArgs(model_path=str(models[scenario.model]), device="cuda",
                                      **scenario.args)
@@ -197,6 +246,8 @@ def _main(root: str) -> None:
     models = write_models(Path(root))
     out = {}
     for scenario in SCENARIOS:
+        if scenario.rocm is not None:
+            continue  # its backend exists only with the plugin on
         result = run_scenario(scenario, models)
         result.pop("server_args", None)
         out[scenario.name] = result

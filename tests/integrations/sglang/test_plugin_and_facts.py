@@ -101,7 +101,8 @@ def test_gap_names_what_attnreg_cannot_represent(plugin_on: None,
                                                  models: dict[str, Path]) -> None:
     outcome = _outcome(models, "dsv3_fa3_h200")
     assert outcome.plan is None
-    assert any("fa3" in gap for gap in outcome.facts.gaps)
+    assert any("fa3" in gap for gap in outcome.facts.all_gaps)
+    assert set(outcome.facts.phase_gaps) == {Phase.PREFILL, Phase.DECODE}
     assert [d.rule for d in outcome.bridge if d.rule == "sglang.gap"] == ["sglang.gap"]
 
 
@@ -172,3 +173,60 @@ def test_a_release_without_the_hook_points_keeps_sglangs_rules(
     plugin.register()
     assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
     assert "bridge NOT installed" in caplog.text and "cuda_graph_hook.gone" in caplog.text
+
+
+@pytest.mark.parametrize("version", ["0.5.24", "0.5.22", "0.6.0", "0.5.23rc1"])
+def test_another_sglang_version_stands_aside_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        version: str) -> None:
+    import importlib.metadata
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv("ATTNREG_SGLANG", "1")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    before = {t: list(h) for t, h in HookRegistry._hooks.items()}
+    caplog.set_level("WARNING", logger="attnreg.integrations.sglang")
+    plugin.register()
+    assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
+    assert f"sglang {version} is outside the range the bridge is tested with " \
+           "(>=0.5.23,<0.5.24)" in caplog.text
+
+
+def test_the_tested_range_is_the_extras_bound() -> None:
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["sglang"]
+    low, high = plugin.TESTED_SGLANG
+    assert extra == [f"sglang>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"]
+    assert plugin.sglang_version_problem("0.5.23") is None
+    assert plugin.sglang_version_problem("0.5.23.post1") is None
+
+
+def test_a_release_without_the_runtime_hook_points_keeps_sglangs_rules(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from attnreg.integrations.sglang import runtime_gate
+
+    monkeypatch.setenv("ATTNREG_SGLANG", "1")
+    monkeypatch.setitem(runtime_gate.HOOKS, "sglang.srt.managers.gone.f",
+                        ("AROUND", lambda original, *a, **k: original(*a, **k)))
+    before = {t: list(h) for t, h in HookRegistry._hooks.items()}
+    caplog.set_level("WARNING", logger="attnreg.integrations.sglang")
+    plugin.register()
+    assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
+    assert "bridge NOT installed" in caplog.text and "sglang.srt.managers.gone.f" in caplog.text
+
+
+def test_a_declaration_gap_names_the_phases_its_reasons_are_about() -> None:
+    from attnreg.integrations.sglang.adapter import DeclarationGap
+
+    assert DeclarationGap(["decode: backend.unavailable: x"]).phases == {Phase.DECODE}
+    assert DeclarationGap(["prefill breakable (set by the user): backend.x: y",
+                           "decode: backend.unavailable: x"]).phases == {Phase.PREFILL,
+                                                                         Phase.DECODE}
+    # a reason about no phase (the platform) concerns the whole server
+    assert DeclarationGap(["platform.arch_required: x"]).phases == {Phase.PREFILL,
+                                                                   Phase.DECODE}

@@ -58,8 +58,16 @@ EXPECTED: dict[str, Expected] = {
     # fa3 has no attnreg declaration: sglang's rules decide, unchanged.
     "dsv3_fa3_h200": Expected(("breakable", "full"), ("breakable", "full"), ("sglang.gap",)),
     # fa4 maps to flash_attn_cute, whose declaration has no sm90 decode kernel: attnreg
-    # cannot judge what sglang runs there, so sglang's rules decide.
-    "dsv3_fa4_h200": Expected(("breakable", "full"), ("breakable", "full"), ("sglang.gap",)),
+    # cannot judge what sglang runs for decode, so sglang decides decode alone; prefill
+    # stays attnreg's.
+    "dsv3_fa4_h200": Expected(("breakable", "full"), ("breakable", "full"),
+                              ("sglang.gap", "sglang.declared")),
+    # A per-phase gap: cutlass_mla has no attnreg declaration, so decode is sglang's;
+    # prefill stays attnreg's trtllm_mla, whose bf16 fallback keeps breakable (sglang's
+    # arch rule disables it).
+    "dsv3_trtllm_prefill_cutlass_decode_b200": Expected(
+        ("disabled", "full"), ("breakable", "full"),
+        ("sglang.gap", "backend.fallback_in_effect")),
     "dsv3_triton_h200": Expected(("breakable", "full"), ("breakable", "full"),
                                  ("backend.pinning",)),
     "dsv3_flashinfer_h200": Expected(("breakable", "full"), ("breakable", "full"),
@@ -76,7 +84,8 @@ EXPECTED: dict[str, Expected] = {
 
 
 def test_every_scenario_has_an_expectation() -> None:
-    names = {s.name for s in _sglang_env.SCENARIOS} - {"dsv3_locked_tc_piecewise"}
+    names = {s.name for s in _sglang_env.SCENARIOS} - {"dsv3_locked_tc_piecewise",
+                                                       "dsv3_reference_mi300x"}
     assert names == set(EXPECTED)
 
 
@@ -109,14 +118,19 @@ def test_attnreg_decides(plugin_on: None, models: dict[str, Path], name: str) ->
     assert outcome is not None
     for rule in expected.rules:
         assert rule in outcome.rule_ids, (rule, outcome.rule_ids)
-    # The arch-named rule never runs once attnreg owns its step.
-    assert ARCH_RULE_SOURCE not in result["sources"]
+    decided = {p.value for p in outcome.decided}
+    # The arch-named rule never runs once attnreg owns prefill.
+    if "prefill" in decided:
+        assert ARCH_RULE_SOURCE not in result["sources"]
     if outcome.plan is None:  # a gap: sglang's rules, nothing declared by attnreg
-        assert DECLARATION_SOURCE not in result["sources"]
+        assert not decided and DECLARATION_SOURCE not in result["sources"]
     else:
-        assert result["sources"].count(DECLARATION_SOURCE) >= 2  # one per phase
-        for phase in ("prefill", "decode"):
+        assert result["sources"].count(DECLARATION_SOURCE) >= len(decided)  # one per phase
+        for phase in decided:
             assert outcome.plan.phase(phase).mode.value == result[phase]
+    # A phase with a gap of its own is sglang's, and says so.
+    for phase in {"prefill", "decode"} - decided:
+        assert any(d.rule == "sglang.gap" for d in outcome.bridge), phase
 
 
 def test_a_changed_mode_names_its_rule(plugin_on: None, models: dict[str, Path]) -> None:
@@ -164,3 +178,30 @@ def test_logs_carry_rule_ids(plugin_on: None, models: dict[str, Path],
     assert any("sglang.deferred" in line for line in lines)
     # resolve()'s own logger is silenced inside sglang: one voice, no duplicates.
     assert not [r for r in caplog.records if r.name == "attnreg.graph_policy"]
+
+
+def test_a_rocm_server_is_decided_by_attnreg(plugin_on: None, models: dict[str, Path],
+                                              tmp_path: Path) -> None:
+    """sglang reports HIP without an arch; the bridge reads gfx942 from the KFD topology
+    and attnreg's plan decides (the reference declares no graph capture)."""
+    scenario = _sglang_env.SCENARIO_BY_NAME["dsv3_reference_mi300x"]
+    result = _sglang_env.run_scenario(scenario, models, kfd_root=tmp_path)
+    assert "error" not in result, result
+    outcome = outcome_of(result["server_args"])
+    assert outcome is not None and outcome.plan is not None
+    assert str(outcome.facts.platform) == "rocm:gfx942"
+    assert {p.value for p in outcome.decided} == {"prefill", "decode"}
+    assert (result["prefill"], result["decode"]) == ("disabled", "disabled")
+    assert "backend.capture_unsupported" in outcome.rule_ids
+    assert "platform.arch_required" not in outcome.rule_ids
+
+
+def test_a_rocm_server_whose_arch_cannot_be_read_is_left_to_sglang(
+        plugin_on: None, models: dict[str, Path], tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    scenario = replace(_sglang_env.SCENARIO_BY_NAME["dsv3_reference_mi300x"], rocm=0)
+    result = _sglang_env.run_scenario(scenario, models, kfd_root=tmp_path)
+    outcome = outcome_of(result["server_args"])
+    assert outcome is not None and outcome.plan is None
+    assert any("architecture could not be read" in g for g in outcome.facts.gaps)

@@ -22,6 +22,12 @@ shared/gpu/README.md):
   query tokens per request (target verify, draft extend) run the same paged
   kernel with ``causal=True`` (bottom-right aligned: the ``kv_idx + qo_len >
   kv_len + q_idx`` mask of ``mla.cuh``), eagerly and in the FULL decode graphs.
+  The kernel has no draft-token limit of its own (``plan()`` takes any
+  ``qo_indptr``); flashinfer's own tests run it with 1..17 query tokens per
+  request, causal and not, fa2 and fa3 (``tests/attention/test_deepseek_mla.py``
+  lines 284 and 500 at v0.6.13, ``test_batch_mla_varlen_page_attention`` and
+  ``test_batch_mla_page_attention``), so :data:`MAX_DRAFT_TOKENS` is 16, the
+  largest power of two inside what they run (the other built-ins keep 8).
 * LSE: the MLA wrapper's ``run(lse=, return_lse=True, return_lse_base_on_e=)``
   (fa2 and fa3), the ragged wrapper's ``run(return_lse=True)`` (base 2,
   converted); declared for the 16-bit kernels (the fp8 path's LSE was never run).
@@ -39,6 +45,8 @@ from attnreg.registry import (
     DeclarationContext,
     DType,
     ForwardMethod,
+    ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -52,12 +60,20 @@ from ._common import (
     HALF,
     MHA_DIMS,
     MLA_DIMS,
-    SPECULATIVE_DECODE_MODES,
-    SPECULATIVE_EAGER_MODES,
 )
 
 MIN_SM = 80
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: Draft tokens per sequence of verify / draft-extend batches (module doc: inside the
+#: 1..17 query tokens per request flashinfer's own MLA tests run).
+MAX_DRAFT_TOKENS = 16
+SPECULATIVE_DECODE_MODES = (
+    ForwardModeSupport(ForwardMode.DECODE, 1, True),
+    ForwardModeSupport(ForwardMode.TARGET_VERIFY, MAX_DRAFT_TOKENS, True),
+    ForwardModeSupport(ForwardMode.DRAFT_EXTEND, MAX_DRAFT_TOKENS, False),
+)
+SPECULATIVE_EAGER_MODES = SPECULATIVE_DECODE_MODES + (
+    ForwardModeSupport(ForwardMode.EXTEND, None, False),)
 #: First flashinfer release line after 0.6.13 (which lacks it) that carries the
 #: SM90 FP8-KV MLA path (PR #3694: ``run(..., ckv_scale=, kpe_scale=)``).
 FP8_MLA_MIN_VERSION = "0.7.0"

@@ -15,6 +15,7 @@ without sglang):
 * :mod:`.engine_rules`: sglang rules attnreg has no fact for, kept as engine rules;
 * :mod:`.adapter`: the one call into :func:`attnreg.graph_policy.resolve`;
 * :mod:`.steps`: the resolution steps that replace sglang's;
+* :mod:`.runtime_gate`: attnreg's replay gate in sglang's prefill runner and DP vote;
 * :mod:`.plugin`: the entry point and the switch;
 * :mod:`.kv_cache`: sglang's MLA KV pool as an attnreg pool, without a copy;
 * :mod:`.batches`: sglang's ``ForwardBatch`` as an attnreg batch;

@@ -15,6 +15,8 @@ to sglang's rules.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from attnreg.graph_policy import RULES, GraphPlan, resolve
 from attnreg.registry.capabilities import GraphMode, Phase
 from attnreg.registry.errors import GraphPolicyError
@@ -27,6 +29,7 @@ __all__ = ["DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
 #: resolve()'s errors that mean "no attnreg declaration serves this" (no plan at all),
 #: as opposed to a lock that breaks a hard rule.
 _SELECTION_RULES = tuple(rule.id for rule in RULES.values() if rule.kind == "error")
+_PHASES = (Phase.PREFILL, Phase.DECODE)
 
 
 class SglangGraphPolicyError(GraphPolicyError, ValueError):
@@ -37,10 +40,19 @@ class SglangGraphPolicyError(GraphPolicyError, ValueError):
 class DeclarationGap(Exception):
     """attnreg's declaration of the mapped backend cannot serve a phase of this server
     (unavailable on the platform, no kernel for the phase or the model): attnreg
-    has nothing to decide with, so sglang's own rules decide.  ``reasons`` lists why."""
+    has nothing to decide with, so sglang's own rules decide.  ``reasons`` lists why;
+    ``phases`` the phases they name (all of them when a reason names none)."""
 
     def __init__(self, reasons: list[str]):
         self.reasons = reasons
+        # resolve()'s reasons about a phase start with it ("decode: ...", "prefill
+        # breakable (set by the user): ..."); one about no phase with its rule id.
+        def about(reason: str, phase: Phase) -> bool:
+            return reason.startswith((f"{phase.value}:", f"{phase.value} "))
+
+        named = {p for p in _PHASES for r in reasons if about(r, p)}
+        unnamed = any(not any(about(r, p) for p in _PHASES) for r in reasons)
+        self.phases = frozenset(_PHASES) if unnamed or not named else frozenset(named)
         super().__init__("; ".join(reasons))
 
 
@@ -56,8 +68,13 @@ def check_host_locks(locked: dict[Phase, GraphMode],
                           "(--cuda-graph-backend-prefill / --cuda-graph-config).")
 
 
-def plan_for(facts: SglangFacts) -> GraphPlan:
-    """attnreg's plan for a server whose facts have no gap.
+def plan_for(facts: SglangFacts, phases: frozenset[Phase] | None = None) -> GraphPlan:
+    """attnreg's plan for the ``phases`` it decides (default: every phase without a gap).
+
+    A phase outside ``phases`` is sglang's: resolve() sees it disabled and
+    unlocked, with attnreg's default backend for it as a placeholder, so it
+    adds no capture memory and no lock; the caller uses only the decided
+    phases' modes and decisions.
 
     Raises :class:`SglangGraphPolicyError` when a locked mode breaks a hard
     rule or is one the host lacks (every reason listed), and
@@ -66,11 +83,19 @@ def plan_for(facts: SglangFacts) -> GraphPlan:
     """
     if facts.model is None or facts.config is None:
         raise ValueError("plan_for needs facts without gaps: " + "; ".join(facts.gaps))
-    backends = (facts.backends[Phase.PREFILL].attnreg, facts.backends[Phase.DECODE].attnreg)
+    decided = facts.decidable_phases if phases is None else phases
+    if not decided:
+        raise ValueError("plan_for needs a phase to decide: " + "; ".join(facts.all_gaps))
+    backends = tuple(facts.backends[p].attnreg if p in decided else None for p in _PHASES)
+    config = facts.config
+    for phase in _PHASES:
+        if phase not in decided:
+            config = replace(config, **{f"{phase.value}_mode": GraphMode.DISABLED},
+                             locked=config.locked - {f"{phase.value}_mode"})
     try:
         # assume_installed: the kernels run inside sglang, whose install carries the
         # libraries; attnreg's own optional extras need not be present.
-        plan = resolve(facts.platform, facts.model, backends, facts.config, facts.features,
+        plan = resolve(facts.platform, facts.model, backends, config, facts.features,
                        facts.engine, assume_installed=True)
     except GraphPolicyError as exc:
         if any(f"{rule}:" in reason for reason in exc.reasons for rule in _SELECTION_RULES):

@@ -34,6 +34,9 @@ BRIDGE_RULES = MappingProxyType({
                          "plans such a mode (engine.mode_unsupported)",
     "sglang.declared": "attnreg's mode for a phase, written back with sglang's "
                        "declare_resolution",
+    "sglang.runtime": "a condition of sglang's prefill replay check (can_replay_locally) that "
+                      "attnreg has no fact for, kept as sglang states it (its name follows the "
+                      "colon; runtime_gate.SGLANG_RUNTIME_RULES)",
 })
 
 

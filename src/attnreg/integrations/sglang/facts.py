@@ -16,6 +16,7 @@ sglang's own rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sglang.srt.arg_groups.overrides import (
@@ -44,6 +45,7 @@ __all__ = [
     "host_modes",
     "read_facts",
     "read_platform",
+    "rocm_arch",
 ]
 
 _PHASES = (Phase.PREFILL, Phase.DECODE)
@@ -73,21 +75,80 @@ class SglangFacts:
     backends_by_user: frozenset[Phase] = frozenset()
     architecture: str = ""
     gaps: tuple[str, ...] = field(default=())
+    phase_gaps: dict[Phase, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def decidable(self) -> bool:
-        """True when attnreg can decide both phases (no gap)."""
-        return not self.gaps
+        """True when attnreg can decide at least one phase (no server-wide gap, and
+        not every phase has a gap of its own)."""
+        return not self.gaps and any(not self.phase_gaps.get(p) for p in _PHASES)
+
+    @property
+    def decidable_phases(self) -> frozenset[Phase]:
+        """The phases attnreg can decide (the others go to sglang's rules alone)."""
+        if self.gaps:
+            return frozenset()
+        return frozenset(p for p in _PHASES if not self.phase_gaps.get(p))
+
+    @property
+    def all_gaps(self) -> tuple[str, ...]:
+        """Every gap, the server's first, then each phase's."""
+        return self.gaps + tuple(g for p in _PHASES for g in self.phase_gaps.get(p, ()))
+
+
+#: The kernel driver's topology (amdgpu/KFD): one directory per node, whose
+#: ``properties`` list ``gfx_target_version`` (90402 = gfx942).  Read without
+#: touching the HIP runtime, as sglang reads the CUDA sm through NVML before
+#: CUDA is initialised (``utils.common.get_device_sm``).
+KFD_NODES = Path("/sys/class/kfd/kfd/topology/nodes")
+
+
+def _gfx_from_target_version(version: int) -> str:
+    """``90402`` -> ``gfx942``, ``90010`` -> ``gfx90a`` (major, minor, stepping in hex)."""
+    major, rest = divmod(version, 10000)
+    minor, stepping = divmod(rest, 100)
+    return f"gfx{major}{minor:x}{stepping:x}"
+
+
+def rocm_arch() -> str:
+    """The first AMD GPU's architecture (``gfx942``), or "" when it cannot be read.
+
+    sglang's platform has no arch fact for HIP (its kernels read
+    ``torch.cuda.get_device_properties(0).gcnArchName``).  This reads torch's
+    name when torch already initialised the device, else the KFD topology
+    (:data:`KFD_NODES`), so resolution never initialises HIP in the launcher.
+    """
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch.version, "hip", None) \
+            and torch.cuda.is_initialized():
+        return str(torch.cuda.get_device_properties(0).gcnArchName).split(":")[0].lower()
+    try:
+        nodes = sorted(KFD_NODES.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 0)
+    except OSError:
+        return ""
+    for node in nodes:
+        try:
+            text = (node / "properties").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "gfx_target_version" and value.strip().isdigit() and int(value) > 0:
+                return _gfx_from_target_version(int(value))  # CPU nodes report 0
+    return ""
 
 
 def read_platform() -> Platform:
-    """The platform as sglang sees it now (``get_platform()``, overrides included)."""
+    """The platform as sglang sees it now (``get_platform()``, overrides included);
+    on ROCm with the arch from :func:`rocm_arch`."""
     plat = get_platform()
     if plat.is_cuda:
         sm = int(plat.device_sm or 0)
         return Platform(Vendor.CUDA, f"sm{sm}" if sm else "")
     if plat.is_hip:
-        return Platform(Vendor.ROCM)
+        return Platform(Vendor.ROCM, rocm_arch())
     if plat.is_npu:
         return Platform(Vendor.NPU)
     if plat.is_xpu:
@@ -245,9 +306,14 @@ def read_facts(server_args: Any) -> SglangFacts:
     gaps: list[str] = []
     prefill_name, decode_name = attention_backends_of(resolved_view(server_args))
     backends = {Phase.PREFILL: map_backend(prefill_name), Phase.DECODE: map_backend(decode_name)}
-    for phase, mapping in backends.items():
-        if not mapping.mapped:
-            gaps.append(f"{phase} attention backend {mapping.sglang}: {mapping.reason}")
+    # A backend without a declaration is that phase's gap only: the other phase
+    # stays attnreg's.
+    phase_gaps = {phase: (f"{phase} attention backend {mapping.sglang}: {mapping.reason}",)
+                  for phase, mapping in backends.items() if not mapping.mapped}
+    platform = read_platform()
+    if platform.arch_missing:
+        gaps.append(f"sglang reports {platform} but its architecture could not be read "
+                    "(neither torch nor the KFD topology named one)")
     model, arch = _read_model(server_args, cfg, gaps)
     cg = cfg.cuda_graph_config
     modes = {p: graph_mode_from_sglang(getattr(cg, p.value).backend) for p in _PHASES}
@@ -256,7 +322,7 @@ def read_facts(server_args: Any) -> SglangFacts:
     host = host_modes()
     config = _read_config(server_args, cfg, modes, locked, gaps)
     return SglangFacts(
-        platform=read_platform(),
+        platform=platform,
         backends=backends,
         model=model,
         config=config,
@@ -268,4 +334,5 @@ def read_facts(server_args: Any) -> SglangFacts:
         backends_by_user=_backends_by_user(server_args),
         architecture=arch,
         gaps=tuple(gaps),
+        phase_gaps=phase_gaps,
     )

@@ -51,6 +51,9 @@ logger = logging.getLogger("attnreg.integrations.sglang")
 DECLARATION_SOURCE = "attnreg_graph_policy"
 
 _PHASES = (Phase.PREFILL, Phase.DECODE)
+#: The phases sglang 0.5.23's two replaced steps can change: both declare only
+#: ``with_phase(..., Phase.PREFILL, ...)`` (``arg_groups/cuda_graph_hook.py``).
+_SGLANG_STEPS_DECIDE = frozenset({Phase.PREFILL})
 _OUTCOME_ATTR = "_attnreg_outcome"
 _EARLY_ATTR = "_attnreg_early_decisions"
 
@@ -60,8 +63,11 @@ class SglangOutcome:
     """What the bridge decided for one server.
 
     ``plan`` is None when a gap left the server to sglang's own rules;
-    ``decisions`` are attnreg's (rule ids of ``attnreg.graph_policy.RULES``)
-    and ``bridge`` the bridge's own (``sglang.*`` ids), each in order.
+    ``decided`` names the phases attnreg decided (a phase with a gap of its
+    own is sglang's; the plan's entry for it is a placeholder and never
+    used).  ``decisions`` are attnreg's for the decided phases (rule ids of
+    ``attnreg.graph_policy.RULES``) and ``bridge`` the bridge's own
+    (``sglang.*`` ids), each in order.
     """
 
     facts: SglangFacts
@@ -70,6 +76,7 @@ class SglangOutcome:
     bridge: tuple[BridgeDecision, ...]
     before: dict[Phase, GraphMode]
     after: dict[Phase, GraphMode]
+    decided: frozenset[Phase] = frozenset()
 
     @property
     def rule_ids(self) -> tuple[str, ...]:
@@ -83,7 +90,8 @@ class SglangOutcome:
             "backends": {p.value: {"sglang": m.sglang, "attnreg": m.attnreg}
                          for p, m in self.facts.backends.items()},
             "engine": self.facts.engine.to_dict(),
-            "gaps": list(self.facts.gaps),
+            "gaps": list(self.facts.all_gaps),
+            "decided": sorted(p.value for p in self.decided),
             "before": {p.value: m.value for p, m in self.before.items()},
             "after": {p.value: m.value for p, m in self.after.items()},
             "bridge": [d.to_dict() for d in self.bridge],
@@ -177,25 +185,55 @@ def early_step(server_args: Any) -> None:
     setattr(server_args, _EARLY_ATTR, tuple(decisions))
 
 
-def _leave_to_sglang(server_args: Any, gaps: tuple[str, ...] | list[str],
-                     bridge: list[BridgeDecision]) -> None:
+def _run_sglang_rules(server_args: Any, gaps: tuple[str, ...] | list[str],
+                      bridge: list[BridgeDecision], phases: frozenset[Phase]) -> None:
+    """sglang's own two steps, unchanged; they decide ``phases`` (every phase attnreg
+    cannot decide).  A decided phase's mode is written again after them."""
+    which = "this server" if phases == frozenset(_PHASES) else \
+        " and ".join(f"the {p} phase" for p in _PHASES if p in phases)
+    runs = bool(phases & _SGLANG_STEPS_DECIDE)
+    how = ("sglang's own graph-compatibility rules decide it, unchanged" if runs else
+           "sglang's two graph-compatibility steps change only prefill, so it keeps the "
+           "mode sglang resolved for it, unchanged")
     bridge.append(BridgeDecision(
-        "sglang.gap", None, None, None,
-        "attnreg cannot decide this server (" + "; ".join(gaps) + "): sglang's own "
-        "graph-compatibility rules decide it, unchanged"))
+        "sglang.gap", None if len(phases) != 1 else next(iter(phases)), None, None,
+        f"attnreg cannot decide {which} (" + "; ".join(gaps) + f"): {how}"))
     _log_bridge(bridge[-1])
-    _sglang_original("apply_cuda_graph_compatibility")(server_args)
-    _sglang_original("disable_prefill_cuda_graph_for_deepseek_trtllm_mla")(server_args)
+    if runs:
+        _sglang_original("apply_cuda_graph_compatibility")(server_args)
+        _sglang_original("disable_prefill_cuda_graph_for_deepseek_trtllm_mla")(server_args)
+
+
+def _plan_phases(facts: SglangFacts) -> tuple[GraphPlan | None, frozenset[Phase], list[str]]:
+    """attnreg's plan for as many phases as it can decide, those phases, and every gap.
+
+    A declaration that cannot serve one phase leaves that phase to sglang and
+    the other to attnreg, as a backend without a declaration does.
+    """
+    gaps = list(facts.all_gaps)
+    phases = facts.decidable_phases
+    while phases:
+        try:
+            with _one_voice():
+                return plan_for(facts, phases), phases, gaps
+        except DeclarationGap as gap:
+            gaps.extend(f"attnreg's declaration cannot serve it: {r}" for r in gap.reasons)
+            if not gap.phases & phases or gap.phases >= phases:
+                break
+            phases = phases - gap.phases
+    return None, frozenset(), gaps
 
 
 def policy_step(server_args: Any) -> None:
     """Replaces ``disable_prefill_cuda_graph_for_deepseek_trtllm_mla``.
 
-    With the attention backends resolved: attnreg's plan decides each
-    phase's mode, written back with ``declare_resolution``; every decision
-    is logged with its rule id.  A gap leaves the server to sglang's rules.
-    Raises :class:`~.adapter.SglangGraphPolicyError` when a locked mode
-    breaks a hard rule.
+    With the attention backends resolved: attnreg's plan decides each phase
+    it can, written back with ``declare_resolution``; every decision is
+    logged with its rule id.  A phase attnreg cannot decide (a backend
+    without a declaration, a declaration that cannot serve it) is left to
+    sglang's rules alone; a server-wide gap (the model, the KV dtype) leaves
+    both.  Raises :class:`~.adapter.SglangGraphPolicyError` when a locked
+    mode breaks a hard rule.
     """
     bridge = list(getattr(server_args, _EARLY_ATTR, ()))
     before = _current_modes(server_args)
@@ -207,23 +245,22 @@ def policy_step(server_args: Any) -> None:
                                      f"sglang's {mapping.sglang} (chosen by {who}) -> {target}: "
                                      f"{mapping.reason}"))
         _log_bridge(bridge[-1])
-    gaps: tuple[str, ...] | list[str] = facts.gaps
-    plan = None
-    if facts.decidable:
-        try:
-            with _one_voice():
-                plan = plan_for(facts)
-        except DeclarationGap as gap:
-            gaps = [f"attnreg's declaration cannot serve it: {r}" for r in gap.reasons]
+    plan, decided, gaps = _plan_phases(facts) if facts.decidable else \
+        (None, frozenset(), list(facts.all_gaps))
+    undecided = frozenset(_PHASES) - decided
+    if undecided:
+        _run_sglang_rules(server_args, gaps, bridge, undecided)
     if plan is None:
-        _leave_to_sglang(server_args, gaps, bridge)
         setattr(server_args, _OUTCOME_ATTR, SglangOutcome(
             facts, None, (), tuple(bridge), before, _current_modes(server_args)))
         return
-    for decision in plan.decisions:
+    decisions = tuple(d for d in plan.decisions if d.phase is None or d.phase in decided)
+    for decision in decisions:
         _log_policy(decision)
-    after: dict[Phase, GraphMode] = {}
+    after = _current_modes(server_args)
     for phase in _PHASES:
+        if phase not in decided:
+            continue
         mode = plan.phase(phase).mode
         _declare(server_args, phase, mode)
         after[phase] = mode
@@ -235,4 +272,4 @@ def policy_step(server_args: Any) -> None:
         bridge.append(declared)
         _log_bridge(declared)
     setattr(server_args, _OUTCOME_ATTR, SglangOutcome(
-        facts, plan, plan.decisions, tuple(bridge), before, after))
+        facts, plan, decisions, tuple(bridge), before, after, decided))
