@@ -6,12 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import torch
-
 from attnreg.registry import ForwardMode, GraphMode, Phase
 from attnreg.registry.capabilities import PHASE_FORWARD_MODES
 
 from .batch import ForwardBatch, PrefixChunk
+from .indices import BatchIndices, IndexFields, accepts_index_keywords
 
 __all__ = [
     "ATTENTION_CAPTURE_MODES",
@@ -51,11 +50,14 @@ def phase_of(forward_mode: ForwardMode | str) -> Phase:
     return _PHASE_OF[ForwardMode.parse(forward_mode)]
 
 
+@accepts_index_keywords
 @dataclass
-class ForwardMetadata(Generic[PlanT]):
+class ForwardMetadata(IndexFields, Generic[PlanT]):
     """What the forward hooks read: device tensors, host bounds and the backend's plan.
 
-    Eager metadata references the batch's own tensors and carries host copies
+    ``indices`` (:class:`~attnreg.runtime.BatchIndices`) holds the device index
+    tensors, readable by their names (``md.seq_lens``, ``md.page_table`` ...).
+    Eager metadata shares the batch's own ``indices`` and carries host copies
     of the lengths (``seq_lens_cpu`` ...).  Graph metadata references slices of
     the preallocated graph buffers; its host copies are None (lengths change
     at every replay without the host being asked), and ``max_seq_len`` /
@@ -67,13 +69,7 @@ class ForwardMetadata(Generic[PlanT]):
     forward_mode: ForwardMode
     batch_size: int
     num_tokens: int
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    page_table: torch.Tensor
-    out_cache_loc: torch.Tensor
+    indices: BatchIndices
     max_seq_len: int
     max_extend_len: int
     graph_mode: GraphMode = GraphMode.DISABLED
@@ -107,11 +103,7 @@ class ForwardMetadata(Generic[PlanT]):
         """Eager metadata referencing ``batch``'s tensors (no plan yet)."""
         return cls(
             forward_mode=batch.forward_mode, batch_size=batch.batch_size,
-            num_tokens=batch.num_tokens, seq_lens=batch.seq_lens,
-            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
-            qo_indptr=batch.qo_indptr, kv_indptr=batch.kv_indptr,
-            page_table=batch.page_table, out_cache_loc=batch.out_cache_loc,
-            max_seq_len=batch.max_seq_len, max_extend_len=batch.max_extend_len,
+            num_tokens=batch.num_tokens, indices=batch.indices, max_seq_len=batch.max_seq_len, max_extend_len=batch.max_extend_len,
             batch=batch, seq_lens_cpu=batch.seq_lens_cpu,
             prefix_lens_cpu=batch.prefix_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu,
             num_kv_tokens=batch.num_kv_tokens)
