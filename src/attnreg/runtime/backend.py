@@ -1,11 +1,8 @@
 """The lifecycle every attention backend follows (modelled on sglang's ``AttentionBackend``).
 
-A backend subclasses :class:`AttentionBackend` and implements ``_forward_decode_impl``
-and ``_forward_extend_impl`` (plus optional planning hooks).  Every request is asked
-of ``self.refusals`` (:mod:`attnreg.runtime.refusals`, built once from the
-declaration) before a hook runs, and refused with one UnsupportedError listing every
-reason; graph bookkeeping is :class:`~attnreg.runtime.GraphState`'s, chunked-prefix
-MHA is :mod:`attnreg.runtime.chunked_prefix`.  Lifecycle (docs/runtime.md)::
+The contract only: refusals are :mod:`attnreg.runtime.refusals`' (one UnsupportedError
+with every reason, before any launch), graph bookkeeping :class:`GraphState`'s and
+chunked-prefix MHA :mod:`attnreg.runtime.chunked_prefix`'s.  Lifecycle (docs/runtime.md)::
 
     eager:   init_forward_metadata(batch) -> forward_decode / forward_extend
     graphs:  init_cuda_graph_state(max_bs, max_num_tokens)           once
@@ -20,12 +17,11 @@ from typing import Any, Generic
 
 import torch
 
-from attnreg.graph_policy.capture import current_capture, in_eager_break
+from attnreg.graph_policy.capture import current_capture
 from attnreg.registry import (
     Capabilities,
     CaptureShape,
     CaptureSupport,
-    DType,
     ForwardMethod,
     ForwardMode,
     GraphMode,
@@ -33,19 +29,13 @@ from attnreg.registry import (
 )
 
 from .batch import ForwardBatch, PrefixChunk
-from .chunked_prefix import merge_prefix_chunks, prefix_chunks
+from .chunked_prefix import merge_prefix_chunks
 from .config import MLAConfig
-from .dtypes import device_num_sms, resolve_device
+from .dtypes import resolve_device
 from .errors import KernelErrors
 from .graph_buffers import BuffersT, GraphState
 from .lse import PrefixDecompress
-from .metadata import (
-    ATTENTION_CAPTURE_MODES,
-    DEFAULT_CAPTURE_MODE,
-    ForwardMetadata,
-    PlanT,
-    phase_of,
-)
+from .metadata import ATTENTION_CAPTURE_MODES, ForwardMetadata, PlanT, graph_mode_now, phase_of
 from .pool import MLAKVLayer, MLAKVPool
 from .refusals import Refusal, RequestChecker, refusal_error
 
@@ -55,16 +45,12 @@ __all__ = ["AttentionBackend"]
 class AttentionBackend(Generic[PlanT, BuffersT]):
     """Base class of MLA attention backends.
 
-    Constructed by ``BackendRegistry.create(name, config)`` as ``cls(config,
-    capabilities=caps, **kwargs)`` (``kwargs``: backend options; the base class takes
-    none, so a misspelt option is an error).  Subclasses implement the ``_forward_*_impl``
-    hooks and may override the planning hooks (``_init_metadata_impl``,
-    ``_init_graph_state_impl``, ``_init_capture_impl``, ``_init_replay_impl``,
-    ``_write_kv``); a hook runs only on a request ``self.refusals`` accepted.  ``PlanT``
-    is the dataclass a backend plans per batch (``md.plan``), ``BuffersT`` that of its
-    graph buffers (``graph_state.buffers``).  Shapes: docs/runtime.md, "Shapes".
-    Raises UnsupportedError at creation for a ``config.page_size`` none of the
-    kernels that read the paged pool declares.
+    Built by ``BackendRegistry.create`` as ``cls(config, capabilities=caps, **options)``
+    (the base class takes no option: a misspelt one is an error).  Subclasses implement
+    the ``_forward_*_impl`` hooks and may override the planning hooks; a hook runs only
+    on a request ``self.refusals`` accepted.  ``PlanT``: the backend's per-batch plan
+    (``md.plan``); ``BuffersT``: its graph buffers (``graph_state.buffers``).  A
+    ``config.page_size`` no kernel reading the paged pool declares is refused here.
     """
 
     #: Overridden per instance by ``capabilities.backend``.
@@ -94,14 +80,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         """The graph mode the code runs under for ``phase``: ``current_capture()``,
         DISABLED inside an ``eager_break``; a CUDA stream capturing with no
         ``capturing()`` context captures attention (FULL decode, BREAKABLE prefill)."""
-        if in_eager_break():
-            return GraphMode.DISABLED
-        mode = current_capture()
-        if mode is not None:
-            return mode
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return DEFAULT_CAPTURE_MODE[Phase.parse(phase)]
-        return GraphMode.DISABLED
+        return graph_mode_now(phase, self.device)
 
     def capture_support(self, phase: Phase | str, mode: GraphMode | str) -> CaptureSupport:
         """The declared :class:`CaptureSupport` for (phase, mode)."""
@@ -141,13 +120,9 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     def capture_shape(self, max_bs: int, max_num_tokens: int, max_seq_len: int
                       ) -> CaptureShape:
         """The :class:`~attnreg.registry.CaptureShape` graph buffers are sized for (what the
-        declared ``CaptureMemory.estimate`` is asked about): this rank's heads, page size,
-        KV dtype and the device's multiprocessor count (0 off CUDA)."""
-        return CaptureShape(max_batch_size=max_bs, max_num_tokens=max_num_tokens,
-                            max_seq_len=max_seq_len, num_heads=self.config.num_heads,
-                            page_size=self.config.page_size,
-                            kv_dtype=DType.parse(self.config.kv_dtype),
-                            num_sms=device_num_sms(self.device) or 0)
+        declared ``CaptureMemory.estimate`` is asked about)."""
+        return GraphState.shape_for(self.config, self.device, max_bs, max_num_tokens,
+                                    max_seq_len)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *,
                               max_seq_len: int | None = None,
@@ -161,11 +136,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         if max_bs < 1 or max_num_tokens < max_bs:
             raise ValueError(f"need 1 <= max_bs <= max_num_tokens, got max_bs={max_bs}, "
                              f"max_num_tokens={max_num_tokens}")
-        ctx = current_capture()
-        wanted = ({Phase.parse(p): GraphMode.parse(m) for p, m in graph_modes.items()}
-                  if graph_modes is not None
-                  else RequestChecker.modes_of_context(ctx) if ctx is not None else None)
-        modes, refused = self.refusals.capture_modes(wanted)
+        modes, refused = self.refusals.capture_modes(graph_modes, current_capture())
         self._refuse(refused)
         max_seq_len = int(max_seq_len or self.config.max_context_len)
         state: GraphState[BuffersT] = GraphState.allocate(
@@ -181,19 +152,15 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                                       forward_mode: ForwardMode | str | None = None) -> None:
         """Bind the graph buffers for one captured shape; call it *before* capturing.
 
-        q has ``bs`` (decode) or ``num_tokens`` rows; speculative shapes are decode-phase
-        with ``num_tokens = bs * draft tokens`` (TARGET_VERIFY serves exactly that many
-        per sequence, DRAFT_EXTEND 1 up to that many).  ``batch``: one padded up to the
-        shape (None: a dummy in the padding page); ``forward_mode``: the batch's, or
-        DECODE.  Raises UnsupportedError with every reason the declaration or the graph
-        state refuses the shape.  Afterwards ``forward_*`` (this batch or None) record
-        launches reading the graph buffers, which each replay refills.
-        """
+        q has ``bs`` (decode) or ``num_tokens`` rows (speculative: ``bs * draft tokens``).
+        ``batch``: one padded up to the shape (None: a dummy in the padding page);
+        ``forward_mode``: the batch's, or DECODE.  Afterwards ``forward_*`` (this batch or
+        None) record launches reading the graph buffers, which each replay refills."""
         state = self._require_graph_state()
         fmode = ForwardMode.parse(forward_mode) if forward_mode is not None else (
             batch.forward_mode if batch is not None else ForwardMode.DECODE)
         phase = phase_of(fmode)
-        mode = current_capture() or state.graph_modes.get(phase) or DEFAULT_CAPTURE_MODE[phase]
+        mode = state.capture_mode(phase)
         self._refuse(self.refusals.capture(state, fmode, phase, mode, bs, num_tokens))
         if batch is None:
             batch = state.dummy_batch(fmode, bs, num_tokens, self.config.page_size, self.device)
@@ -208,15 +175,14 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     def init_forward_metadata_replay(self, bs: int, num_tokens: int, batch: ForwardBatch,
                                      forward_mode: ForwardMode | str | None = None) -> None:
         """Copy ``batch`` into the graph buffers of the captured shape, outside the graph,
-        before the replay; missing sequences get length 0, missing tokens the padding
-        slot.  UnsupportedError when no graph was captured for it, or the batch does
-        not fit."""
+        before the replay (missing sequences get length 0, missing tokens the padding
+        slot); refused when no graph was captured for it, or the batch does not fit."""
         fmode = ForwardMode.parse(forward_mode) if forward_mode is not None \
             else batch.forward_mode
         state = self.graph_state
-        self._refuse(self.refusals.replay(state, fmode, bs, num_tokens))
-        assert state is not None
-        md = state.captured[(fmode, bs, num_tokens)]
+        md = None if state is None else state.captured_for(fmode, bs, num_tokens)
+        if state is None or md is None:
+            raise refusal_error(self.name, self.refusals.replay(state, fmode, bs, num_tokens))
         self._validate_batch(batch)
         self._refuse(self.refusals.graph_fit(state, md, batch))
         state.fill(md, batch, self.config.page_size)
@@ -228,9 +194,8 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         return [] if self.graph_state is None else list(self.graph_state.captured.values())
 
     def graph_buffer_bytes(self) -> int:
-        """Bytes of the tensors this backend holds for graphs (its buffers and captured
-        plans, not the runtime's index buffers: ``GraphState.base_bytes``), read from the
-        typed state, so it also works where no device allocator can be asked."""
+        """Bytes of this backend's graph buffers and captured plans (not the runtime's
+        ``GraphState.base_bytes``), from the typed state: no device allocator asked."""
         return 0 if self.graph_state is None else self.graph_state.buffer_bytes()
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[PlanT]) -> None:
@@ -240,15 +205,16 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
             self.graph_state.zero_padded_rows(out, md)
 
     def _require_graph_state(self) -> GraphState[BuffersT]:
-        self._refuse(self.refusals.graph_state(self.graph_state))
-        assert self.graph_state is not None
+        if self.graph_state is None:
+            raise refusal_error(self.name, self.refusals.graph_state(None))
         return self.graph_state
 
     def _require_buffers(self) -> BuffersT:
         """The backend's own graph buffers (refused before ``init_cuda_graph_state``)."""
-        self._refuse(self.refusals.graph_state(self.graph_state, buffers=True))
-        assert self.graph_state is not None and self.graph_state.buffers is not None
-        return self.graph_state.buffers
+        state = self._require_graph_state()
+        if state.buffers is None:
+            raise refusal_error(self.name, self.refusals.graph_state(state, buffers=True))
+        return state.buffers
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, q: torch.Tensor, latent_new: torch.Tensor | None,
@@ -283,11 +249,12 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                                           want_lse))
         if latent_new is not None and rope_new is not None:
             self._write_kv(kv, md, latent_new, rope_new)
-        out = self._new(out, q, (md.batch_size, q.shape[1], self.config.kv_lora_rank))
+        if out is None:
+            out = q.new_empty((md.batch_size, q.shape[1], self.config.kv_lora_rank))
         if not want_lse:
             self._forward_decode_impl(q, kv, md, out)
             return out
-        lse_out = self._new(lse, q, (md.batch_size, q.shape[1]), torch.float32)
+        lse_out = self._lse(lse, q)
         self._forward_decode_impl(q, kv, md, out, lse=lse_out)
         self._mask_padded_lse(lse_out, md)
         return out, lse_out
@@ -304,14 +271,11 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         """Write the new tokens (when given) into layer ``layer_id`` of ``pool``, then attend:
         EXTEND and the speculative TARGET_VERIFY / DRAFT_EXTEND (absorbed MLA) batches.
 
-        ``method``: MLA (q ``[T, H, 576]`` over ``pool`` -> ``[T, H, 512]``), MHA (q
-        ``[T, H, 192]``, ``k`` / ``v`` ``[Tk, H, 192]`` / ``[Tk, H, 128]`` ragged by
-        ``kv_indptr`` -> ``[T, H, 128]``) or MHA_CHUNKED_KV (eager; ``k`` / ``v`` of the
-        new tokens, the prefix read from ``pool`` in chunks of ``chunk_tokens`` and
-        decompressed by ``decompress(latent, rope) -> (k, v)``:
-        :mod:`attnreg.runtime.chunked_prefix`).  ``out``, ``layer_id``, ``return_lse`` /
-        ``lse`` as for :meth:`forward_decode`; docs/runtime.md, "Shapes".
-        """
+        ``method``: MLA (q ``[T, H, 576]`` over ``pool``), MHA (``k`` / ``v`` ragged by
+        ``kv_indptr``) or MHA_CHUNKED_KV (eager; ``k`` / ``v`` of the new tokens, the
+        prefix read in chunks of ``chunk_tokens`` and decompressed by ``decompress(latent,
+        rope) -> (k, v)``: :mod:`attnreg.runtime.chunked_prefix`).  Other options as for
+        :meth:`forward_decode`; docs/runtime.md, "Shapes"."""
         method = ForwardMethod.parse(method)
         md = self._metadata_for(batch)
         mode = self.active_graph_mode(md.phase)
@@ -324,19 +288,18 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
             self._write_kv(kv, md, latent_new, rope_new)
         v_dim = self.config.kv_lora_rank if method is ForwardMethod.MLA else \
             self.config.mha_head_dims[1]
-        out = self._new(out, q, (md.num_tokens, q.shape[1], v_dim))
+        if out is None:
+            out = q.new_empty((md.num_tokens, q.shape[1], v_dim))
         chunked = method is ForwardMethod.MHA_CHUNKED_KV
         if not (want_lse or chunked):  # chunks merge by their LSE: the kernel produces it
             self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v)
             return out
-        lse_out = self._new(lse, q, (md.num_tokens, q.shape[1]), torch.float32)
+        lse_out = self._lse(lse, q)
         self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v, lse=lse_out)
-        if chunked and any(md.prefix_lens_cpu or ()):
-            assert kv is not None and decompress is not None
-            merge_prefix_chunks(q, kv, md, out, lse_out,
-                                chunks=prefix_chunks(md, chunk_tokens, self.config.page_size),
-                                decompress=decompress, attend=self._forward_prefix_chunk_impl,
-                                checker=self.refusals)
+        if chunked:
+            merge_prefix_chunks(q, kv, md, out, lse_out, decompress=decompress,
+                                chunk_tokens=chunk_tokens, page_size=self.config.page_size,
+                                attend=self._forward_prefix_chunk_impl, checker=self.refusals)
         self._mask_padded_lse(lse_out, md)
         return (out, lse_out) if want_lse else out
 
@@ -345,9 +308,8 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         """Plan an eager batch (host values allowed); set ``md.plan``."""
 
     def _init_graph_state_impl(self, state: GraphState[BuffersT]) -> None:
-        """Preallocate backend buffers for graphs up to ``state``'s bounds into
-        ``state.buffers``, sized from ``state.capture_shape`` by the function the
-        declaration's ``CaptureMemory`` uses, for the modes in ``state.graph_modes``."""
+        """Allocate ``state.buffers`` for ``state.graph_modes``, sized from
+        ``state.capture_shape`` by the function the declared ``CaptureMemory`` uses."""
 
     def _init_capture_impl(self, md: ForwardMetadata[PlanT]) -> None:
         """Bind views of the preallocated buffers for one captured shape into ``md.plan``."""
@@ -357,29 +319,24 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
 
     def _write_kv(self, pool: MLAKVLayer, md: ForwardMetadata[PlanT], latent_new: torch.Tensor,
                   rope_new: torch.Tensor) -> None:
-        """Write new tokens' rows at ``md.out_cache_loc`` of one layer (override for a fused
-        kernel)."""
+        """Write new tokens' rows at ``md.out_cache_loc`` (override for a fused kernel)."""
         pool.write(md.out_cache_loc, latent_new, rope_new)
 
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
                              md: ForwardMetadata[PlanT], out: torch.Tensor, *,
                              lse: torch.Tensor | None = None) -> None:
-        """Absorbed decode into ``out`` [B, H, 512]; new tokens are already in ``pool`` (the
-        layer read: ``buffer``, ``kv_scale``, ``scale_tensor``).  ``lse`` (float32 [B, H])
-        is passed only where the decode kernel declares ``lse``."""
+        """Absorbed decode into ``out`` over ``pool`` (the layer, new tokens written);
+        ``lse`` (float32 [B, H]) only where the decode kernel declares ``lse``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement decode")
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[PlanT], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
-        """Extend attention into ``out``; for MLA the new tokens are already in ``pool``.
-
-        ``md.forward_mode`` is EXTEND, TARGET_VERIFY or DRAFT_EXTEND (the latter two:
-        MLA over the pool, as an extend with a prefix).  MHA_CHUNKED_KV: causal ragged
-        MHA of the new tokens over ``k`` / ``v`` of the new tokens (ragged by
-        ``md.qo_indptr``), always with ``lse``.
-        """
+        """Extend attention into ``out`` (EXTEND, or MLA over the pool for TARGET_VERIFY /
+        DRAFT_EXTEND); for MLA the new tokens are already in ``pool``.  MHA_CHUNKED_KV:
+        causal MHA of the new tokens over their ``k`` / ``v`` (ragged by ``qo_indptr``),
+        always with ``lse``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement extend")
 
     def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -392,8 +349,8 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                                   "MHA")
 
     def kernel_errors(self, what: str) -> KernelErrors:
-        """Turn a kernel library's pre-launch ``ValueError`` into UnsupportedError:
-        ``with self.kernel_errors("decode inputs"): launch(...)``."""
+        """``with self.kernel_errors("decode inputs"): launch(...)``: a library's pre-launch
+        ``ValueError`` becomes UnsupportedError."""
         return KernelErrors(self.name, what)
 
     def _validate_batch(self, batch: ForwardBatch) -> None:
@@ -419,17 +376,13 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
             self.init_forward_metadata(batch)
             md = self.forward_metadata
         if md is None:
-            self._refuse(self.refusals.no_metadata())
-        assert md is not None
+            raise refusal_error(self.name, self.refusals.no_metadata())
         return md
 
     @staticmethod
-    def _new(given: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...],
-             dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``given`` (already checked), else a new tensor of ``shape`` beside ``q``."""
-        if given is not None:
-            return given
-        return torch.empty(shape, dtype=dtype or q.dtype, device=q.device)
+    def _lse(given: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+        """``given`` (already checked), else a float32 ``[q rows, heads]``."""
+        return given if given is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
 
     def _mask_padded_lse(self, lse: torch.Tensor, md: ForwardMetadata[PlanT]) -> None:
         """Padding rows of a replayed graph get an LSE of -inf (they attend no key)."""

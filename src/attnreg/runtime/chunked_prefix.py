@@ -45,17 +45,23 @@ def prefix_chunks(md: ForwardMetadata[Any], chunk_tokens: int | None,
     return found
 
 
-def merge_prefix_chunks(q: torch.Tensor, kv: MLAKVLayer, md: ForwardMetadata[Any],
+def merge_prefix_chunks(q: torch.Tensor, kv: MLAKVLayer | None, md: ForwardMetadata[Any],
                         out: torch.Tensor, lse: torch.Tensor, *,
-                        chunks: list[PrefixChunk], decompress: PrefixDecompress,
-                        attend: ChunkAttention, checker: RequestChecker) -> None:
-    """Fold every prefix chunk into ``out`` / ``lse``, which hold the new tokens' causal
-    attention over themselves; both are updated in place.
+                        decompress: PrefixDecompress | None, chunk_tokens: int | None,
+                        page_size: int, attend: ChunkAttention,
+                        checker: RequestChecker) -> None:
+    """Fold every prefix chunk of the batch into ``out`` / ``lse``, which hold the new
+    tokens' causal attention over themselves; both are updated in place.  Nothing to do
+    for a batch without a prefix.
 
-    ``checker`` refuses a ``decompress`` that returns rows of the wrong shape or dtype.
+    ``checker`` (which has accepted the request: a prefix comes with ``kv`` and
+    ``decompress``) refuses a ``decompress`` returning rows of the wrong shape or dtype.
     """
+    if not any(md.prefix_lens_cpu or ()):
+        return
+    assert kv is not None and decompress is not None
     acc = out.float()
-    for chunk in chunks:
+    for chunk in prefix_chunks(md, chunk_tokens, page_size):
         n = chunk.num_tokens
         if n == 0:
             continue

@@ -19,11 +19,14 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from attnreg.registry import CaptureShape, ForwardMode, GraphMode, Phase
+from attnreg.graph_policy.capture import current_capture
+from attnreg.registry import CaptureShape, DType, ForwardMode, GraphMode, Phase
 
 from .batch import ForwardBatch
+from .config import MLAConfig
+from .dtypes import device_num_sms
 from .indices import BatchIndices
-from .metadata import ForwardMetadata
+from .metadata import DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import PADDING_PAGE
 
 __all__ = ["BuffersT", "GraphState", "tensor_bytes"]
@@ -72,6 +75,22 @@ class GraphState(Generic[BuffersT]):
             indices=BatchIndices.zeros(max_bs, max_num_tokens, max_pages, device),
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
             pad_mask=torch.zeros(max_num_tokens, dtype=torch.bool, device=device))
+
+    def capture_mode(self, phase: Phase) -> GraphMode:
+        """The mode ``phase`` is captured in: the ``capturing()`` mode, else the one this
+        state was allocated for, else the one that captures attention."""
+        return current_capture() or self.graph_modes.get(phase) or DEFAULT_CAPTURE_MODE[phase]
+
+    @staticmethod
+    def shape_for(config: MLAConfig, device: torch.device, max_bs: int, max_num_tokens: int,
+                  max_seq_len: int) -> CaptureShape:
+        """The :class:`~attnreg.registry.CaptureShape` of these bounds for ``config`` on
+        ``device``: its heads, page size, KV dtype and the device's multiprocessor count
+        (0 off CUDA)."""
+        return CaptureShape(max_batch_size=max_bs, max_num_tokens=max_num_tokens,
+                            max_seq_len=max_seq_len, num_heads=config.num_heads,
+                            page_size=config.page_size, kv_dtype=DType.parse(config.kv_dtype),
+                            num_sms=device_num_sms(device) or 0)
 
     @property
     def base_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""What a forward reads: :class:`ForwardMetadata`, typed by the backend's plan."""
+"""What a forward reads (:class:`ForwardMetadata`, typed by the backend's plan), and the
+phase and graph mode it runs under."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import torch
+
+from attnreg.graph_policy.capture import current_capture, in_eager_break
 from attnreg.registry import ForwardMode, GraphMode, Phase
 from attnreg.registry.capabilities import PHASE_FORWARD_MODES
 
@@ -17,6 +21,7 @@ __all__ = [
     "DEFAULT_CAPTURE_MODE",
     "ForwardMetadata",
     "PlanT",
+    "graph_mode_now",
     "phase_of",
 ]
 
@@ -41,6 +46,22 @@ DEFAULT_CAPTURE_MODE: Mapping[Phase, GraphMode] = {
 #: DECODE, TARGET_VERIFY and DRAFT_EXTEND are decode-phase batches, EXTEND prefill.
 _PHASE_OF: Mapping[ForwardMode, Phase] = {
     mode: phase for phase, modes in PHASE_FORWARD_MODES.items() for mode in modes}
+
+
+def graph_mode_now(phase: Phase | str, device: torch.device) -> GraphMode:
+    """The graph mode code on ``device`` runs under, for ``phase``: the ``capturing()``
+    mode (:func:`~attnreg.graph_policy.capture.current_capture`), DISABLED inside an
+    ``eager_break``; a CUDA stream capturing with no ``capturing()`` context is taken to
+    capture attention (:data:`DEFAULT_CAPTURE_MODE`), so a backend that cannot be
+    captured still refuses with a clear error."""
+    if in_eager_break():
+        return GraphMode.DISABLED
+    mode = current_capture()
+    if mode is not None:
+        return mode
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return DEFAULT_CAPTURE_MODE[Phase.parse(phase)]
+    return GraphMode.DISABLED
 
 
 def phase_of(forward_mode: ForwardMode | str) -> Phase:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ from .batch import SPECULATIVE_MODES, ForwardBatch
 from .config import MLAConfig
 from .dtypes import dtype_from_torch
 from .graph_buffers import GraphState
+from .lse import PrefixDecompress
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import MLAKVLayer
 
@@ -134,14 +136,19 @@ class RequestChecker:
             f"call forward_extend(..., method=ForwardMethod.{pinned.name}) under capture "
             f"(forward_method_for(phase) says which), or run this batch eagerly")]
 
-    def capture_modes(self, wanted: Mapping[Phase, GraphMode] | None
-                      ) -> tuple[dict[Phase, GraphMode], list[Refusal]]:
+    def capture_modes(self, graph_modes: Mapping[Phase | str, GraphMode | str] | None,
+                      context: GraphMode | None) -> tuple[dict[Phase, GraphMode], list[Refusal]]:
         """The modes ``init_cuda_graph_state`` allocates for, and what refuses them.
 
-        ``wanted`` None: every phase whose attention-capturing mode (decode FULL,
-        prefill BREAKABLE) is declared; none declared is a refusal.
+        ``graph_modes`` None: every phase the ``capturing()`` ``context`` captures, else
+        every phase whose attention-capturing mode (decode FULL, prefill BREAKABLE) is
+        declared; none declared is a refusal.
         """
-        if wanted is None:
+        if graph_modes is not None:
+            wanted = {Phase.parse(p): GraphMode.parse(m) for p, m in graph_modes.items()}
+        elif context is not None:
+            wanted = {p: context for p, ms in VALID_GRAPH_MODES.items() if context in ms}
+        else:
             supported: dict[Phase, GraphMode] = {}
             reasons = []
             for phase, mode in DEFAULT_CAPTURE_MODE.items():
@@ -156,11 +163,6 @@ class RequestChecker:
                 "declares FULL decode or BREAKABLE prefill capture")]
         refused = [r for phase, mode in wanted.items() for r in self.graph_mode(phase, mode)]
         return {p: m for p, m in wanted.items() if m is not GraphMode.DISABLED}, refused
-
-    @staticmethod
-    def modes_of_context(ctx: GraphMode) -> dict[Phase, GraphMode]:
-        """Every phase a ``capturing(ctx)`` context captures."""
-        return {p: ctx for p, ms in VALID_GRAPH_MODES.items() if ctx in ms}
 
     # -- forward modes -----------------------------------------------------------------
     def forward_mode(self, fmode: ForwardMode, phase: Phase, mode: GraphMode, query_len: int,
@@ -296,7 +298,7 @@ class RequestChecker:
                    hint)
 
     # -- forwards ----------------------------------------------------------------------
-    def decode(self, md: ForwardMetadata[object], mode: GraphMode, q: torch.Tensor,
+    def decode(self, md: ForwardMetadata[Any], mode: GraphMode, q: torch.Tensor,
                kv: MLAKVLayer, latent: torch.Tensor | None, rope: torch.Tensor | None,
                out: torch.Tensor | None, lse: torch.Tensor | None, want_lse: bool
                ) -> list[Refusal]:
@@ -319,11 +321,11 @@ class RequestChecker:
                 + self.new_rows(kv, latent, rope, md.num_tokens)
                 + self.outputs(q, out, (md.batch_size, q.shape[1], cfg.kv_lora_rank), lse))
 
-    def extend(self, md: ForwardMetadata[object], mode: GraphMode, method: ForwardMethod,
+    def extend(self, md: ForwardMetadata[Any], mode: GraphMode, method: ForwardMethod,
                q: torch.Tensor, kv: MLAKVLayer | None, k: torch.Tensor | None,
                v: torch.Tensor | None, latent: torch.Tensor | None, rope: torch.Tensor | None,
                out: torch.Tensor | None, lse: torch.Tensor | None, want_lse: bool,
-               decompress: object = None, chunk_tokens: int | None = None) -> list[Refusal]:
+               decompress: PrefixDecompress | None = None, chunk_tokens: int | None = None) -> list[Refusal]:
         """Everything ``forward_extend`` refuses (MHA_CHUNKED_KV with :meth:`chunked`)."""
         fmode, phase = md.forward_mode, md.phase
         if fmode is ForwardMode.DECODE:
@@ -368,7 +370,7 @@ class RequestChecker:
         return (refused + self.pool(kv) + self.new_rows(kv, latent, rope, md.num_tokens)
                 + self.outputs(q, out, (md.num_tokens, q.shape[1], v_dim), lse))
 
-    def modes(self, md: ForwardMetadata[object], mode: GraphMode,
+    def modes(self, md: ForwardMetadata[Any], mode: GraphMode,
               method: ForwardMethod) -> list[Refusal]:
         """An extend-method batch's forward mode, graph mode and method together."""
         fmode, phase = md.forward_mode, md.phase
@@ -380,10 +382,11 @@ class RequestChecker:
         return (refused + self.graph_mode(phase, mode, method)
                 + self.forward_mode(fmode, phase, mode, md.max_extend_len, md.extend_lens_cpu))
 
-    def chunked(self, md: ForwardMetadata[object], q: torch.Tensor, kv: MLAKVLayer | None,
+    def chunked(self, md: ForwardMetadata[Any], q: torch.Tensor, kv: MLAKVLayer | None,
                 k: torch.Tensor | None, v: torch.Tensor | None, latent: torch.Tensor | None,
                 rope: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
-                decompress: object, chunk_tokens: int | None) -> list[Refusal]:
+                decompress: PrefixDecompress | None, chunk_tokens: int | None
+                ) -> list[Refusal]:
         """Everything chunked-prefix MHA refuses, past :meth:`extend`'s mode checks."""
         method = ForwardMethod.MHA_CHUNKED_KV
         has_prefix = any(md.prefix_lens_cpu or ())
@@ -470,7 +473,7 @@ class RequestChecker:
         return [Refusal.of(f"layer_id {layer_id}", why, "pass a layer_id of the pool")]
 
     @staticmethod
-    def graph_state(state: GraphState[object] | None, *, buffers: bool = False
+    def graph_state(state: GraphState[Any] | None, *, buffers: bool = False
                     ) -> list[Refusal]:
         """No graph state yet, or (``buffers``) none of the backend's own buffers in it."""
         if state is None:
@@ -484,7 +487,7 @@ class RequestChecker:
                                "init_cuda_graph_state")]
         return []
 
-    def capture(self, state: GraphState[object], fmode: ForwardMode, phase: Phase,
+    def capture(self, state: GraphState[Any], fmode: ForwardMode, phase: Phase,
                 mode: GraphMode, bs: int, num_tokens: int) -> list[Refusal]:
         """Every reason ``(fmode, bs, num_tokens)`` cannot be captured under ``mode``."""
         refused = self.graph_mode(phase, mode)
@@ -514,9 +517,10 @@ class RequestChecker:
         return self.forward_mode(fmode, phase, mode, state.query_bound(fmode, bs, num_tokens))
 
     @staticmethod
-    def replay(state: GraphState[object] | None, fmode: ForwardMode, bs: int, num_tokens: int
+    def replay(state: GraphState[Any] | None, fmode: ForwardMode, bs: int, num_tokens: int
                ) -> list[Refusal]:
-        """No graph captured for the shape ``(fmode, bs, num_tokens)``."""
+        """No graph captured for the shape ``(fmode, bs, num_tokens)`` (none at all before
+        ``init_cuda_graph_state``)."""
         if state is not None and state.captured_for(fmode, bs, num_tokens) is not None:
             return []
         have = sorted((str(m), b, t) for m, b, t in (state.captured if state else ()))
@@ -525,7 +529,7 @@ class RequestChecker:
                            "call init_forward_metadata_capture for this shape first")]
 
     @staticmethod
-    def graph_fit(state: GraphState[object], md: ForwardMetadata[object], batch: ForwardBatch
+    def graph_fit(state: GraphState[Any], md: ForwardMetadata[Any], batch: ForwardBatch
                   ) -> list[Refusal]:
         return _if("batch for this captured graph", state.fit_problems(md, batch),
                    "pad it to a captured shape or run it eagerly")
