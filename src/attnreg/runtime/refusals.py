@@ -284,9 +284,11 @@ class RequestChecker:
         refused = [] if out is None else _if(
             "out tensor", validation.output_problems(out, q, shape),
             "pass out=None to get a new tensor")
+        if lse is None:
+            return refused
         want = (shape[0], q.shape[1])
-        if lse is not None and (tuple(lse.shape) != want or lse.dtype != torch.float32
-                                or lse.device != q.device):
+        if (tuple(lse.shape) != want or lse.dtype != torch.float32
+                or lse.device != q.device):
             refused.append(Refusal.of(
                 "lse tensor", f"got {tuple(lse.shape)} {lse.dtype} on {lse.device}, expected "
                 f"{want} torch.float32 on {q.device}", "pass lse=None to get a new tensor"))
@@ -313,13 +315,18 @@ class RequestChecker:
         if q.dim() != 3:
             return self.query_form(ForwardMethod.MLA, Phase.DECODE, q)
         cfg = self.config
-        return (self.graph_mode(Phase.DECODE, mode, ForwardMethod.MLA)
-                + self.declared(ForwardMethod.MLA, Phase.DECODE, q,
-                                (q.shape[-1], kv.kv_lora_rank), kv_dtype=kv.kv_dtype,
-                                page_size=kv.page_size, lse=want_lse)
-                + self.pool(kv) + self.query(q, md.batch_size, cfg.kv_row_dim)
-                + self.new_rows(kv, latent, rope, md.num_tokens)
-                + self.outputs(q, out, (md.batch_size, q.shape[1], cfg.kv_lora_rank), lse))
+        # one list extended in place: this runs once per layer of every eager step
+        refused = self.declared(ForwardMethod.MLA, Phase.DECODE, q, (q.shape[-1], kv.kv_lora_rank),
+                                kv_dtype=kv.kv_dtype, page_size=kv.page_size, lse=want_lse)
+        if mode is not GraphMode.DISABLED:
+            refused += self.graph_mode(Phase.DECODE, mode, ForwardMethod.MLA)
+        refused += self.pool(kv)
+        refused += self.query(q, md.batch_size, cfg.kv_row_dim)
+        if latent is not None or rope is not None:
+            refused += self.new_rows(kv, latent, rope, md.num_tokens)
+        if out is not None or lse is not None:
+            refused += self.outputs(q, out, (md.batch_size, q.shape[1], cfg.kv_lora_rank), lse)
+        return refused
 
     def extend(self, md: ForwardMetadata[Any], mode: GraphMode, method: ForwardMethod,
                q: torch.Tensor, kv: MLAKVLayer | None, k: torch.Tensor | None,
