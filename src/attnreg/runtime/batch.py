@@ -33,6 +33,7 @@ import torch
 from attnreg.registry import SPECULATIVE_MODES, ForwardMode  # SPECULATIVE_MODES: re-exported
 
 from .dtypes import resolve_device
+from .indices import BatchIndices, IndexFields, accepts_index_keywords
 
 if TYPE_CHECKING:
     from .pool import MLAKVPool
@@ -48,8 +49,9 @@ def _cumsum(values: Sequence[int]) -> list[int]:
     return out
 
 
+@accepts_index_keywords
 @dataclass
-class ForwardBatch:
+class ForwardBatch(IndexFields):
     """One forward pass: device tensors for kernels, host copies for planning.
 
     Build it with :func:`decode_batch` or :func:`extend_batch`; fields are as in
@@ -58,6 +60,8 @@ class ForwardBatch:
     Attributes
     ----------
     forward_mode : ForwardMode
+    indices : BatchIndices
+        The device index tensors, also readable by name (:class:`IndexFields`):
     seq_lens, prefix_lens, extend_lens : int32 Tensor [B]
     qo_indptr, kv_indptr : int32 Tensor [B + 1]
     page_table : int32 Tensor [B, max_pages]
@@ -65,16 +69,14 @@ class ForwardBatch:
         Flat pool slots of the new tokens.
     seq_lens_cpu, prefix_lens_cpu, extend_lens_cpu : tuple[int, ...]
         Host copies of the lengths.
+
+    ``ForwardBatch(forward_mode, seq_lens=..., ..., out_cache_loc=..., seq_lens_cpu=...)``
+    (the seven tensors as keywords) still builds one
+    (:func:`~attnreg.runtime.indices.accepts_index_keywords`).
     """
 
     forward_mode: ForwardMode
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    page_table: torch.Tensor
-    out_cache_loc: torch.Tensor
+    indices: BatchIndices
     seq_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
     extend_lens_cpu: tuple[int, ...]
@@ -225,12 +227,12 @@ class ForwardBatch:
         if loc.shape != (sum(extend),):
             raise ValueError(f"out_cache_loc must list {sum(extend)} slots (one per new "
                              f"token), got shape {tuple(loc.shape)}")
-        return cls(
-            forward_mode=mode, seq_lens=ints(seq), prefix_lens=ints(prefix),
-            extend_lens=ints(extend), qo_indptr=ints(_cumsum(extend)),
-            kv_indptr=ints(_cumsum(seq)), page_table=page_table.to(dev),
-            out_cache_loc=loc, seq_lens_cpu=seq, prefix_lens_cpu=prefix,
-            extend_lens_cpu=extend)
+        indices = BatchIndices(
+            seq_lens=ints(seq), prefix_lens=ints(prefix), extend_lens=ints(extend),
+            qo_indptr=ints(_cumsum(extend)), kv_indptr=ints(_cumsum(seq)),
+            page_table=page_table.to(dev), out_cache_loc=loc)
+        return cls(forward_mode=mode, indices=indices, seq_lens_cpu=seq,
+                   prefix_lens_cpu=prefix, extend_lens_cpu=extend)
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,32 @@
-"""The device buffers every captured shape of a backend reads: :class:`GraphState`.
+"""The graph state of a backend: :class:`GraphState`.
 
-``init_cuda_graph_state`` allocates them once for the largest captured shape;
-each captured shape reads views of them (``ForwardMetadata`` with
-``graph_mode`` set), and ``init_forward_metadata_replay`` copies a real batch
-into them outside the graph.  The backend's own buffers (workspaces, library
-index arrays) hang off :attr:`GraphState.buffers`, a dataclass of its own.
+``init_cuda_graph_state`` allocates the index buffers once for the largest
+captured shape (one :class:`~attnreg.runtime.BatchIndices`); each captured
+shape reads views of them (``ForwardMetadata`` with ``graph_mode`` set), kept
+in :attr:`GraphState.captured` per (forward mode, bs, num_tokens), and
+``init_forward_metadata_replay`` copies a real batch into them outside the
+graph (:meth:`GraphState.fill`).  The backend's own buffers (workspaces,
+library index arrays) hang off :attr:`GraphState.buffers`, a dataclass of its
+own; :meth:`GraphState.buffer_bytes` counts them with the captured plans.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from attnreg.registry import CaptureShape, ForwardMode, GraphMode, Phase
+from attnreg.graph_policy.capture import current_capture
+from attnreg.registry import CaptureShape, DType, ForwardMode, GraphMode, Phase
 
 from .batch import ForwardBatch
-from .metadata import ForwardMetadata
+from .config import MLAConfig
+from .dtypes import device_num_sms
+from .indices import BatchIndices
+from .metadata import DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import PADDING_PAGE
 
 __all__ = ["BuffersT", "GraphState", "tensor_bytes"]
@@ -27,20 +34,21 @@ __all__ = ["BuffersT", "GraphState", "tensor_bytes"]
 #: A backend's own graph buffers (a dataclass: workspaces, library index arrays).
 BuffersT = TypeVar("BuffersT")
 
-_BASE_FIELDS = ("seq_lens", "prefix_lens", "extend_lens", "qo_indptr", "kv_indptr",
-                "page_table", "out_cache_loc", "row_index", "pad_mask")
+#: A captured shape: (forward mode, bs, num_tokens).
+ShapeKey = tuple[ForwardMode, int, int]
 
 
 @dataclass
 class GraphState(Generic[BuffersT]):
     """Device buffers shared by every captured shape (graphs replay one at a time).
 
-    The index buffers mirror :class:`~attnreg.runtime.ForwardBatch` at the
-    largest captured shape; ``row_index`` (0, 1, 2, ...) and ``pad_mask`` let
+    ``indices`` mirrors :class:`~attnreg.runtime.ForwardBatch`'s index tensors at
+    the largest captured shape; ``row_index`` (0, 1, 2, ...) and ``pad_mask`` let
     a backend zero the output rows of padding inside the graph
     (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's
     declared ``CaptureMemory`` is asked about, and what ``buffers`` was sized
-    from.
+    from.  ``captured`` holds the metadata of every shape captured since this
+    state was allocated.
     """
 
     max_bs: int
@@ -49,16 +57,11 @@ class GraphState(Generic[BuffersT]):
     max_pages: int
     graph_modes: dict[Phase, GraphMode]
     capture_shape: CaptureShape
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    page_table: torch.Tensor
-    out_cache_loc: torch.Tensor
+    indices: BatchIndices
     row_index: torch.Tensor
     pad_mask: torch.Tensor
     buffers: BuffersT | None = None
+    captured: dict[ShapeKey, ForwardMetadata[Any]] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, *, max_bs: int, max_num_tokens: int, max_seq_len: int, page_size: int,
@@ -66,23 +69,46 @@ class GraphState(Generic[BuffersT]):
                  device: torch.device) -> GraphState[Any]:
         """Zeroed index buffers for captured shapes up to the given bounds."""
         max_pages = -(-max_seq_len // page_size)
-
-        def ints(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int32, device=device)
-
         return cls(
             max_bs=max_bs, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
             max_pages=max_pages, graph_modes=dict(graph_modes), capture_shape=capture_shape,
-            seq_lens=ints(max_bs), prefix_lens=ints(max_bs), extend_lens=ints(max_bs),
-            qo_indptr=ints(max_bs + 1), kv_indptr=ints(max_bs + 1),
-            page_table=ints(max_bs, max_pages), out_cache_loc=ints(max_num_tokens),
+            indices=BatchIndices.zeros(max_bs, max_num_tokens, max_pages, device),
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
             pad_mask=torch.zeros(max_num_tokens, dtype=torch.bool, device=device))
+
+    def capture_mode(self, phase: Phase) -> GraphMode:
+        """The mode ``phase`` is captured in: the ``capturing()`` mode, else the one this
+        state was allocated for, else the one that captures attention."""
+        return current_capture() or self.graph_modes.get(phase) or DEFAULT_CAPTURE_MODE[phase]
+
+    @staticmethod
+    def shape_for(config: MLAConfig, device: torch.device, max_bs: int, max_num_tokens: int,
+                  max_seq_len: int) -> CaptureShape:
+        """The :class:`~attnreg.registry.CaptureShape` of these bounds for ``config`` on
+        ``device``: its heads, page size, KV dtype and the device's multiprocessor count
+        (0 off CUDA)."""
+        return CaptureShape(max_batch_size=max_bs, max_num_tokens=max_num_tokens,
+                            max_seq_len=max_seq_len, num_heads=config.num_heads,
+                            page_size=config.page_size, kv_dtype=DType.parse(config.kv_dtype),
+                            num_sms=device_num_sms(device) or 0)
 
     @property
     def base_bytes(self) -> int:
         """Bytes of the runtime's own index buffers (not the backend's ``buffers``)."""
-        return sum(getattr(self, name).nbytes for name in _BASE_FIELDS)
+        return self.indices.nbytes + self.row_index.nbytes + self.pad_mask.nbytes
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the backend's ``buffers`` and the plans of every captured shape."""
+        return tensor_bytes(self.buffers, *(md.plan for md in self.captured.values()))
+
+    def captured_for(self, forward_mode: ForwardMode, bs: int,
+                     num_tokens: int) -> ForwardMetadata[Any] | None:
+        """The metadata captured for the shape, or None."""
+        return self.captured.get((forward_mode, bs, num_tokens))
+
+    def keep(self, md: ForwardMetadata[Any]) -> None:
+        """Remember ``md`` as the metadata of its captured shape (what replays fill)."""
+        self.captured[(md.forward_mode, md.batch_size, md.num_tokens)] = md
 
     # -- captured shapes ---------------------------------------------------------------
     @staticmethod
@@ -103,10 +129,7 @@ class GraphState(Generic[BuffersT]):
         """Graph metadata of the captured shape ``(bs, num_tokens)``: views of the buffers."""
         return ForwardMetadata(
             forward_mode=forward_mode, batch_size=bs, num_tokens=num_tokens,
-            seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
-            extend_lens=self.extend_lens[:bs], qo_indptr=self.qo_indptr[:bs + 1],
-            kv_indptr=self.kv_indptr[:bs + 1], page_table=self.page_table[:bs],
-            out_cache_loc=self.out_cache_loc[:num_tokens], max_seq_len=self.max_seq_len,
+            indices=self.indices.view(bs, num_tokens), max_seq_len=self.max_seq_len,
             max_extend_len=self.query_bound(forward_mode, bs, num_tokens), graph_mode=mode)
 
     def dummy_batch(self, forward_mode: ForwardMode, bs: int, num_tokens: int,
@@ -152,23 +175,9 @@ class GraphState(Generic[BuffersT]):
         write to the padding slot.  Device copies only: nothing waits for the
         device.  Check :meth:`fit_problems` first.
         """
-        bs, nt = md.batch_size, md.num_tokens
-        b, t = batch.batch_size, batch.num_tokens
-        cols = min(batch.page_table.shape[1], self.max_pages)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        self.seq_lens[b:bs].zero_()
-        self.prefix_lens[:b].copy_(batch.prefix_lens)
-        self.prefix_lens[b:bs].zero_()
-        self.extend_lens[:b].copy_(batch.extend_lens)
-        self.extend_lens[b:bs].zero_()
-        self.qo_indptr[:b + 1].copy_(batch.qo_indptr)
-        self.qo_indptr[b + 1:bs + 1].fill_(t)
-        self.kv_indptr[:b + 1].copy_(batch.kv_indptr)
-        self.kv_indptr[b + 1:bs + 1].fill_(batch.num_kv_tokens)
-        self.page_table[:bs].fill_(PADDING_PAGE)
-        self.page_table[:b, :cols].copy_(batch.page_table[:, :cols])
-        self.out_cache_loc[:t].copy_(batch.out_cache_loc)
-        self.out_cache_loc[t:nt].fill_(PADDING_PAGE * page_size)
+        self.indices.copy_padded_(batch.indices, bs=md.batch_size, num_tokens=md.num_tokens,
+                                  num_kv_tokens=batch.num_kv_tokens, pad_page=PADDING_PAGE,
+                                  pad_slot=PADDING_PAGE * page_size)
         md.batch = batch
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[Any]) -> None:

@@ -1,4 +1,5 @@
-"""What a forward reads: :class:`ForwardMetadata`, typed by the backend's plan."""
+"""What a forward reads (:class:`ForwardMetadata`, typed by the backend's plan), and the
+phase and graph mode it runs under."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from typing import Generic, TypeVar
 
 import torch
 
+from attnreg.graph_policy.capture import current_capture, in_eager_break
 from attnreg.registry import ForwardMode, GraphMode, Phase
 from attnreg.registry.capabilities import PHASE_FORWARD_MODES
 
 from .batch import ForwardBatch, PrefixChunk
+from .indices import BatchIndices, IndexFields, accepts_index_keywords
 
 __all__ = [
     "ATTENTION_CAPTURE_MODES",
     "DEFAULT_CAPTURE_MODE",
     "ForwardMetadata",
     "PlanT",
+    "graph_mode_now",
     "phase_of",
 ]
 
@@ -44,6 +48,22 @@ _PHASE_OF: Mapping[ForwardMode, Phase] = {
     mode: phase for phase, modes in PHASE_FORWARD_MODES.items() for mode in modes}
 
 
+def graph_mode_now(phase: Phase | str, device: torch.device) -> GraphMode:
+    """The graph mode code on ``device`` runs under, for ``phase``: the ``capturing()``
+    mode (:func:`~attnreg.graph_policy.capture.current_capture`), DISABLED inside an
+    ``eager_break``; a CUDA stream capturing with no ``capturing()`` context is taken to
+    capture attention (:data:`DEFAULT_CAPTURE_MODE`), so a backend that cannot be
+    captured still refuses with a clear error."""
+    if in_eager_break():
+        return GraphMode.DISABLED
+    mode = current_capture()
+    if mode is not None:
+        return mode
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return DEFAULT_CAPTURE_MODE[Phase.parse(phase)]
+    return GraphMode.DISABLED
+
+
 def phase_of(forward_mode: ForwardMode | str) -> Phase:
     """The phase of a forward mode (``PHASE_FORWARD_MODES``): speculative batches
     (TARGET_VERIFY, DRAFT_EXTEND) are decode-phase batches, captured with the decode
@@ -51,11 +71,14 @@ def phase_of(forward_mode: ForwardMode | str) -> Phase:
     return _PHASE_OF[ForwardMode.parse(forward_mode)]
 
 
+@accepts_index_keywords
 @dataclass
-class ForwardMetadata(Generic[PlanT]):
+class ForwardMetadata(IndexFields, Generic[PlanT]):
     """What the forward hooks read: device tensors, host bounds and the backend's plan.
 
-    Eager metadata references the batch's own tensors and carries host copies
+    ``indices`` (:class:`~attnreg.runtime.BatchIndices`) holds the device index
+    tensors, readable by their names (``md.seq_lens``, ``md.page_table`` ...).
+    Eager metadata shares the batch's own ``indices`` and carries host copies
     of the lengths (``seq_lens_cpu`` ...).  Graph metadata references slices of
     the preallocated graph buffers; its host copies are None (lengths change
     at every replay without the host being asked), and ``max_seq_len`` /
@@ -67,13 +90,7 @@ class ForwardMetadata(Generic[PlanT]):
     forward_mode: ForwardMode
     batch_size: int
     num_tokens: int
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    page_table: torch.Tensor
-    out_cache_loc: torch.Tensor
+    indices: BatchIndices
     max_seq_len: int
     max_extend_len: int
     graph_mode: GraphMode = GraphMode.DISABLED
@@ -107,11 +124,7 @@ class ForwardMetadata(Generic[PlanT]):
         """Eager metadata referencing ``batch``'s tensors (no plan yet)."""
         return cls(
             forward_mode=batch.forward_mode, batch_size=batch.batch_size,
-            num_tokens=batch.num_tokens, seq_lens=batch.seq_lens,
-            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
-            qo_indptr=batch.qo_indptr, kv_indptr=batch.kv_indptr,
-            page_table=batch.page_table, out_cache_loc=batch.out_cache_loc,
-            max_seq_len=batch.max_seq_len, max_extend_len=batch.max_extend_len,
+            num_tokens=batch.num_tokens, indices=batch.indices, max_seq_len=batch.max_seq_len, max_extend_len=batch.max_extend_len,
             batch=batch, seq_lens_cpu=batch.seq_lens_cpu,
             prefix_lens_cpu=batch.prefix_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu,
             num_kv_tokens=batch.num_kv_tokens)

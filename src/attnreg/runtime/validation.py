@@ -1,10 +1,13 @@
 """Input checks of the runtime contract: pure functions that return what is wrong.
 
 Each function returns a list of problems (empty when the input is fine) and
-changes nothing; :class:`~attnreg.runtime.AttentionBackend` raises one
-:class:`~attnreg.registry.UnsupportedError` listing them, before any kernel
-launch.  Engines can call them too, e.g. to validate a batch they built
-themselves once in a debug build.
+changes nothing; :class:`~attnreg.runtime.refusals.RequestChecker` decides
+which a request needs, and :class:`~attnreg.runtime.AttentionBackend` raises
+one :class:`~attnreg.registry.UnsupportedError` listing them, before any
+kernel launch.  Engines can call them too, e.g. to validate a batch they
+built themselves once in a debug build.  ``INDEX_FIELDS`` (the index tensors
+of a batch, every one int32 on the backend's device) is
+:data:`attnreg.runtime.indices.INDEX_FIELDS`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from attnreg.registry import Capabilities, ForwardMethod
 
 from .batch import ForwardBatch
 from .config import MLAConfig
+from .indices import INDEX_FIELDS
 from .pool import MLAKVLayer, MLAKVPool
 
 __all__ = [
@@ -30,10 +34,6 @@ __all__ = [
     "ragged_kv_problems",
 ]
 
-#: The index tensors of a batch; every one must be int32 on the backend's device.
-INDEX_FIELDS = ("seq_lens", "prefix_lens", "extend_lens", "qo_indptr", "kv_indptr",
-                "page_table", "out_cache_loc")
-
 
 def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) -> list[str]:
     """What is wrong with ``batch`` for a backend on ``device`` with pages of ``page_size``."""
@@ -42,8 +42,7 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     b, t = len(seq), sum(ext)
     want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
                   "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
-    for name in INDEX_FIELDS:
-        tensor = getattr(batch, name)
+    for name, tensor in batch.indices.items():
         if tensor.dtype != torch.int32:
             problems.append(f"{name} is {tensor.dtype}; index tensors must be int32 "
                             "(convert once with .to(torch.int32) outside the hot path)")

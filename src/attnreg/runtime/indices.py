@@ -1,0 +1,220 @@
+"""The seven index tensors of a batch, as one type: :class:`BatchIndices`.
+
+A :class:`~attnreg.runtime.ForwardBatch`, the graph buffers of
+:class:`~attnreg.runtime.GraphState` and a
+:class:`~attnreg.runtime.ForwardMetadata` each carry one ``BatchIndices``
+(``.indices``), so the tensors are declared once, sliced once
+(:meth:`BatchIndices.view`) and copied into the graph buffers by one method
+(:meth:`BatchIndices.copy_padded_`).  :class:`IndexFields` keeps the old
+attribute names (``md.seq_lens``, ``batch.kv_indptr`` ...) readable and
+assignable, and :func:`accepts_index_keywords` keeps the old constructor
+keywords (``ForwardBatch(seq_lens=..., ...)``, ``dataclasses.replace(md,
+prefix_lens=...)``) working, so backends and plugins written against the
+seven separate fields run unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+__all__ = ["INDEX_FIELDS", "BatchIndices", "IndexFields", "accepts_index_keywords"]
+
+#: The index tensors of a batch, in declaration order; every one is int32 on the
+#: backend's device.
+INDEX_FIELDS: tuple[str, ...] = ("seq_lens", "prefix_lens", "extend_lens", "qo_indptr",
+                                 "kv_indptr", "page_table", "out_cache_loc")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchIndices:
+    """The device index tensors of one batch (all int32).
+
+    Attributes
+    ----------
+    seq_lens, prefix_lens, extend_lens : Tensor [B]
+        Whole, cached and new tokens per sequence (``seq = prefix + extend``).
+    qo_indptr, kv_indptr : Tensor [B + 1]
+        Cumulative ``extend_lens`` (query rows) and ``seq_lens`` (ragged MHA K / V).
+    page_table : Tensor [B, max_pages]
+    out_cache_loc : Tensor [num_tokens]
+        Flat pool slots of the new tokens.
+
+    Frozen: a batch and the eager metadata planned from it share one object;
+    changing a tensor means a new ``BatchIndices`` (:meth:`replace`).
+    """
+
+    FIELDS: ClassVar[tuple[str, ...]] = INDEX_FIELDS
+
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    page_table: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+    @classmethod
+    def zeros(cls, max_bs: int, max_num_tokens: int, max_pages: int,
+              device: torch.device) -> BatchIndices:
+        """Zeroed buffers for batches up to ``max_bs`` sequences and ``max_num_tokens`` tokens."""
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int32, device=device)
+
+        return cls(seq_lens=ints(max_bs), prefix_lens=ints(max_bs), extend_lens=ints(max_bs),
+                   qo_indptr=ints(max_bs + 1), kv_indptr=ints(max_bs + 1),
+                   page_table=ints(max_bs, max_pages), out_cache_loc=ints(max_num_tokens))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The seven tensors in :data:`INDEX_FIELDS` order."""
+        return (self.seq_lens, self.prefix_lens, self.extend_lens, self.qo_indptr,
+                self.kv_indptr, self.page_table, self.out_cache_loc)
+
+    def items(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        """``(name, tensor)`` pairs in :data:`INDEX_FIELDS` order."""
+        return tuple(zip(INDEX_FIELDS, self.tensors()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def replace(self, **changes: torch.Tensor) -> BatchIndices:
+        """A copy with some tensors replaced (the object itself is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+    def view(self, bs: int, num_tokens: int) -> BatchIndices:
+        """The leading ``bs`` sequences and ``num_tokens`` tokens (views, no copy)."""
+        return BatchIndices(
+            seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs],
+            extend_lens=self.extend_lens[:bs], qo_indptr=self.qo_indptr[:bs + 1],
+            kv_indptr=self.kv_indptr[:bs + 1], page_table=self.page_table[:bs],
+            out_cache_loc=self.out_cache_loc[:num_tokens])
+
+    def copy_padded_(self, src: BatchIndices, *, bs: int, num_tokens: int, num_kv_tokens: int,
+                     pad_page: int, pad_slot: int) -> None:
+        """Copy ``src`` (b sequences, t tokens) into the first ``bs`` / ``num_tokens``
+        rows of these buffers and pad the rest, in place.
+
+        Padding sequences get lengths 0 (their indptr entries repeat the last real
+        one: ``t`` for ``qo_indptr``, ``num_kv_tokens``, the host total of
+        ``src.seq_lens``, for ``kv_indptr``) and pages of ``pad_page``; padding
+        tokens write to ``pad_slot``.  Page-table columns beyond these buffers'
+        width are dropped.  Device copies only: nothing waits for the device.
+        """
+        b, t = src.seq_lens.shape[0], src.out_cache_loc.shape[0]
+        cols = min(src.page_table.shape[1], self.page_table.shape[1])
+        for dst, values in ((self.seq_lens, src.seq_lens), (self.prefix_lens, src.prefix_lens),
+                            (self.extend_lens, src.extend_lens)):
+            dst[:b].copy_(values)
+            dst[b:bs].zero_()
+        self.qo_indptr[:b + 1].copy_(src.qo_indptr)
+        self.qo_indptr[b + 1:bs + 1].fill_(t)
+        self.kv_indptr[:b + 1].copy_(src.kv_indptr)
+        self.kv_indptr[b + 1:bs + 1].fill_(num_kv_tokens)
+        self.page_table[:bs].fill_(pad_page)
+        self.page_table[:b, :cols].copy_(src.page_table[:, :cols])
+        self.out_cache_loc[:t].copy_(src.out_cache_loc)
+        self.out_cache_loc[t:num_tokens].fill_(pad_slot)
+
+
+class IndexFields:
+    """The seven index tensors of ``self.indices`` as attributes (read and assign).
+
+    Mixed into :class:`~attnreg.runtime.ForwardBatch` and
+    :class:`~attnreg.runtime.ForwardMetadata`.  Assigning one (``md.seq_lens =
+    t``) gives this object a new ``BatchIndices``; an object sharing the old one
+    (the batch of eager metadata) is not changed.
+    """
+
+    __slots__ = ()
+    indices: BatchIndices
+
+    def _set_index(self, name: str, value: torch.Tensor) -> None:
+        self.indices = dataclasses.replace(self.indices, **{name: value})
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.indices.seq_lens
+
+    @seq_lens.setter
+    def seq_lens(self, value: torch.Tensor) -> None:
+        self._set_index("seq_lens", value)
+
+    @property
+    def prefix_lens(self) -> torch.Tensor:
+        return self.indices.prefix_lens
+
+    @prefix_lens.setter
+    def prefix_lens(self, value: torch.Tensor) -> None:
+        self._set_index("prefix_lens", value)
+
+    @property
+    def extend_lens(self) -> torch.Tensor:
+        return self.indices.extend_lens
+
+    @extend_lens.setter
+    def extend_lens(self, value: torch.Tensor) -> None:
+        self._set_index("extend_lens", value)
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        return self.indices.qo_indptr
+
+    @qo_indptr.setter
+    def qo_indptr(self, value: torch.Tensor) -> None:
+        self._set_index("qo_indptr", value)
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.indices.kv_indptr
+
+    @kv_indptr.setter
+    def kv_indptr(self, value: torch.Tensor) -> None:
+        self._set_index("kv_indptr", value)
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self.indices.page_table
+
+    @page_table.setter
+    def page_table(self, value: torch.Tensor) -> None:
+        self._set_index("page_table", value)
+
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.indices.out_cache_loc
+
+    @out_cache_loc.setter
+    def out_cache_loc(self, value: torch.Tensor) -> None:
+        self._set_index("out_cache_loc", value)
+
+
+_C = TypeVar("_C", bound=type)
+_INDEX_NAMES = frozenset(INDEX_FIELDS)
+
+
+def accepts_index_keywords(cls: _C) -> _C:
+    """Let the dataclass ``cls`` (with an ``indices`` field) also be built from the seven
+    tensors as keywords, as before :class:`BatchIndices` existed.
+
+    ``cls(..., seq_lens=t, ...)`` with all seven builds the ``BatchIndices``;
+    with ``indices=`` and some of them (what ``dataclasses.replace(obj,
+    seq_lens=t)`` passes), those replace the ones in ``indices``.
+    """
+    init = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs and not _INDEX_NAMES.isdisjoint(kwargs):
+            given = {name: kwargs.pop(name) for name in INDEX_FIELDS if name in kwargs}
+            base = kwargs.get("indices")
+            kwargs["indices"] = (BatchIndices(**given) if base is None
+                                 else dataclasses.replace(base, **given))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
