@@ -215,7 +215,9 @@ class SessionStep:
     metadata) and the batch when it runs eagerly (or as TC_PIECEWISE's eager
     attention).  ``inputs`` / ``outputs`` are the tensors to attend and write:
     views of the static buffers in a graph, the caller's inputs (outputs None:
-    allocated by the backend) on an eager run.
+    allocated by the backend) on an eager run.  ``bucket``: the captured bucket
+    this call is part of (None on an eager run): a step with tensors of its own
+    picks that bucket's.
     """
 
     session: GraphSession
@@ -223,6 +225,7 @@ class SessionStep:
     batch: ForwardBatch | None
     inputs: StepInputs | None
     outputs: list[torch.Tensor] | None
+    bucket: int | None = None
 
 
 #: A session's step: attention over its layers (default :meth:`GraphSession.attend`).
@@ -278,6 +281,10 @@ class GraphSession:
         ``after_attention(SessionStep)`` runs inside the captured function after
         the step (TC_PIECEWISE: as a captured piece); the place for the caller's
         own ``eager_break.run(...)`` under BREAKABLE.  Not run on eager steps.
+    static_inputs : bool
+        Allocate the static inputs and outputs (:attr:`statics`, sized for the
+        largest bucket); False for a ``step`` that reads tensors of its own
+        (then :meth:`run` takes no inputs and returns no outputs).
     runner : GraphRunner, optional
         Record into this runner (an engine's other sessions share its memory
         pool); default a new one built from the options below.
@@ -300,7 +307,7 @@ class GraphSession:
                  max_seq_len: int | None = None, max_requests: int | None = None,
                  max_kv_rows: int | None = None, writes_kv: bool = True,
                  step: StepFn | None = None, after_attention: StepFn | None = None,
-                 runner: GraphRunner | None = None, mempool: Any = None,
+                 static_inputs: bool = True, runner: GraphRunner | None = None, mempool: Any = None,
                  forbid_sync: bool = False, before_replay: Callable[[], object] | None = None,
                  device_graphs: bool | None = None, capture_error_mode: str = "global",
                  warmup: int = 1, recorder: GraphRecorder | None = None) -> None:
@@ -332,9 +339,9 @@ class GraphSession:
             raise ValueError(f"layers must be >= 1, got {layers}")
         if self.layers > pool.num_layers:
             raise ValueError(f"{self.layers} layers asked, the pool has {pool.num_layers}")
-        pinned = backend.forward_method_for(self.phase, self.mode)
+        # an explicit method is the caller's (the suite checks the backend refuses it)
         self.method = ForwardMethod.parse(method) if method is not None else (
-            pinned or ForwardMethod.MLA)
+            backend.forward_method_for(self.phase, self.mode) or ForwardMethod.MLA)
         self.max_seq_len = int(max_seq_len or backend.config.max_context_len)
         self.max_requests = int(max_requests) if max_requests else None
         self.writes_kv = bool(writes_kv)
@@ -347,10 +354,11 @@ class GraphSession:
         #: steps run, by rule id (:class:`SessionCounts`)
         self.counts = SessionCounts()
         self._shapes = {key: self._shape(key) for key in self._keys()}
-        if self.method is not ForwardMethod.MLA and max_kv_rows is None and step is None:
+        if self.method is not ForwardMethod.MLA and max_kv_rows is None and static_inputs:
             raise ValueError(f"the {self.method} method attends ragged k / v: give max_kv_rows")
+        #: the static inputs and outputs (None with ``static_inputs=False``)
         self.statics: StaticBuffers | None = (
-            self._allocate(max_kv_rows or 0) if step is None else None)
+            self._allocate(max_kv_rows or 0) if static_inputs else None)
         self._graphs: dict[BucketKey, CapturedGraph] = {}
         self._state_ready = False
         #: TC_PIECEWISE: the batch the eager attention plans at the next (re)run
@@ -458,6 +466,8 @@ class GraphSession:
     def init_graph_state(self) -> None:
         """``init_cuda_graph_state`` for the largest bucket (once; :meth:`capture` calls it).
 
+        Skipped when the backend's graph state (another session's) already covers
+        this phase, mode and bounds: sessions of one backend then share it.
         TC_PIECEWISE captures no attention, so it allocates nothing.
         """
         if self._state_ready or self.mode is GraphMode.TC_PIECEWISE:
@@ -465,6 +475,14 @@ class GraphSession:
             return
         max_bs = max(bs for bs, _ in self._shapes.values())
         max_tokens = max(max(nt for _, nt in self._shapes.values()), max_bs)
+        state = self.backend.graph_state
+        if (state is not None and state.graph_modes.get(self.phase) is self.mode
+                and state.max_bs >= max_bs and state.max_num_tokens >= max_tokens
+                and state.max_seq_len >= self.max_seq_len):
+            # another session of this backend allocated state that covers this one: a new
+            # init_cuda_graph_state would drop the metadata its graphs replay with
+            self._state_ready = True
+            return
         with capturing(self.mode):
             self.backend.init_cuda_graph_state(max_bs, max_tokens, max_seq_len=self.max_seq_len,
                                                graph_modes={self.phase: self.mode})
@@ -522,7 +540,7 @@ class GraphSession:
             batch = self._lookup(batches, key)
             given = self._lookup(inputs, key)
             if given is not None:
-                self._fill(key, given)
+                self.load(key, given)
             self.bind(key, batch)
             self.record(key)
         return dict(self._graphs)
@@ -552,9 +570,9 @@ class GraphSession:
                     rows: int | None = None) -> SessionStep:
         """The step of bucket ``key`` over the static views (``rows`` of them)."""
         if self.statics is None:
-            return SessionStep(self, key[0], batch, None, None)
+            return SessionStep(self, key[0], batch, None, None, key[1])
         inputs, outs = self._views(self._shapes[key][1] if rows is None else rows)
-        return SessionStep(self, key[0], batch, inputs, outs)
+        return SessionStep(self, key[0], batch, inputs, outs, key[1])
 
     def _function(self, key: BucketKey, attention_only: bool = False) -> Callable[[], None]:
         """What is captured for ``key``: the step over the static views, then the caller's
@@ -700,7 +718,7 @@ class GraphSession:
         graph = self.graph(key)
         rows = batch.num_tokens
         if inputs is not None:
-            self._fill(key, inputs)
+            self.load(key, inputs)
         self._replay_metadata(key, batch)
         graph.replay()
         if self.statics is None:
@@ -765,8 +783,9 @@ class GraphSession:
             raise SessionError(f"inputs for {inputs.layers} layers, the session attends "
                                f"{self.layers}")
 
-    def _fill(self, key: BucketKey, inputs: StepInputs) -> None:
-        """Copy ``inputs`` into the static inputs of ``key``; zero its padding rows."""
+    def load(self, key: BucketKey, inputs: StepInputs) -> None:
+        """Copy ``inputs`` into the static inputs of bucket ``key``; zero its padding rows
+        (what :meth:`replay` does first; for a caller that warms up or captures itself)."""
         s = self.statics
         if s is None:
             return
