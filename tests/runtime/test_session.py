@@ -16,7 +16,9 @@ torch = pytest.importorskip("torch")
 from attnreg.graph_policy import EngineFacts, GraphConfig, ReplayGate, ServerFeatures, resolve  # noqa: E402
 from attnreg.graph_policy.capture import eager_break  # noqa: E402
 from attnreg.registry import ForwardMode, get_registry  # noqa: E402
+from attnreg.graph_policy.sync import Agreed  # noqa: E402
 from attnreg.runtime import (  # noqa: E402
+    SYNC_EAGER,
     GraphSession,
     MLAConfig,
     SessionError,
@@ -290,3 +292,27 @@ def test_inputs_for_the_wrong_number_of_layers_are_refused(decode_session):
     ses, pool = decode_session
     with pytest.raises(SessionError, match="inputs for 1 layers, the session attends 2"):
         ses.run(decode_batch(pool, [4]), _inputs(1, layers=1))
+
+
+def _agreed(replay: bool, bucket: int | None) -> Agreed:
+    return Agreed(replay=replay, bucket=bucket, forward_mode=ForwardMode.DECODE,
+                  num_tokens=(1, 4), max_seq_len=40, ineligible_ranks=() if replay else (1,))
+
+
+def test_the_groups_agreement_decides_the_bucket_and_an_other_ranks_eager(decode_session,
+                                                                          oracle):
+    ses, pool = decode_session
+    batch = decode_batch(pool, [33])
+    inputs = _inputs(1, layers=2, seed=12)
+    res = ses.run(batch, inputs, agreed=_agreed(True, 4))
+    assert res.replayed and res.bucket == 4, "padded to the bucket the group agreed on"
+    assert _close(res.outputs[1], oracle.forward_decode(inputs.q[1], None, None, pool, batch,
+                                                        layer_id=1))
+    before = ses.counts.eager[SYNC_EAGER]
+    res = ses.run(batch, inputs, agreed=_agreed(False, None))
+    assert not res.replayed and res.rule == SYNC_EAGER and res.reason.rule == "gate.ok"
+    assert ses.counts.eager[SYNC_EAGER] == before + 1
+    with pytest.raises(SessionError, match="bucket 8, which this session did not capture"):
+        ses.run(batch, inputs, agreed=_agreed(True, 8))
+    with pytest.raises(SessionError, match="this rank's gate refuses it"):
+        ses.run(decode_batch(pool, [3] * 5), _inputs(5, layers=2), agreed=_agreed(True, 4))

@@ -53,6 +53,8 @@ from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
 from .pool import PADDING_PAGE, MLAKVLayer, MLAKVPool
 from .session import (
+    SYNC_EAGER,
+    AgreedStep,
     BucketKey,
     GraphSession,
     SessionCounts,
@@ -71,6 +73,8 @@ __all__ = [
     "FP8_E4M3_MAX",
     "PADDING_PAGE",
     "SPECULATIVE_MODES",
+    "SYNC_EAGER",
+    "AgreedStep",
     "AttentionBackend",
     "BucketKey",
     "CaptureStats",

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -51,8 +51,24 @@ from .dtypes import torch_dtype
 from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
 from .pool import MLAKVPool
 
-__all__ = ["BucketKey", "GraphSession", "SessionCounts", "SessionError", "SessionStep",
+__all__ = ["SYNC_EAGER", "AgreedStep", "BucketKey", "GraphSession", "SessionCounts", "SessionError", "SessionStep",
            "StaticBuffers", "StepInputs", "StepResult", "replay_batch"]
+
+#: The count key of a step the gate would replay but that ran eagerly because another
+#: data-parallel rank could not replay it (``Agreed.replay`` False).
+SYNC_EAGER = "sync.other_rank_eager"
+
+
+class AgreedStep(Protocol):
+    """What a data-parallel group agreed for a step (:class:`attnreg.graph_policy.sync`'s
+    ``Agreed``): replay or not, and the bucket every rank pads to."""
+
+    @property
+    def replay(self) -> bool: ...
+
+    @property
+    def bucket(self) -> int | None: ...
+
 
 #: A captured graph of a session: (forward mode, bucket).  Decode-phase buckets are
 #: batch sizes, prefill buckets token counts.
@@ -138,14 +154,21 @@ class StepResult:
     ``outputs``: every layer's attention output, real rows only (a replay's are
     views of the session's static outputs, valid until the next step; clone
     what you keep).  ``replayed``: whether a graph ran; ``bucket``: the one it
-    ran (None when eager); ``reason``: the gate's answer (``gate.ok`` on a
-    replay, the rule that sent it eager otherwise).
+    ran (None when eager); ``reason``: this rank's gate answer (``gate.ok`` on
+    a replay, the rule that sent it eager otherwise); ``rule``: what decided
+    the step (the reason's rule, or :data:`SYNC_EAGER` when the gate said
+    replay but another data-parallel rank could not).
     """
 
     outputs: list[torch.Tensor]
     replayed: bool
     bucket: int | None
     reason: ReplayReason
+    rule: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.rule:
+            object.__setattr__(self, "rule", self.reason.rule)
 
     @property
     def output(self) -> torch.Tensor:
@@ -155,7 +178,11 @@ class StepResult:
 
 @dataclass
 class SessionCounts:
-    """Steps a session ran, by rule id: ``replayed["gate.ok"]``, ``eager["gate.batch_slots"]``."""
+    """Steps a session ran, by rule id: ``replayed["gate.ok"]``, ``eager["gate.batch_slots"]``.
+
+    Keys are the gate's rule ids, and :data:`SYNC_EAGER` for a step another
+    data-parallel rank sent eager.
+    """
 
     replayed: Counter[str] = field(default_factory=Counter)
     eager: Counter[str] = field(default_factory=Counter)
@@ -680,21 +707,46 @@ class GraphSession:
         return True, bucket, ReplayReason("gate.ok", "the batch replays a captured graph")
 
     def run(self, batch: ForwardBatch, inputs: StepInputs | None = None, *,
-            facts: ReplayBatch | None = None) -> StepResult:
+            facts: ReplayBatch | None = None, agreed: AgreedStep | None = None) -> StepResult:
         """One step: ask the gate, then replay the bucket (padded) or run eagerly.
 
         ``inputs``: this step's attention inputs (real rows); None when the
         caller's own step reads its own tensors (``step=``), or the static
-        inputs already hold them.  Counted in :attr:`counts` by rule id.
+        inputs already hold them.  ``agreed``: what the data-parallel group
+        agreed for this step (:func:`attnreg.graph_policy.sync` of
+        ``gate.facts(...)``): replay at its bucket, or run eagerly when another
+        rank could not replay (counted as :data:`SYNC_EAGER`).  Counted in
+        :attr:`counts` by rule id.
+
+        Raises
+        ------
+        SessionError
+            When the group agreed to replay a batch this rank's gate refuses, or
+            at a bucket this session did not capture (the ranks' plans differ).
         """
         ok, bucket, reason = self.decide(batch, facts)
+        rule = reason.rule
+        if agreed is not None:
+            if agreed.replay and not ok:
+                raise SessionError(f"the data-parallel group agreed to replay this step, but "
+                                   f"this rank's gate refuses it ({reason}): the ranks were "
+                                   "asked about different facts or plans")
+            if agreed.replay:
+                bucket = agreed.bucket
+                if bucket is None or (batch.forward_mode, bucket) not in self._graphs:
+                    raise SessionError(
+                        f"the data-parallel group agreed on {batch.forward_mode} bucket "
+                        f"{bucket}, which this session did not capture (captured "
+                        f"{list(self.buckets)}): the ranks' plans differ")
+            elif ok:
+                ok, rule = False, SYNC_EAGER
         if ok:
             assert bucket is not None
             outputs = self.replay(batch, inputs, bucket=bucket)
         else:
             outputs = self.eager(batch, inputs)
-        self.counts.record(ok, reason.rule)
-        return StepResult(outputs, ok, bucket if ok else None, reason)
+        self.counts.record(ok, rule)
+        return StepResult(outputs, ok, bucket if ok else None, reason, rule)
 
     def replay(self, batch: ForwardBatch, inputs: StepInputs | None = None, *,
                bucket: int | None = None) -> list[torch.Tensor]:
