@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from attnreg.graph_policy import EngineFacts, GraphConfig, ReplayGate, ServerFeatures, resolve  # noqa: E402
 from attnreg.graph_policy.capture import eager_break  # noqa: E402
-from attnreg.registry import ForwardMode, get_registry  # noqa: E402
 from attnreg.graph_policy.sync import Agreed  # noqa: E402
+from attnreg.registry import ForwardMode, get_registry  # noqa: E402
 from attnreg.runtime import (  # noqa: E402
     SYNC_EAGER,
     GraphSession,
