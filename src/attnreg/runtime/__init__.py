@@ -14,7 +14,8 @@ draft extend), :mod:`.lse` (the log-sum-exp convention, ``merge_attention_states
 :mod:`.validation` (pure input checks), :mod:`.graph_buffers` (``GraphState``),
 :mod:`.errors` (kernel-error translation), :mod:`.backend`
 (``AttentionBackend``), :mod:`.graph_runner` (``GraphRunner``), :mod:`.session`
-(``GraphSession``: bucket, pad, replay metadata, replay or eager).
+(``GraphSession``: bucket, pad, replay metadata, replay or eager) and
+:mod:`.session_types` (its inputs, result and counters).
 """
 
 from .backend import AttentionBackend
@@ -52,11 +53,11 @@ from .graph_runner import (
 from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
 from .pool import PADDING_PAGE, MLAKVLayer, MLAKVPool
-from .session import (
+from .session import GraphSession
+from .session_types import (
     SYNC_EAGER,
     AgreedStep,
     BucketKey,
-    GraphSession,
     SessionCounts,
     SessionError,
     SessionStep,
