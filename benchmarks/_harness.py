@@ -62,7 +62,7 @@ class Section:
     Attributes
     ----------
     id : str
-        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec`` or ``pool``.
+        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec``, ``session`` or ``pool``.
     title : str
     module : str
         The module under ``benchmarks`` that holds the three functions below.
@@ -127,6 +127,8 @@ SECTIONS: tuple[Section, ...] = (
             "prefill", needs=("ceilings",)),
     Section("spec", "Speculative decoding: a 4-draft verify step, graph vs eager vs decode",
             "speculative"),
+    Section("session", "8-layer DeepSeek-shaped attention step through GraphSession: decode "
+            "and 4-draft verify, graph vs eager, host time of a step", "session_step"),
     Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host",
             results="cpu-startup.json"),
     Section("pool", "MLAKVPool.free: 100,000 pages of a 400,000-page pool", "pool_free",
@@ -367,20 +369,6 @@ class RunContext:
         if self.dry_run:
             calls, rounds = 3, 1
         return self.clock.back_to_back(fn, calls=calls, rounds=rounds)
-
-    # -- graphs ----------------------------------------------------------------------
-    def capture(self, fn: Callable[[], Any], mode: Any, *, warmup: int = 1) -> Any:
-        """``fn`` captured under ``capturing(mode)`` by a new :class:`attnreg.runtime.GraphRunner`.
-
-        Returns the :class:`attnreg.runtime.CapturedGraph`; its ``replay()``
-        never synchronises, so it can be timed back to back.  The runner warms
-        ``fn`` up ``warmup`` times on a side stream first (Triton compiles
-        there) and records into a memory pool of its own.  Without CUDA (dry
-        runs) it records no device graph: capture runs ``fn`` once and each
-        replay runs it again, so the backends' capture-mode code paths still run.
-        """
-        from attnreg.runtime import GraphRunner
-        return GraphRunner(self.device, warmup=warmup).capture(fn, mode)
 
 
 # ----------------------------------------------------------------------------------------

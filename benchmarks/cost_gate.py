@@ -107,7 +107,7 @@ def _mix(text: str) -> tuple[tuple[int, int, int], ...]:
 
 def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
                seed: int) -> dict[str, Any]:
-    from attnreg.runtime import GraphRunner, extend_batch
+    from attnreg.runtime import GraphSession, extend_batch
 
     torch, backend, layers = ctx["torch"], ctx["backend"], ctx["layers"]
     cuda, dev, hidden = ctx["cuda"], ctx["device"], ctx["shape"].hidden
@@ -136,16 +136,12 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
     row: dict[str, Any] = {"batch_size": batch_size, "prefix": prefix, "extend": extend,
                            "tokens": tokens, "padded_tokens": padded}
     out_eager = eager_step()
-    runner: GraphRunner | None = None
+    session: GraphSession | None = None
     if cuda or _captures_prefill(backend):
         x_static = torch.zeros(padded, hidden, dtype=torch.bfloat16, device=dev)
         pos_static = torch.zeros(padded, dtype=torch.long, device=dev)
         x_static[:tokens].copy_(x)
         pos_static[:tokens].copy_(positions)
-        backend.init_cuda_graph_state(batch_size, padded, max_seq_len=max(seq_lens),
-                                      graph_modes={"prefill": "breakable"})
-        backend.init_forward_metadata_capture(batch_size, padded, batch,
-                                              forward_mode=ForwardMode.EXTEND)
 
         def absorbed_stack() -> Any:
             h = x_static
@@ -155,24 +151,29 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
 
         out_static: list[Any] = []
 
-        def capture_stack() -> None:
+        def capture_stack(_: Any) -> None:
             out_static[:] = [absorbed_stack()]
 
-        # the warm-up run on a side stream compiles the kernels outside the capture; on a
-        # cpu the runner records no device graph (capture runs once, replay re-runs)
-        runner = GraphRunner(dev)
-        graph = runner.capture(capture_stack, GraphMode.BREAKABLE)
+        # one token bucket of the graph session, the model's layers as its step (their
+        # own static input x_static); the warm-up run on a side stream compiles the kernels
+        # outside the capture; on a cpu no device graph is recorded (capture runs once,
+        # replay re-runs)
+        session = GraphSession(backend, pools[0], phase="prefill", mode="breakable",
+                               buckets=[padded], max_requests=batch_size,
+                               max_seq_len=max(seq_lens), step=capture_stack,
+                               static_inputs=False)
+        session.capture(batches={padded: batch})
 
         def graph_step() -> Any:
-            backend.init_forward_metadata_replay(batch_size, padded, batch,
-                                                 forward_mode=ForwardMode.EXTEND)
             x_static[:tokens].copy_(x)
             pos_static[:tokens].copy_(positions)
-            graph.replay()
+            assert session is not None
+            session.replay(batch, bucket=padded)
             return out_static[0][:tokens]
 
-        row["graph"] = ("cuda graph (breakable, absorbed MLA pinned)" if runner.device_graphs
-                        else "GraphRunner without device graphs (cpu dry run: replay re-runs "
+        row["graph"] = ("cuda graph (breakable, absorbed MLA pinned)"
+                        if session.runner.device_graphs
+                        else "GraphSession without device graphs (cpu dry run: replay re-runs "
                              "the capture-mode path)")
     else:
         def graph_step() -> Any:
@@ -190,8 +191,8 @@ def _run_class(ctx: dict[str, Any], batch_size: int, prefix: int, extend: int,
     del out_eager, out_graph
     row["graph_timing"] = ctx["clock"].step(graph_step, rep_ms=ctx["rep_ms"])
     row["eager_timing"] = ctx["clock"].step(eager_step, rep_ms=ctx["rep_ms"])
-    if runner is not None:
-        del graph, runner
+    if session is not None:
+        del session
         backend.graph_state = None
     if cuda:
         torch.cuda.synchronize()

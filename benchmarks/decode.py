@@ -166,7 +166,7 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
                     batch: Any, q: Any, ref: Any, *, page_size: int = PAGE_SIZE
                     ) -> dict[str, Any]:
     """Check one backend's decode against ``ref`` and time it (graph replay, else eager)."""
-    from attnreg.registry import GraphMode
+    from attnreg.runtime import GraphSession, StepInputs
 
     torch = ctx.torch
     B = batch.batch_size
@@ -181,17 +181,16 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
     if splits is not None:
         res["max_splits"] = int(splits)
     try:
-        be.init_cuda_graph_state(B, B, max_seq_len=max_len, graph_modes={"decode": "full"})
-        be.init_forward_metadata_capture(B, B, batch)
-        gout = torch.full_like(out, float("nan"))
-        graph = ctx.capture(lambda: be.forward_decode(q, None, None, pool, None, out=gout),
-                            GraphMode.FULL)
-        be.init_forward_metadata_replay(B, B, batch)
-        gout.fill_(float("nan"))
-        graph.replay()
+        session = GraphSession(be, pool, phase="decode", mode="full", buckets=[B],
+                               max_seq_len=max_len, writes_kv=False)
+        session.capture(batches={B: batch}, inputs={B: StepInputs.one(q)})
+        assert session.statics is not None
+        session.statics.outs[0].fill_(float("nan"))
+        gout = session.replay(batch, bucket=B)[0]
         ctx.sync()
         res["rel_err"] = rel_error(ctx.torch, gout[:REF_ROWS], ref)
-        timing = ctx.time(graph.replay)
+        # the kernel in the graph only: its replay metadata was prepared above
+        timing = ctx.time(session.graph(session.keys[0]).replay)
         res["mode"] = "graph"
     except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
         res["graph_error"] = f"{type(exc).__name__}: {exc}"

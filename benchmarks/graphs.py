@@ -3,8 +3,8 @@
 One decode step of an 8-layer DeepSeek-shaped MLA stack
 (:class:`attnreg.profiling.MLALayer`: real projection shapes, random weights,
 attention blocks only, no MoE / MLP), eager (metadata planned each step, as an
-engine does) against CUDA graph replay (``init_forward_metadata_replay`` + replay), per
-backend, at B in {1, 8, 64}.  The step's memory floor (weights + KV over the
+engine does) against CUDA graph replay through :class:`attnreg.runtime.GraphSession`
+(gate, ``init_forward_metadata_replay``, replay), per backend, at B in {1, 8, 64}.  The step's memory floor (weights + KV over the
 copy bandwidth) bounds what a graph can reach.
 
 The eager step is bound by how fast the host issues launches and moves up to
@@ -71,8 +71,9 @@ def run_p4(ctx: RunContext, data: dict[str, Any]) -> None:
     data.update(shape={**asdict(shape), "layers": n_layers, "heads": heads}, seq_len=seq_len,
                 batches=list(batches), weight_bytes=weight_bytes, copy_GBps=copy,
                 variants=[v.label for v in variants], skipped_variants=skipped, rows=[],
-                timing="one step incl. metadata (eager: init_forward_metadata; graph: "
-                       "init_forward_metadata_replay + replay), L2 flushed")
+                timing="one GraphSession step incl. metadata (eager: "
+                       "init_forward_metadata + the layers; graph: GraphSession.run = gate, "
+                       "init_forward_metadata_replay, replay), L2 flushed")
     for v in variants:
         if ctx.out_of_time():
             data["rows"].append({"variant": v.label, "skipped": "time budget used up"})
@@ -83,15 +84,14 @@ def run_p4(ctx: RunContext, data: dict[str, Any]) -> None:
             continue
         try:
             be = create_backend(ctx, v, num_heads=heads, page_size=1, max_context_len=seq_len)
-            be.init_cuda_graph_state(max_b, max_b, max_seq_len=seq_len,
-                                     graph_modes={"decode": "full"})
+            session, model = _p4_session(ctx, layers, be, pools, batches, seq_len)
         except Exception as exc:  # noqa: BLE001
             data["rows"].append({"variant": v.label, "error": f"{type(exc).__name__}: {exc}"})
             continue
         for b in batches:
             row = {"variant": v.label, "B": b}
             try:
-                row.update(_p4_point(ctx, layers, be, pools, batches_by_b[b], b))
+                row.update(_p4_point(ctx, session, model, batches_by_b[b], b))
                 kv_bytes = n_layers * b * seq_len * 576 * 2
                 row["floor_bytes"] = weight_bytes + kv_bytes
                 if copy:
@@ -115,40 +115,65 @@ def decode_step(layers: list[MLALayer], x: Any, positions: Any, backend: Any, po
     return x
 
 
-def _p4_point(ctx: RunContext, layers: list[MLALayer], be: Any, pools: list[Any], batch: Any,
-              b: int) -> dict[str, Any]:
-    from attnreg.registry import GraphMode
+class _P4Step:
+    """The step of the P4 session: every layer over static hidden states, one set per B."""
 
+    def __init__(self, ctx: RunContext, layers: list[MLALayer], pools: list[Any],
+                 batches: Any) -> None:
+        torch = ctx.torch
+        self.layers, self.pools = layers, pools
+        hidden = layers[0].shape.hidden
+        self.x = {b: torch.randn(b, hidden, dtype=torch.bfloat16, device=ctx.device)
+                  for b in batches}
+        self.positions = {b: torch.zeros(b, dtype=torch.long, device=ctx.device)
+                          for b in batches}
+        self.out = {b: torch.empty_like(x) for b, x in self.x.items()}
+
+    def __call__(self, step: Any) -> None:
+        # in a graph: the bucket's statics; eager: those of the batch's size
+        b = step.bucket if step.bucket is not None else step.batch.batch_size
+        self.out[b].copy_(decode_step(self.layers, self.x[b], self.positions[b],
+                                      step.session.backend, self.pools, step.batch))
+
+
+def _p4_session(ctx: RunContext, layers: list[MLALayer], be: Any, pools: list[Any],
+                batches: Any, seq_len: int) -> tuple[Any, _P4Step]:
+    """The backend's decode graph session: a bucket per B, the model step as its step."""
+    from attnreg.runtime import GraphSession
+
+    model = _P4Step(ctx, layers, pools, batches)
+    session = GraphSession(be, pools[0], phase="decode", mode="full", buckets=batches,
+                           max_seq_len=seq_len, step=model, static_inputs=False)
+    session.capture()
+    return session, model
+
+
+def _p4_point(ctx: RunContext, session: Any, model: _P4Step, batch: Any, b: int
+              ) -> dict[str, Any]:
     torch = ctx.torch
-    x = torch.randn(b, layers[0].shape.hidden, dtype=torch.bfloat16, device=ctx.device)
-    positions = (batch.seq_lens - 1).long()
+    model.positions[b].copy_((batch.seq_lens - 1).long())
 
     def eager_step() -> Any:
-        be.init_forward_metadata(batch)
-        return decode_step(layers, x, positions, be, pools, batch)
+        session.eager(batch)
+        return model.out[b]
 
-    eager_out = eager_step()
+    eager_out = eager_step().clone()
     ctx.sync()
-    be.init_forward_metadata_capture(b, b, batch)
-    graph_out = torch.empty_like(eager_out)
-    graph = ctx.capture(lambda: graph_out.copy_(decode_step(layers, x, positions, be, pools,
-                                                            None)),
-                        GraphMode.FULL)
 
     def graph_step() -> None:
-        be.init_forward_metadata_replay(b, b, batch)
-        graph.replay()
+        session.run(batch)
 
-    graph_out.fill_(float("nan"))
+    model.out[b].fill_(float("nan"))
     graph_step()
     ctx.sync()
-    err = rel_error(ctx.torch, graph_out, eager_out.float())
+    err = rel_error(ctx.torch, model.out[b], eager_out.float())
     eager = ctx.time(eager_step)
     replay = ctx.time(graph_step)
     return {"eager_us": eager["median_us"], "graph_us": replay["median_us"],
             "eager_timing": eager, "graph_timing": replay,
             "speedup": eager["median_us"] / replay["median_us"],
-            "graph_vs_eager_rel_err": err, "finite": bool(torch.isfinite(eager_out).all())}
+            "graph_vs_eager_rel_err": err, "finite": bool(torch.isfinite(eager_out).all()),
+            "replayed": session.counts.replays > 0}
 
 
 def _b1(data: dict[str, Any], label: str) -> dict[str, Any] | None:

@@ -215,11 +215,11 @@ class DecodeStep:
 
     def __init__(self, torch: Any, device: str, heads: int, max_bs: int, max_seq: int,
                  seed: int) -> None:
-        from attnreg.graph_policy import capturing
-        from attnreg.registry import GraphMode, Phase, Platform, get_registry
-        from attnreg.runtime import GraphRunner, MLAConfig, decode_batch
+        from attnreg.registry import Platform, get_registry
+        from attnreg.runtime import GraphSession, MLAConfig, StepInputs, decode_batch
 
         self.torch = torch
+        self._inputs = StepInputs.one
         self.real_graphs = device.startswith("cuda")
         self.max_bs, self.max_seq = max_bs, max_seq
         self.config = MLAConfig(num_heads=heads, page_size=GATE_PAGE, kv_dtype="bf16",
@@ -233,23 +233,16 @@ class DecodeStep:
         self.pages = self.pool.allocate([max_seq] * (max_bs + 4))
         self.width = max_seq // GATE_PAGE
         self._decode_batch = decode_batch
-        dev, bf16, c = self.pool.device, torch.bfloat16, self.config
-        self.q = torch.zeros(max_bs, heads, c.kv_row_dim, dtype=bf16, device=dev)
-        self.latent = torch.zeros(max_bs, c.kv_lora_rank, dtype=bf16, device=dev)
-        self.rope = torch.zeros(max_bs, c.qk_rope_head_dim, dtype=bf16, device=dev)
-        self.out = torch.zeros(max_bs, heads, c.kv_lora_rank, dtype=bf16, device=dev)
-        # capture: buffers, metadata for a short batch, then the graph (the runner warms
-        # the forward up first).  thread_local: the process group's watchdog thread may
-        # query CUDA events while this thread captures; "global" would make that an error.
-        # On a cpu the runner records no device graph: capture runs the forward once under
+        # one graph session of one bucket, captured for a short batch (the session warms the
+        # forward up first).  thread_local: the process group's watchdog thread may query
+        # CUDA events while this thread captures; "global" would make that an error.  On a
+        # cpu the session records no device graph: capture runs the forward once under
         # capturing(FULL) and each replay runs it again (the capture-mode code path).
         capture_batch = self.batch([1 + (i * 7) % 16 for i in range(max_bs)])
-        with capturing(GraphMode.FULL):
-            self.backend.init_cuda_graph_state(max_bs, max_bs, max_seq_len=max_seq,
-                                               graph_modes={Phase.DECODE: GraphMode.FULL})
-        self.backend.init_forward_metadata_capture(max_bs, max_bs, batch=capture_batch)
-        self.runner = GraphRunner(device, capture_error_mode="thread_local")
-        self.graph = self.runner.capture(self._forward_static, GraphMode.FULL)
+        self.session = GraphSession(self.backend, self.pool, phase="decode", mode="full",
+                                    buckets=[max_bs], max_seq_len=max_seq,
+                                    capture_error_mode="thread_local")
+        self.session.capture(batches={max_bs: capture_batch})
 
     def batch(self, seq_lens: list[int]) -> Any:
         return self._decode_batch(self.pool, seq_lens, pages=self.pages[:len(seq_lens)],
@@ -264,24 +257,13 @@ class DecodeStep:
         dev = self.pool.device
         return q.to(dev), latent.to(dev), rope.to(dev), seq_lens
 
-    def _forward_static(self) -> None:
-        self.backend.forward_decode(self.q, self.latent, self.rope, self.pool, None,
-                                    out=self.out)
-
     def replay(self, q: Any, latent: Any, rope: Any, seq_lens: list[int]) -> Any:
-        b = len(seq_lens)
-        for static, value in ((self.q, q), (self.latent, latent), (self.rope, rope)):
-            static[:b].copy_(value)
-            static[b:].zero_()
-        self.backend.init_forward_metadata_replay(self.max_bs, self.max_bs,
-                                                  self.batch(seq_lens))
-        self.graph.replay()
-        return self.out[:b].clone()
+        outs = self.session.replay(self.batch(seq_lens), self._inputs(q, latent, rope),
+                                   bucket=self.max_bs)
+        return outs[0].clone()
 
     def eager(self, q: Any, latent: Any, rope: Any, seq_lens: list[int]) -> Any:
-        batch = self.batch(seq_lens)
-        self.backend.init_forward_metadata(batch)
-        return self.backend.forward_decode(q, latent, rope, self.pool, batch)
+        return self.session.eager(self.batch(seq_lens), self._inputs(q, latent, rope))[0]
 
 
 def _gather(torch: Any, dist: Any, rows: list[list[int]], device: Any) -> list[list[list[int]]]:

@@ -6,8 +6,8 @@ size 64) over B = 32 sequences of 4096 cached tokens, for ``triton`` and
 
 * **verify, graph**: a TARGET_VERIFY batch (4 draft tokens per sequence,
   causal among themselves, attending the whole prefix) replayed from a FULL
-  decode-phase graph captured through :class:`attnreg.runtime.GraphRunner`:
-  ``init_forward_metadata_replay`` + ``replay()`` per step;
+  decode-phase graph captured by :class:`attnreg.runtime.GraphSession`:
+  ``GraphSession.run`` (gate, ``init_forward_metadata_replay``, replay) per step;
 * **verify, eager**: the same batch, ``init_forward_metadata`` + ``forward_extend``
   per step (what an engine without verify graphs runs);
 * **decode, graph** / **decode, eager**: plain decode (one token per
@@ -79,8 +79,14 @@ class _Step:
 
     def __init__(self, ctx: RunContext, name: str, batch_size: int, prefix: list[int],
                  heads: int, page_size: int, *, seed: int) -> None:
-        from attnreg.registry import get_registry
-        from attnreg.runtime import GraphRunner, MLAConfig, decode_batch, verify_batch
+        from attnreg.registry import ForwardMode, get_registry
+        from attnreg.runtime import (
+            GraphSession,
+            MLAConfig,
+            StepInputs,
+            decode_batch,
+            verify_batch,
+        )
 
         torch = ctx.torch
         self.torch = torch
@@ -101,63 +107,55 @@ class _Step:
             torch.bfloat16).to(ctx.device)
         self.q_decode = torch.randn(bs, heads, 576, generator=gen).to(
             torch.bfloat16).to(ctx.device)
-        self.out_verify = torch.zeros(bs * DRAFTS, heads, 512, dtype=torch.bfloat16,
-                                      device=ctx.device)
-        self.out_decode = torch.zeros(bs, heads, 512, dtype=torch.bfloat16, device=ctx.device)
-        # one graph state for both graphs, as an engine's decode runner has
-        self.backend.init_cuda_graph_state(bs, bs * DRAFTS, max_seq_len=context,
-                                           graph_modes={"decode": "full"})
-        self.runner = GraphRunner(ctx.device)
-        self.backend.init_forward_metadata_capture(bs, bs * DRAFTS, self.verify,
-                                                   forward_mode="target_verify")
-        self.runner.capture(self._verify_in_graph, "full", key="verify")
-        self.backend.init_forward_metadata_capture(bs, bs, self.decode, forward_mode="decode")
-        self.runner.capture(self._decode_in_graph, "full", key="decode")
+        # one graph session with a decode and a 4-draft verify graph of one bucket, over
+        # one graph state, as an engine's decode runner has; the static q holds this
+        # step's rows (an engine's q projection, captured before attention, writes it)
+        self.session = GraphSession(self.backend, self.pool, phase="decode", mode="full",
+                                    buckets=[bs], writes_kv=False, max_seq_len=context,
+                                    forward_modes={"decode": 1, "target_verify": DRAFTS})
+        self._keys = {"verify": (ForwardMode.TARGET_VERIFY, bs),
+                      "decode": (ForwardMode.DECODE, bs)}
+        self.session.capture(batches={self._keys["verify"]: self.verify,
+                                      self._keys["decode"]: self.decode})
+        self._inputs = {"verify": StepInputs.one(self.q_verify),
+                        "decode": StepInputs.one(self.q_decode)}
         self.bs = bs
 
-    def _verify_in_graph(self) -> None:
-        self.backend.forward_extend(self.q_verify, None, None, self.pool, None,
-                                    out=self.out_verify)
-
-    def _decode_in_graph(self) -> None:
-        self.backend.forward_decode(self.q_decode, None, None, self.pool, None,
-                                    out=self.out_decode)
+    def load(self, kind: str) -> None:
+        """Put the inputs of ``verify_*`` or ``decode_*`` steps into the static q (the two
+        graphs share its rows)."""
+        which = kind.split("_")[0]
+        self.session.load(self._keys[which], self._inputs[which])
 
     # the timed steps: metadata + attention, as one engine step of one layer
-    def verify_graph(self) -> None:
-        self.backend.init_forward_metadata_replay(self.bs, self.bs * DRAFTS, self.verify)
-        self.runner["verify"].replay()
+    def verify_graph(self) -> Any:
+        return self.session.run(self.verify).output
 
-    def verify_eager(self) -> None:
-        self.backend.init_forward_metadata(self.verify)
-        self.backend.forward_extend(self.q_verify, None, None, self.pool, self.verify,
-                                    out=self.out_verify)
+    def verify_eager(self) -> Any:
+        return self.session.eager(self.verify, self._inputs["verify"])[0]
 
-    def decode_graph(self) -> None:
-        self.backend.init_forward_metadata_replay(self.bs, self.bs, self.decode)
-        self.runner["decode"].replay()
+    def decode_graph(self) -> Any:
+        return self.session.run(self.decode).output
 
-    def decode_eager(self) -> None:
-        self.backend.init_forward_metadata(self.decode)
-        self.backend.forward_decode(self.q_decode, None, None, self.pool, self.decode,
-                                    out=self.out_decode)
+    def decode_eager(self) -> Any:
+        return self.session.eager(self.decode, self._inputs["decode"])[0]
 
     def errors(self, ctx: RunContext) -> dict[str, float]:
         """Max |out - float64 oracle| of each step kind (graph and eager)."""
         scale = self.cfg.softmax_scale
         found = {}
-        want_v = _oracle(self.q_verify, self.pool, self.verify, scale)
-        want_d = _oracle(self.q_decode, self.pool, self.decode, scale)
-        for label, step, out, want in (
-                ("verify_graph", self.verify_graph, self.out_verify, want_v),
-                ("verify_eager", self.verify_eager, self.out_verify, want_v),
-                ("decode_graph", self.decode_graph, self.out_decode, want_d),
-                ("decode_eager", self.decode_eager, self.out_decode, want_d)):
-            out.fill_(float("nan"))
-            step()
+        want = {"verify": _oracle(self.q_verify, self.pool, self.verify, scale),
+                "decode": _oracle(self.q_decode, self.pool, self.decode, scale)}
+        for label in ("verify_graph", "verify_eager", "decode_graph", "decode_eager"):
+            self.load(label)
+            out = getattr(self, label)()
             ctx.sync()
-            err = (out.float().cpu() - want).abs().max()
+            err = (out.float().cpu() - want[label.split("_")[0]]).abs().max()
             found[label] = float(err) if bool(self.torch.isfinite(err)) else float("inf")
+        replayed = self.session.counts.replayed.get("gate.ok", 0)
+        if replayed != 2:
+            raise RuntimeError(f"the graph steps replayed {replayed} of 2 times: "
+                               f"{self.session.counts.to_dict()}")
         return found
 
 
@@ -188,8 +186,8 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                        "max_abs_err": MAX_ABS_ERR},
                 backends=names, skipped_backends=skipped, rows=[],
                 timing="one step of one layer incl. its metadata call (graph: "
-                       "init_forward_metadata_replay + replay; eager: init_forward_metadata "
-                       "+ forward), L2 flushed, median")
+                       "GraphSession.run = gate, init_forward_metadata_replay, replay; eager: "
+                       "init_forward_metadata + forward), L2 flushed, median")
     for name in names:
         row: dict[str, Any] = {"backend": name}
         data["rows"].append(row)
@@ -204,6 +202,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
             ctx.log(f"spec: {name}: float64 check {row['errors']}")
             step = _Step(ctx, name, bs, [length] * bs, heads, page_size, seed=5)
             for kind in ("verify_graph", "verify_eager", "decode_graph", "decode_eager"):
+                step.load(kind)
                 row[kind] = ctx.time(getattr(step, kind))
                 ctx.log(f"spec: {name} {kind}: {row[kind]['median_us']:.1f} us")
             del step

@@ -105,8 +105,6 @@ def _p3_point(ctx: RunContext, heads: int, length: int, extend: int,
         try:
             be = create_backend(ctx, v, num_heads=heads, page_size=1,
                                 max_context_len=length + extend)
-            be.init_cuda_graph_state(1, extend, max_seq_len=length + extend,
-                                     graph_modes={"decode": "full", "prefill": "breakable"})
         except Exception as exc:  # noqa: BLE001
             row["results"][v.label] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
@@ -134,25 +132,23 @@ def _p3_graph(ctx: RunContext, be: Any, kind: str, batch: Any, q: Any, ref: Any,
               pool: Any) -> dict[str, Any]:
     """Capture one decode (FULL) or extend (BREAKABLE) call, check a replay, time replays."""
     from attnreg.registry import ForwardMethod, GraphMode
+    from attnreg.runtime import GraphSession, StepInputs
 
-    torch = ctx.torch
-    rows, heads = q.shape[0], q.shape[1]
-    tokens = batch.num_tokens
-    out = torch.full((rows, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
-    be.init_forward_metadata_capture(1, tokens, batch)
-    if kind == "decode":
-        graph = ctx.capture(lambda: be.forward_decode(q, None, None, pool, None, out=out),
-                            GraphMode.FULL)
-    else:
-        graph = ctx.capture(lambda: be.forward_extend(q, None, None, pool, None,
-                                                      method=ForwardMethod.MLA, out=out),
-                            GraphMode.BREAKABLE)
-    be.init_forward_metadata_replay(1, tokens, batch)
-    out.fill_(float("nan"))
-    graph.replay()
+    decode = kind == "decode"
+    bucket = 1 if decode else batch.num_tokens
+    # a graph session of one bucket per kind (each allocates the graph state it captures)
+    session = GraphSession(be, pool, phase="decode" if decode else "prefill",
+                           mode=GraphMode.FULL if decode else GraphMode.BREAKABLE,
+                           buckets=[bucket], max_requests=1, writes_kv=False,
+                           method=None if decode else ForwardMethod.MLA)
+    session.capture(batches={bucket: batch}, inputs={bucket: StepInputs.one(q)})
+    assert session.statics is not None
+    session.statics.outs[0].fill_(float("nan"))
+    out = session.replay(batch, bucket=bucket)[0]
     ctx.sync()
     err = rel_error(ctx.torch, out, ref)
-    timing = ctx.time(graph.replay)
+    # the kernels in the graph only: the replay metadata was prepared above
+    timing = ctx.time(session.graph(next(iter(session.keys))).replay)
     res: dict[str, Any] = {"us": timing["median_us"], "timing": timing, "rel_err": err,
                            "correct": err <= MAX_REL_ERR}
     splits = planned_splits(be.forward_metadata)  # decode or extend: the captured shape's

@@ -1,5 +1,5 @@
 """Triton backend vs the reference on a real GPU, bigger shapes, and real CUDA graph
-capture / replay (through attnreg.runtime.GraphRunner) with other lengths and contents
+capture / replay (through attnreg.runtime.GraphSession) with other lengths and contents
 per replay."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
-from attnreg.runtime import CudaGraphRecorder, GraphRunner, MLAConfig
+from attnreg.registry import ForwardMethod, ForwardMode, UnsupportedError, get_registry
+from attnreg.runtime import CudaGraphRecorder, GraphSession, MLAConfig, StepInputs
 
 from ._scenarios import FP8_SCALE, make_scenario
 
@@ -92,30 +92,25 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
     pool = cfg.make_pool(4 * (max_seq // page_size) * 6 + 8,
                          scale=FP8_SCALE if kv_dtype == "fp8_e4m3" else 1.0)
     pool.fill_canary()
-    tri.init_cuda_graph_state(max_bs=8, max_num_tokens=8, max_seq_len=max_seq)
-    tri.init_forward_metadata_capture(bs, bs)
+    session = GraphSession(tri, pool, phase="decode", mode="full", buckets=[bs],
+                           max_seq_len=max_seq, before_replay=_churn)
+    key = (ForwardMode.DECODE, bs)
+    session.init_graph_state()
+    session.bind(key)
     assert tri.forward_metadata is not None
     assert tri.forward_metadata.plan.splits > 1, "split-KV must survive capture"
-    static_q = torch.zeros(bs, heads, 576, dtype=torch.bfloat16, device="cuda")
-    static_lat = torch.zeros(bs, 512, dtype=torch.bfloat16, device="cuda")
-    static_rope = torch.zeros(bs, 64, dtype=torch.bfloat16, device="cuda")
-    static_out = torch.zeros(bs, heads, 512, dtype=torch.bfloat16, device="cuda")
-    runner = GraphRunner("cuda", before_replay=_churn)
-    graph = runner.capture(lambda: tri.forward_decode(static_q, static_lat, static_rope, pool,
-                                                      out=static_out), GraphMode.FULL)
+    session.record(key)
+    assert session.statics is not None
+    static_out = session.statics.outs[0]
     written: list[int] = []
     replays = [[0, 5, 300, 4095, 17, 1], [2000, 3], [255, 256, 257, 1023, 1024, 3000],
                [4000, 0, 0, 0]]
     for step, prefix in enumerate(replays):
         sc = make_scenario(cfg, prefix, [1] * len(prefix), decode=True, seed=step, pool=pool)
         b = sc.batch.batch_size
-        tri.init_forward_metadata_replay(bs, bs, sc.batch)
-        static_q.zero_()
-        static_q[:b] = sc.q
-        static_lat[:b] = sc.latent_new
-        static_rope[:b] = sc.rope_new
         static_out.fill_(float("nan"))
-        graph.replay()  # the runner's before_replay hook churns the allocator first
+        # the session's replay runs the runner's before_replay hook (allocator churn) first
+        session.replay(sc.batch, StepInputs.one(sc.q, sc.latent_new, sc.rope_new), bucket=bs)
         torch.cuda.synchronize()
         want = ref.forward_decode(sc.q, None, None, pool, sc.batch)
         assert_close(static_out[:b], want)
@@ -134,29 +129,22 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
     bs, tokens = 4, 256
     pool = cfg.make_pool(600)
     pool.fill_canary()
-    tri.init_cuda_graph_state(max_bs=4, max_num_tokens=tokens, max_seq_len=2048,
-                              graph_modes={"prefill": "breakable"})
-    tri.init_forward_metadata_capture(bs, tokens, forward_mode="extend")
-    static_q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16, device="cuda")
-    static_lat = torch.zeros(tokens, 512, dtype=torch.bfloat16, device="cuda")
-    static_rope = torch.zeros(tokens, 64, dtype=torch.bfloat16, device="cuda")
-    static_out = torch.zeros(tokens, 16, 512, dtype=torch.bfloat16, device="cuda")
-    runner = GraphRunner("cuda", before_replay=_churn)
-    graph = runner.capture(lambda: tri.forward_extend(static_q, static_lat, static_rope, pool,
-                                                      method=ForwardMethod.MLA, out=static_out),
-                           GraphMode.BREAKABLE)
+    session = GraphSession(tri, pool, phase="prefill", mode="breakable", buckets=[tokens],
+                           max_requests=bs, max_seq_len=2048, method=ForwardMethod.MLA,
+                           before_replay=_churn)
+    session.capture()
+    assert session.statics is not None
+    static_out = session.statics.outs[0]
     written: list[int] = []
     replays = [([0, 100, 1500, 7], [64, 64, 64, 64]), ([1000], [256]),
                ([0, 0, 3], [1, 200, 2])]
     for step, (prefix, extend) in enumerate(replays):
         sc = make_scenario(cfg, prefix, extend, seed=10 + step, pool=pool)
         t = sc.batch.num_tokens
-        tri.init_forward_metadata_replay(bs, tokens, sc.batch)
-        static_q[:t] = sc.q
-        static_lat[:t] = sc.latent_new
-        static_rope[:t] = sc.rope_new
         static_out.fill_(float("nan"))
-        graph.replay()  # the runner's before_replay hook churns the allocator first
+        # the session's replay runs the runner's before_replay hook (allocator churn) first
+        session.replay(sc.batch, StepInputs.one(sc.q, sc.latent_new, sc.rope_new),
+                       bucket=tokens)
         torch.cuda.synchronize()
         want = ref.forward_extend(sc.q, None, None, pool, sc.batch)
         assert_close(static_out[:t], want)

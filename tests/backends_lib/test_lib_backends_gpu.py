@@ -16,11 +16,12 @@ torch = pytest.importorskip("torch")
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import (
     ForwardMethod,
+    ForwardMode,
     GraphMode,
     UnsupportedError,
     get_registry,
 )
-from attnreg.runtime import GraphRunner, MLAConfig
+from attnreg.runtime import GraphSession, MLAConfig, StepInputs
 from attnreg.testing.capture_harness import CaptureMemoryCheck
 
 from ._cases import Case, assert_close, expected, make_case, make_pool
@@ -116,50 +117,22 @@ def graph_replays(backend, cfg: MLAConfig, cases: list[Case], *, mode: GraphMode
                   max_kv_tokens: int = 0) -> None:
     """Capture with ``cases[0]``; replay every case (the first too) and compare each."""
     decode = cases[0].batch.is_decode
-    phase = "decode" if decode else "prefill"
-    backend.init_cuda_graph_state(bs, num_tokens, max_seq_len=cfg.max_context_len,
-                                  graph_modes={phase: mode})
-    rows = bs if decode else num_tokens
-    q_dim = cases[0].q.shape[-1]
-    dt = cases[0].q.dtype
-    out_dim = cfg.kv_lora_rank if method is ForwardMethod.MLA else cfg.v_head_dim
-    q = torch.zeros(rows, cfg.num_heads, q_dim, dtype=dt, device="cuda")
-    lat = torch.zeros(num_tokens, cfg.kv_lora_rank, dtype=dt, device="cuda")
-    rope = torch.zeros(num_tokens, cfg.qk_rope_head_dim, dtype=dt, device="cuda")
-    out = torch.zeros(rows, cfg.num_heads, out_dim, dtype=dt, device="cuda")
-    k = v = None
-    if method is not ForwardMethod.MLA:
-        qk, dv = cfg.mha_head_dims
-        k = torch.zeros(max_kv_tokens, cfg.num_heads, qk, dtype=dt, device="cuda")
-        v = torch.zeros(max_kv_tokens, cfg.num_heads, dv, dtype=dt, device="cuda")
-    pool = cases[0].pool
-
-    def load(case: Case) -> None:
-        for t in (q, lat, rope, *((k, v) if k is not None else ())):
-            t.zero_()
-        n, t = case.q.shape[0], case.batch.num_tokens
-        q[:n].copy_(case.q)
-        lat[:t].copy_(case.latent_new)
-        rope[:t].copy_(case.rope_new)
-        if k is not None and v is not None and case.k is not None and case.v is not None:
-            k[: case.k.shape[0]].copy_(case.k)
-            v[: case.v.shape[0]].copy_(case.v)
-
-    def step() -> None:
-        if decode:
-            backend.forward_decode(q, lat, rope, pool, out=out)
-        else:
-            backend.forward_extend(q, lat, rope, pool, method=method, k=k, v=v, out=out)
-
-    backend.init_forward_metadata_capture(bs, num_tokens, cases[0].batch)
-    load(cases[0])
+    bucket = bs if decode else num_tokens
     # two side-stream warm-ups: kernels compile and libraries set up state outside the graph
-    graph = GraphRunner("cuda", warmup=2).capture(step, mode)
+    session = GraphSession(backend, cases[0].pool, phase="decode" if decode else "prefill",
+                           mode=mode, buckets=[bucket], max_requests=bs,
+                           max_seq_len=cfg.max_context_len, method=method,
+                           max_kv_rows=max_kv_tokens or None, warmup=2)
+
+    def inputs(case: Case) -> StepInputs:
+        return StepInputs.one(case.q, case.latent_new, case.rope_new, k=case.k, v=case.v)
+
+    session.capture(batches={bucket: cases[0].batch}, inputs={bucket: inputs(cases[0])})
+    assert session.statics is not None
+    out = session.statics.outs[0]
     for case in cases:
-        backend.init_forward_metadata_replay(bs, num_tokens, case.batch)
-        load(case)
         out.fill_(float("nan"))
-        graph.replay()
+        session.replay(case.batch, inputs(case), bucket=bucket)
         torch.cuda.synchronize()
         rows = case.q.shape[0]
         got = out[:rows].clone()
@@ -270,18 +243,13 @@ def test_trtllm_fallback_capture_memory_is_what_it_declares(kv_dtype: str) -> No
     trt = trtllm_backend(cfg)
     pool = make_pool(cfg, 150_000)
     case = make_case(cfg, pool, [300, 0], [40, 56], seed=38)
-    q = torch.zeros(96, cfg.num_heads, cfg.kv_row_dim, dtype=case.q.dtype, device="cuda")
-    out = torch.zeros(96, cfg.num_heads, cfg.kv_lora_rank, dtype=case.q.dtype, device="cuda")
-    q[: case.q.shape[0]].copy_(case.q)
+    session = GraphSession(trt, pool, phase="prefill", mode="breakable", buckets=[96],
+                           max_requests=2, max_seq_len=cfg.max_context_len, writes_kv=False)
+    session.load((ForwardMode.EXTEND, 96), StepInputs.one(case.q))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    trt.init_cuda_graph_state(2, 96, max_seq_len=cfg.max_context_len,
-                              graph_modes={"prefill": "breakable"})
-    trt.init_forward_metadata_capture(2, 96, case.batch)
-    GraphRunner("cuda").capture(
-        lambda: trt.forward_extend(q, None, None, pool, method=ForwardMethod.MLA, out=out),
-        GraphMode.BREAKABLE)
+    session.capture(batches={96: case.batch})
     torch.cuda.synchronize()
     state = trt.graph_state
     assert state is not None

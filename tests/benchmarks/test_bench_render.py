@@ -25,6 +25,7 @@ from benchmarks import (
     overhead,
     prefill,
     render,
+    session_step,
     speculative,
     split_kv,
 )
@@ -131,12 +132,25 @@ def synthetic_device_doc() -> dict[str, Any]:
             "rows": spec_rows, "timing": SYNTHETIC}
     spec["checks"] = [c.to_dict() for c in speculative.checks(spec)]
 
+    spread = {"median": 300.0, "min": 290.0, "max": 320.0}
+    session = {"variants": ["triton"], "layers": 8, "heads": 128, "kv_lora": 512, "rope": 64,
+               "page_size": 64, "seq_len": 2048, "drafts": 4, "runs": 3, "host_batch": 64,
+               "timing": SYNTHETIC,
+               "rows": [{"variant": "triton", "kind": kind, "B": 1, "runs": [x, x + 0.1, x - 0.1],
+                         "speedup": x, "eager_us": spread, "graph_us": spread,
+                         "graph_vs_eager_max_abs": 1e-3}
+                        for kind, x in (("decode", 3.2), ("verify", 2.4))],
+               "host": [{"variant": "triton", "B": 64, "step_us": 25.0, "gate_us": 2.0,
+                         "replay_metadata_us": 15.0, "replay_launch_us": 6.0,
+                         "runs": {"step_us": [24.0, 25.0, 27.0]}}]}
+    session["checks"] = [c.to_dict() for c in session_step.checks(session)]
+
     def ok(data: dict[str, Any]) -> dict[str, Any]:
         return {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": data}
 
     return {"schema": SCHEMA, "meta": _meta(), "sections": {
         "ceilings": ok(ceilings), "P1": ok(p1), "P2": ok(p2), "P3": ok(p3), "P4": ok(p4),
-        "prefill": ok(pf), "P6": ok(p6), "spec": ok(spec),
+        "prefill": ok(pf), "P6": ok(p6), "spec": ok(spec), "session": ok(session),
         "P5": {"title": SYNTHETIC, "status": "skipped", "reason": "measured on the CPU machine",
                "data": {}}}}
 

@@ -76,8 +76,8 @@ def test_a_custom_mix_is_run(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "expected B:P:E" in bad.stderr
 
 
-def test_a_backend_that_captures_prefill_goes_through_the_graph_runner(tmp_path: Path) -> None:
-    """triton declares a BREAKABLE prefill graph: on a cpu the graph path is the runner's
+def test_a_backend_that_captures_prefill_goes_through_the_graph_session(tmp_path: Path) -> None:
+    """triton declares a BREAKABLE prefill graph: on a cpu the graph path is the session's
     capture-mode path (capture runs once, replay re-runs), and it agrees with eager."""
     profile = tmp_path / "dry.json"
     assert main(["calibrate", "--dry-run", "--batch-sizes", "1", "--prefixes", "0",
@@ -89,4 +89,4 @@ def test_a_backend_that_captures_prefill_goes_through_the_graph_runner(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["classes"]
     assert "error" not in row, row
-    assert row["graph"].startswith("GraphRunner without device graphs") and row["agree"] is True
+    assert row["graph"].startswith("GraphSession without device graphs") and row["agree"] is True

@@ -1,5 +1,5 @@
-"""The engine contract on a GPU, with real CUDA graphs: a model step of several layers
-captured once for decode and once for target verify (one graph state), replayed for
+"""The engine contract on a GPU, with real CUDA graphs: a step of several layers captured
+by one GraphSession for decode and for target verify (one graph state), replayed for
 other batches; LSE outputs and chunked-prefix MHA against the reference.  Run for each
 of triton and flashinfer_mla that is available (the conformance suite with
 ``--device cuda`` proves the same claims per declared configuration)."""
@@ -10,10 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attnreg.registry import GraphMode, get_registry  # noqa: E402
+from attnreg.registry import get_registry  # noqa: E402
 from attnreg.runtime import (  # noqa: E402
-    GraphRunner,
+    GraphSession,
     MLAConfig,
+    StepInputs,
     decode_batch,
     extend_batch,
     verify_batch,
@@ -47,21 +48,12 @@ def test_decode_and_verify_graphs_of_a_multi_layer_step_replay_other_batches(nam
     backend = _backend(name, cfg)
     reference = get_registry().create("reference", cfg)
     pool = _pool(cfg)
-    rows = MAX_BS * DRAFTS
-    q = [torch.zeros(rows, H, 576, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
-    out = [torch.zeros(rows, H, 512, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
-    backend.init_cuda_graph_state(MAX_BS, rows, max_seq_len=CONTEXT,
-                                  graph_modes={"decode": "full"})
-    runner = GraphRunner("cuda")
-
-    def step(n: int, forward) -> None:  # type: ignore[no-untyped-def]
-        for i in range(LAYERS):
-            forward(q[i][:n], None, None, pool, None, layer_id=i, out=out[i][:n])
-
-    backend.init_forward_metadata_capture(MAX_BS, rows, forward_mode="target_verify")
-    runner.capture(lambda: step(rows, backend.forward_extend), GraphMode.FULL, key="verify")
-    backend.init_forward_metadata_capture(MAX_BS, MAX_BS, forward_mode="decode")
-    runner.capture(lambda: step(MAX_BS, backend.forward_decode), GraphMode.FULL, key="decode")
+    # one session: decode and verify graphs of one bucket over one graph state
+    session = GraphSession(backend, pool, phase="decode", mode="full", buckets=[MAX_BS],
+                           layers=LAYERS, writes_kv=False, max_seq_len=CONTEXT,
+                           forward_modes={"decode": 1, "target_verify": DRAFTS})
+    session.capture()
+    assert all(g.device_graphs for g in (session.graph(k) for k in session.keys))
     pages = pool.allocate([CONTEXT] * MAX_BS, shuffle=3)
     g = torch.Generator(device="cuda").manual_seed(1)
     for prefixes in ([1900, 5, 700], [64, 1000, 3, 2000, 17, 129, 512, 1]):
@@ -71,19 +63,21 @@ def test_decode_and_verify_graphs_of_a_multi_layer_step_replay_other_batches(nam
                 if mode == "verify" else decode_batch(pool, [p + 1 for p in prefixes],
                                                       pages=pages[:n_seq])
             n = batch.num_tokens
-            for i in range(LAYERS):
-                q[i][:n] = torch.randn(n, H, 576, generator=g, device="cuda")
-                out[i].fill_(float("nan"))
-            backend.init_forward_metadata_replay(MAX_BS, rows if mode == "verify" else MAX_BS,
-                                                 batch)
-            runner[mode].replay()
+            inputs = StepInputs([torch.randn(n, H, 576, generator=g, device="cuda").bfloat16()
+                                 for _ in range(LAYERS)])
+            for out in session.statics.outs:
+                out.fill_(float("nan"))
+            res = session.run(batch, inputs)
             torch.cuda.synchronize()
+            assert res.replayed and res.bucket == MAX_BS, res.reason
+            padded = MAX_BS * (DRAFTS if mode == "verify" else 1)
             for i in range(LAYERS):
-                want = reference.forward(q[i][:n], None, None, pool, batch, layer_id=i)
-                assert torch.allclose(out[i][:n].float(), want.float(), atol=2e-2), \
+                want = reference.forward(inputs.q[i], None, None, pool, batch, layer_id=i)
+                assert torch.allclose(res.outputs[i].float(), want.float(), atol=2e-2), \
                     (mode, prefixes, i)
-                padded = rows if mode == "verify" else MAX_BS
-                assert bool((out[i][n:padded] == 0).all()), "padding rows are zero"
+                assert bool((session.statics.outs[i][n:padded] == 0).all()), \
+                    "padding rows are zero"
+    assert session.counts.replays == 4 and session.counts.eager_runs == 0
 
 
 @pytest.mark.parametrize("name", ["triton", "flashinfer_mla"])

@@ -13,7 +13,9 @@ draft extend), :mod:`.lse` (the log-sum-exp convention, ``merge_attention_states
 :mod:`.metadata` (``ForwardMetadata``),
 :mod:`.validation` (pure input checks), :mod:`.graph_buffers` (``GraphState``),
 :mod:`.errors` (kernel-error translation), :mod:`.backend`
-(``AttentionBackend``), :mod:`.graph_runner` (``GraphRunner``).
+(``AttentionBackend``), :mod:`.graph_runner` (``GraphRunner``), :mod:`.session`
+(``GraphSession``: bucket, pad, replay metadata, replay or eager) and
+:mod:`.session_types` (its inputs, result and counters).
 """
 
 from .backend import AttentionBackend
@@ -51,6 +53,19 @@ from .graph_runner import (
 from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
 from .pool import PADDING_PAGE, MLAKVLayer, MLAKVPool
+from .session import GraphSession
+from .session_types import (
+    SYNC_EAGER,
+    AgreedStep,
+    BucketKey,
+    SessionCounts,
+    SessionError,
+    SessionStep,
+    StaticBuffers,
+    StepInputs,
+    StepResult,
+    replay_batch,
+)
 
 __all__ = [
     "ATTENTION_CAPTURE_MODES",
@@ -59,7 +74,10 @@ __all__ = [
     "FP8_E4M3_MAX",
     "PADDING_PAGE",
     "SPECULATIVE_MODES",
+    "SYNC_EAGER",
+    "AgreedStep",
     "AttentionBackend",
+    "BucketKey",
     "CaptureStats",
     "CapturedGraph",
     "CudaGraphRecorder",
@@ -69,6 +87,7 @@ __all__ = [
     "GraphCaptureError",
     "GraphRecorder",
     "GraphRunner",
+    "GraphSession",
     "GraphState",
     "KernelErrors",
     "MLAConfig",
@@ -76,6 +95,12 @@ __all__ = [
     "MLAKVPool",
     "PrefixChunk",
     "PrefixDecompress",
+    "SessionCounts",
+    "SessionError",
+    "SessionStep",
+    "StaticBuffers",
+    "StepInputs",
+    "StepResult",
     "UnreplayableBreakError",
     "decode_batch",
     "device_num_sms",
@@ -85,6 +110,7 @@ __all__ = [
     "extend_batch",
     "merge_attention_states",
     "phase_of",
+    "replay_batch",
     "resolve_device",
     "tensor_bytes",
     "torch_dtype",

@@ -1,10 +1,11 @@
-"""Capture and replay of one backend's forward through :class:`~attnreg.runtime.GraphRunner`.
+"""Capture and replay of one backend's forward through :class:`~attnreg.runtime.GraphSession`.
 
-:class:`CapturedForward` drives the runtime lifecycle of ``docs/runtime.md``
-for one (phase, graph mode): ``init_cuda_graph_state`` ->
-``init_forward_metadata_capture`` -> warm-up + capture of the forward over
-static buffers -> for each batch ``init_forward_metadata_replay`` + replay.
-Capture and replay are the runner's, the one engines and the benchmarks use.
+:class:`CapturedForward` drives a one-bucket session for one (phase, graph
+mode) stage by stage: its ``init_cuda_graph_state`` ->
+``init_forward_metadata_capture`` -> warm-up + capture of the forward over its
+static buffers -> for each batch its replay (copy in,
+``init_forward_metadata_replay``, replay).  The session is the one engines,
+``attnreg calibrate`` and the benchmarks use, on :class:`GraphRunner`.
 
 * FULL: the runner records one graph around the forward.
 * BREAKABLE: the captured function is the forward, then an eager break of the
@@ -34,28 +35,26 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnreg.graph_policy.capture import (
-    ServedForward,
-    capturing,
-    eager_break,
-    recording_served,
-)
+from attnreg.graph_policy.capture import ServedForward, eager_break, recording_served
 from attnreg.registry import ForwardMethod, ForwardMode, GraphMode, Phase
 from attnreg.runtime import (
     AttentionBackend,
+    BucketKey,
     CapturedGraph,
-    GraphRunner,
+    GraphSession,
     MLAConfig,
     MLAKVPool,
+    SessionStep,
+    StepInputs,
     UnreplayableBreakError,
-    torch_dtype,
 )
 
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import Workload
 
 __all__ = ["CAPTURE_MEMORY_SLACK", "CAPTURE_MEMORY_TOLERANCE", "HARNESS_BREAK",
-           "AllocatorChurn", "CaptureMemoryCheck", "CapturedForward", "MemoryDelta", "Served"]
+           "AllocatorChurn", "CaptureMemoryCheck", "CapturedForward", "MemoryDelta", "Served",
+           "capture_once"]
 
 #: Label of the harness's own eager break in BREAKABLE capture.
 HARNESS_BREAK = "attnreg.conformance.harness"
@@ -134,6 +133,10 @@ def _mib(n: int) -> str:
 class CapturedForward:
     """One captured forward of ``backend`` for ``phase`` under ``mode`` (FULL or BREAKABLE).
 
+    A one-bucket :class:`~attnreg.runtime.GraphSession` driven step by step
+    (prepare, warm up, capture, replay) so the suite can check each stage: what
+    the suite proves is the session engines, calibration and the benchmarks run.
+
     Parameters
     ----------
     backend, config, pool
@@ -179,41 +182,35 @@ class CapturedForward:
                                              else ForwardMode.EXTEND)
         self.bs = max_bs
         if self.forward_mode is ForwardMode.DECODE:
-            self.num_tokens = max_bs
+            self.num_tokens, per_seq, bucket = max_bs, 1, max_bs
         elif self.forward_mode is ForwardMode.EXTEND:
-            self.num_tokens = max_tokens
+            self.num_tokens, per_seq, bucket = max_tokens, 0, max_tokens
         else:
-            self.num_tokens = max_bs * int(query_len or 1)
+            per_seq = int(query_len or 1)
+            self.num_tokens, bucket = max_bs * per_seq, max_bs
         self.max_seq_len = max_seq_len
         self.layers = int(layers)
         self.memory: MemoryDelta | None = None
         self.capture_memory: CaptureMemoryCheck | None = None
         self.host_scale = 1.0
-        dev = pool.device
-        qdt = torch_dtype(config.q_dtype)
-        heads = config.num_heads
-        rows = self.num_tokens
-        qk = config.kv_row_dim if method is ForwardMethod.MLA else config.mha_head_dims[0]
-        dv = config.kv_lora_rank if method is ForwardMethod.MLA else config.mha_head_dims[1]
-
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=qdt, device=dev)
-
-        n = self.layers
-        self.qs = [zeros(rows, heads, qk) for _ in range(n)]
-        self.latents = [zeros(rows, config.kv_lora_rank) for _ in range(n)]
-        self.ropes = [zeros(rows, config.qk_rope_head_dim) for _ in range(n)]
-        self.outs = [zeros(rows, heads, dv) for _ in range(n)]
-        self.k = self.v = None
-        if method is not ForwardMethod.MLA:
-            self.k = zeros(max_kv_rows, heads, config.mha_head_dims[0])
-            self.v = zeros(max_kv_rows, heads, config.mha_head_dims[1])
+        self.session = GraphSession(
+            backend, pool, phase=phase, mode=mode, buckets=[bucket],
+            forward_modes={self.forward_mode: per_seq}, layers=self.layers, method=method,
+            max_seq_len=max_seq_len, max_requests=max_bs, max_kv_rows=max_kv_rows,
+            step=self._forward,
+            after_attention=self._after_attention if mode is GraphMode.BREAKABLE else None,
+            device_graphs=real_graphs, warmup=0, forbid_sync=self.sync_check)
+        self.key: BucketKey = (self.forward_mode, bucket)
+        self.runner = self.session.runner
+        statics = self.session.statics
+        assert statics is not None
+        self.qs, self.latents, self.ropes, self.outs = (statics.qs, statics.latents,
+                                                        statics.ropes, statics.outs)
+        self.k, self.v = statics.k, statics.v
         # BREAKABLE: the eager region scales each attention output by a host value
         # into ``mids``; the second segment copies them into ``finals``.
         self.mids = [torch.zeros_like(o) for o in self.outs]
         self.finals = [torch.zeros_like(o) for o in self.outs]
-        self.runner = GraphRunner(dev, device_graphs=real_graphs, warmup=0,
-                                  forbid_sync=self.sync_check)
         self.graph: CapturedGraph | None = None
         self._empty_graphs: list[CapturedGraph] = []
         self._storage = {name: _storage_of(t) for name, t in self._statics().items()}
@@ -232,14 +229,9 @@ class CapturedForward:
         return self.outs[0]
 
     def _statics(self) -> dict[str, torch.Tensor]:
-        named: dict[str, torch.Tensor] = {}
-        for i in range(self.layers):
-            at = f"[layer {i}]" if self.layers > 1 else ""
-            named.update({f"q{at}": self.qs[i], f"latent_new{at}": self.latents[i],
-                          f"rope_new{at}": self.ropes[i], f"out{at}": self.outs[i]})
-        if self.k is not None and self.v is not None:
-            named.update(k=self.k, v=self.v)
-        return named
+        statics = self.session.statics
+        assert statics is not None
+        return statics.named()
 
     def check_storage(self, when: str) -> None:
         """Raise ClaimRefuted when the backend released or replaced a graph input's storage."""
@@ -260,7 +252,8 @@ class CapturedForward:
 
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self, capture_work: Workload) -> None:
-        """``init_cuda_graph_state`` + ``init_forward_metadata_capture`` for the capture batch.
+        """The session's ``init_cuda_graph_state`` + ``init_forward_metadata_capture`` for
+        the capture batch.
 
         Starts the capture-memory window (see :class:`CaptureMemoryCheck`).
         """
@@ -269,25 +262,20 @@ class CapturedForward:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self._window_start = torch.cuda.memory_allocated()
-        with capturing(self.mode):
-            self.backend.init_cuda_graph_state(self.bs, max(self.num_tokens, self.bs),
-                                               max_seq_len=self.max_seq_len,
-                                               graph_modes={self.phase: self.mode})
-        self.backend.init_forward_metadata_capture(self.bs, self.num_tokens,
-                                                   batch=capture_work.batch,
-                                                   forward_mode=self.forward_mode)
+        self.session.init_graph_state()
+        self.session.bind(self.key, capture_work.batch)
 
     def warm_up(self, capture_work: Workload | list[Workload]) -> torch.Tensor:
         """Run the captured function once eagerly on the capture batch (compiles kernels).
 
-        Through the runner: on CUDA on a side stream, under ``capturing(mode)``.
-        Returns layer 0's output rows.
+        Through the session's runner: on CUDA on a side stream, under
+        ``capturing(mode)``.  Returns layer 0's output rows.
         """
         works = _as_list(capture_work)
         self._fill(works)
         self._when = "warm-up"
         # not under the sync guard: first launches compile kernels and may set up state
-        self.runner.warm_up(self._step, self.mode)
+        self.session.warm_up(self.key)
         self.check_storage("warm-up")
         return self.outs[0][:works[0].rows]
 
@@ -300,7 +288,7 @@ class CapturedForward:
         overhead = self._capture_overhead() if self.sync_check else 0
         self._when = "capture"
         try:
-            self.graph = self.runner.capture(self._step, self.mode, warmup=0)
+            self.graph = self.session.record(self.key, warmup=0)
         except UnreplayableBreakError as exc:
             raise HarnessLimitation(
                 f"the backend entered eager_break({exc.labels[0]!r}) as a `with` block inside "
@@ -368,14 +356,12 @@ class CapturedForward:
         assert self.graph is not None, "capture() first"
         works = _as_list(work)
         first = works[0]
-        self._fill(works)
-        self.backend.init_forward_metadata_replay(self.bs, self.num_tokens, first.batch,
-                                                  forward_mode=self.forward_mode)
         self.host_scale = host_scale
         self._when = f"replay of {first.spec.name}"
         self.runner.before_replay = between
         try:
-            self.graph.replay()
+            # the session asks no gate here: the suite replays every batch it built
+            outs = self.session.replay(first.batch, self._inputs(works), bucket=self.key[1])
         finally:
             self.runner.before_replay = None
         if self.on_cuda:
@@ -385,7 +371,7 @@ class CapturedForward:
         if self.mode is GraphMode.BREAKABLE:
             # undo the eager region's exact power-of-two scaling
             return [f[:first.rows] / host_scale for f in self.finals]
-        return [o[:first.rows] for o in self.outs]
+        return outs
 
     def padding_problems(self, work: Workload) -> list[str]:
         """Rows of the attention outputs beyond ``work``'s that are not exactly zero."""
@@ -411,48 +397,59 @@ class CapturedForward:
         return out
 
     # -- pieces ------------------------------------------------------------------------
+    def _inputs(self, works: list[Workload]) -> StepInputs:
+        """One workload per layer (the first for layers without one of their own)."""
+        per_layer = [works[i] if i < len(works) else works[0] for i in range(self.layers)]
+        return StepInputs([w.q for w in per_layer], [w.latent_new for w in per_layer],
+                          [w.rope_new for w in per_layer], works[0].k, works[0].v)
+
     def _fill(self, works: list[Workload]) -> None:
-        for i in range(self.layers):
-            work = works[i] if i < len(works) else works[0]
-            n = work.rows
-            for static, value in ((self.qs[i], work.q), (self.latents[i], work.latent_new),
-                                  (self.ropes[i], work.rope_new)):
-                static[:n].copy_(value)
-                static[n:].zero_()
-        if self.k is not None and self.v is not None:
-            work = works[0]
-            assert work.k is not None and work.v is not None
-            t = work.k.shape[0]
-            self.k[:t].copy_(work.k)
-            self.v[:t].copy_(work.v)
-            self.k[t:].zero_()
-            self.v[t:].zero_()
+        self.session.load(self.key, self._inputs(works))
 
-    def _step(self) -> None:
-        """The captured function: the forwards, then (BREAKABLE) the harness's break."""
-        self._forward(self._when)
-        if self.mode is GraphMode.BREAKABLE:
-            eager_break.run(HARNESS_BREAK, self._eager_region)
-            for mid, final in zip(self.mids, self.finals):
-                final.copy_(mid)
-
-    def _forward(self, when: str) -> None:
-        """One forward per layer over the static buffers; what served it goes to
-        :attr:`served`."""
+    def _forward(self, step: SessionStep) -> None:
+        """The session's step: one forward per layer over the static buffers; what served it
+        goes to :attr:`served`."""
         with recording_served() as records:
-            for i in range(self.layers):
-                if self.forward_mode is ForwardMode.DECODE:
-                    self.backend.forward_decode(self.qs[i], self.latents[i], self.ropes[i],
-                                                self.pool, None, out=self.outs[i], layer_id=i)
-                else:
-                    self.backend.forward_extend(self.qs[i], self.latents[i], self.ropes[i],
-                                                self.pool, None, method=self.method, k=self.k,
-                                                v=self.v, out=self.outs[i], layer_id=i)
-        self.served.append((when, records))
+            GraphSession.attend(step)
+        self.served.append((self._when, records))
+
+    def _after_attention(self, step: SessionStep) -> None:
+        """BREAKABLE: the harness's own eager break after attention, then a copy after it."""
+        eager_break.run(HARNESS_BREAK, self._eager_region)
+        for mid, final in zip(self.mids, self.finals):
+            final.copy_(mid)
 
     def _eager_region(self) -> None:
         for out, mid in zip(self.outs, self.mids):
             torch.mul(out, self.host_scale, out=mid)
+
+
+def capture_once(backend: AttentionBackend, pool: MLAKVPool, work: Workload, *,
+                 phase: Phase, mode: GraphMode, method: ForwardMethod) -> GraphSession:
+    """Capture ``work`` once through a one-bucket session without device graphs.
+
+    The capture-mode code path of ``mode`` (``init_cuda_graph_state``,
+    ``init_forward_metadata_capture`` and the forward under ``capturing(mode)``;
+    TC_PIECEWISE: the eager attention of the batch) with ``work``'s inputs, as
+    an engine's session would run it: where the suite checks that a backend
+    refuses a mode or a method with ``UnsupportedError``.
+    """
+    batch = work.batch
+    decode_phase = phase is Phase.DECODE
+    fm = batch.forward_mode
+    bucket = batch.num_tokens if fm is ForwardMode.EXTEND else batch.batch_size
+    per_seq = 0 if fm is ForwardMode.EXTEND else (1 if fm is ForwardMode.DECODE
+                                                   else int(batch.max_extend_len))
+    session = GraphSession(
+        backend, pool, phase=phase, mode=mode, buckets=[bucket],
+        forward_modes={fm: per_seq} if decode_phase else None, method=method,
+        max_seq_len=batch.max_seq_len, max_requests=batch.batch_size,
+        max_kv_rows=work.k.shape[0] if work.k is not None else None,
+        device_graphs=False, warmup=0)
+    session.capture(batches={bucket: batch},
+                    inputs={bucket: StepInputs.one(work.q, work.latent_new, work.rope_new,
+                                                   k=work.k, v=work.v)})
+    return session
 
 
 def _as_list(work: Workload | list[Workload]) -> list[Workload]:

@@ -28,7 +28,7 @@ from attnreg.registry import (
 from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig, MLAKVPool
 
 from .batches import BatchSpec, batch_spec, chunk_tokens
-from .capture_harness import AllocatorChurn, CapturedForward, Served
+from .capture_harness import AllocatorChurn, CapturedForward, Served, capture_once
 from .claims import MULTI_LAYER_COUNT, Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
 from .workload import (
@@ -307,23 +307,10 @@ class Harness:
                           self.profile)
         pool = make_pool(config, [spec])
         work = self.workload(config, pool, spec, combo.method, seed=11)
-        stage = "init_cuda_graph_state"
+        stage = ("the graph session's capture (init_cuda_graph_state, "
+                 "init_forward_metadata_capture, the forward under capture)")
         try:
-            with capturing(mode):
-                backend.init_cuda_graph_state(spec.batch_size, max(spec.num_tokens,
-                                                                   spec.batch_size),
-                                              max_seq_len=spec.max_seq_len,
-                                              graph_modes={phase: mode})
-                stage = "init_forward_metadata_capture"
-                backend.init_forward_metadata_capture(spec.batch_size, spec.num_tokens
-                                                      if phase is Phase.PREFILL
-                                                      else spec.batch_size, batch=work.batch)
-                stage = "the forward under capture"
-                if phase is Phase.DECODE:
-                    backend.forward_decode(work.q, work.latent_new, work.rope_new, pool, None)
-                else:
-                    backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, None,
-                                           method=combo.method, k=work.k, v=work.v)
+            capture_once(backend, pool, work, phase=phase, mode=mode, method=combo.method)
         except UnsupportedError:
             return
         except Exception as exc:
@@ -359,21 +346,7 @@ class Harness:
             pool = make_pool(config, specs[:1])
             work = self.workload(config, pool, specs[0], method, seed=21)
             try:
-                with capturing(mode):
-                    if mode in (GraphMode.FULL, GraphMode.BREAKABLE):
-                        backend.init_cuda_graph_state(work.batch.batch_size,
-                                                      work.batch.num_tokens,
-                                                      max_seq_len=work.batch.max_seq_len,
-                                                      graph_modes={phase: mode})
-                        backend.init_forward_metadata_capture(work.batch.batch_size,
-                                                              work.batch.num_tokens,
-                                                              batch=work.batch)
-                        batch = None
-                    else:
-                        backend.init_forward_metadata(work.batch)
-                        batch = work.batch
-                    backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, batch,
-                                           method=method, k=work.k, v=work.v)
+                capture_once(backend, pool, work, phase=phase, mode=mode, method=method)
                 self.sync()
             except UnsupportedError:
                 continue

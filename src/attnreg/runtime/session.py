@@ -1,0 +1,684 @@
+"""``GraphSession``: what an engine's graph runner does around the kernel, once.
+
+An engine that captures attention runs the same sequence every step: ask
+the replay gate, choose the captured bucket, pad the batch to it, copy the
+inputs into the static tensors the graph recorded, prepare the replay
+metadata, replay (or run eagerly) and hand back only the real rows.  That
+sequence is where the capture bugs of real engines lived (storage freed
+during breakable capture, schedule-time and forward-time answers that
+differ), so attnreg writes it once, here; the conformance suite, ``attnreg
+calibrate``, the benchmarks and engines all drive it, and what is proven is
+what is measured is what runs.
+
+Capture (:meth:`GraphSession.capture`) goes through :class:`GraphRunner`:
+``init_cuda_graph_state`` once for the largest shape, then per bucket
+(largest first, so smaller ones reuse its blocks of the one shared private
+memory pool) ``init_forward_metadata_capture``, a side-stream warm-up and the
+recording, all under ``capturing(mode)`` (which makes ``dispose_tensor`` a
+no-op and lets the backend refuse what it cannot capture).
+
+* FULL decode, including TARGET_VERIFY and DRAFT_EXTEND buckets (decode-phase
+  graphs keyed by batch size, ``bucket x draft tokens`` query rows);
+* BREAKABLE prefill: the runner splits at every ``eager_break`` the step
+  reaches (the caller's own, e.g. ``after_attention`` calling
+  ``eager_break.run``, or one a backend takes inside attention);
+* TC_PIECEWISE prefill: attention is the :class:`EagerStep` between the
+  captured pieces (``after_attention`` is a captured piece), re-planned with
+  ``init_forward_metadata`` for the real batch at every replay.
+
+Every replay prepares its metadata in one method (``_replay_metadata``): the
+place where device-side replay metadata will go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from attnreg.graph_policy import ReplayBatch, ReplayGate, ReplayReason
+from attnreg.graph_policy.capture import capturing
+from attnreg.graph_policy.replay import smallest_bucket
+from attnreg.registry import ForwardMethod, ForwardMode, GraphMode, Phase
+from attnreg.registry.capabilities import PHASE_FORWARD_MODES, VALID_GRAPH_MODES
+
+from .backend import AttentionBackend
+from .batch import SPECULATIVE_MODES, ForwardBatch
+from .dtypes import torch_dtype
+from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
+from .pool import MLAKVPool
+from .session_types import (
+    SYNC_EAGER,
+    AgreedStep,
+    BucketKey,
+    SessionCounts,
+    SessionError,
+    SessionStep,
+    StaticBuffers,
+    StepFn,
+    StepInputs,
+    StepResult,
+    replay_batch,
+)
+
+__all__ = ["GraphSession"]
+
+
+class GraphSession:
+    """Captures a backend's attention for one phase and runs batches through it.
+
+    Parameters
+    ----------
+    backend : AttentionBackend
+    pool : MLAKVPool
+        The KV pool the layers attend (``layers`` of its layers, ids 0, 1, ...).
+    phase : Phase
+        DECODE (FULL graphs per batch size) or PREFILL (BREAKABLE or
+        TC_PIECEWISE graphs per token count).
+    mode : GraphMode
+        The phase's graph mode in the plan.
+    buckets : sequence of int
+        Decode: batch sizes; prefill: token counts.  Each is captured.
+    gate : ReplayGate, optional
+        The plan's gate: :meth:`run` asks it whether a batch replays and at
+        which bucket.  Without one, a batch replays whenever a captured bucket
+        holds it (its requests, tokens, draft tokens and longest sequence).
+    forward_modes : mapping ForwardMode -> int, optional
+        Decode phase: the forward modes captured and their query tokens per
+        sequence, e.g. ``{"decode": 1, "target_verify": 4}`` (a verify graph
+        of bucket ``b`` has ``4b`` rows; a draft-extend graph serves 1..q per
+        sequence).  Default ``{DECODE: 1}``; prefill: ``{EXTEND: 0}``.
+    layers : int
+        Pool layers attended per step, each with its own static q, latent,
+        rope and output (one captured plan serves them all).
+    method : ForwardMethod, optional
+        The forward method (default: the one the backend pins under the mode,
+        else MLA).
+    max_seq_len : int, optional
+        The longest sequence a replay may carry (default: the backend's
+        ``config.max_context_len``).
+    max_requests : int, optional
+        Prefill: sequences a token bucket is captured for (default: the
+        bucket, up to 64).
+    max_kv_rows : int, optional
+        The MHA method: rows of the static ragged k / v (prefix + new tokens).
+    writes_kv : bool
+        The step writes each new token's latent / rope into the pool (static
+        ``latent_new`` / ``rope_new`` per layer); False: the caller writes them.
+    step : callable, optional
+        Replaces the attention call (``step(SessionStep)``): a model step that
+        reads tensors of its own (static inside the graph).  Default
+        :meth:`attend`.
+    after_attention : callable, optional
+        ``after_attention(SessionStep)`` runs inside the captured function after
+        the step (TC_PIECEWISE: as a captured piece); the place for the caller's
+        own ``eager_break.run(...)`` under BREAKABLE.  Not run on eager steps.
+    static_inputs : bool
+        Allocate the static inputs and outputs (:attr:`statics`, sized for the
+        largest bucket); False for a ``step`` that reads tensors of its own
+        (then :meth:`run` takes no inputs and returns no outputs).
+    runner : GraphRunner, optional
+        Record into this runner (an engine's other sessions share its memory
+        pool); default a new one built from the options below.
+    mempool, forbid_sync, before_replay, device_graphs, capture_error_mode, warmup, recorder
+        :class:`GraphRunner` options: a shared graph memory pool, refuse host
+        syncs inside the graph, a hook before every replay (allocator churn),
+        ``device_graphs=False`` on a cpu (capture runs once, replay re-runs),
+        side-stream warm-up runs per bucket, a fake recorder in tests.
+
+    Examples
+    --------
+    See docs/runtime.md ("One graph session").
+    """
+
+    def __init__(self, backend: AttentionBackend, pool: MLAKVPool, *, phase: Phase | str,
+                 mode: GraphMode | str, buckets: Iterable[int],
+                 gate: ReplayGate | None = None,
+                 forward_modes: Mapping[ForwardMode | str, int] | None = None,
+                 layers: int = 1, method: ForwardMethod | str | None = None,
+                 max_seq_len: int | None = None, max_requests: int | None = None,
+                 max_kv_rows: int | None = None, writes_kv: bool = True,
+                 step: StepFn | None = None, after_attention: StepFn | None = None,
+                 static_inputs: bool = True, runner: GraphRunner | None = None,
+                 mempool: Any = None,
+                 forbid_sync: bool = False, before_replay: Callable[[], object] | None = None,
+                 device_graphs: bool | None = None, capture_error_mode: str = "global",
+                 warmup: int = 1, recorder: GraphRecorder | None = None) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.phase = Phase.parse(phase)
+        self.mode = GraphMode.parse(mode)
+        if self.mode not in VALID_GRAPH_MODES[self.phase]:
+            raise ValueError(f"{self.phase} graphs are captured in "
+                             f"{[str(m) for m in VALID_GRAPH_MODES[self.phase]]}, not {self.mode}")
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be >= 1 and at least one, got {self.buckets}")
+        if forward_modes is None:
+            forward_modes = ({ForwardMode.DECODE: 1} if self.phase is Phase.DECODE
+                             else {ForwardMode.EXTEND: 0})
+        self.forward_modes: dict[ForwardMode, int] = {
+            ForwardMode.parse(m): int(q) for m, q in forward_modes.items()}
+        for fm, q in self.forward_modes.items():
+            if fm not in PHASE_FORWARD_MODES[self.phase]:
+                raise ValueError(f"{fm} batches are not served by {self.phase} graphs")
+            if fm is ForwardMode.DECODE and q != 1:
+                raise ValueError(f"a decode graph has 1 query token per sequence, not {q}")
+            if fm in SPECULATIVE_MODES and q < 1:
+                raise ValueError(f"{fm} needs its draft tokens per sequence (>= 1), got {q}")
+        self.gate = gate
+        self.layers = int(layers)
+        if self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        if self.layers > pool.num_layers:
+            raise ValueError(f"{self.layers} layers asked, the pool has {pool.num_layers}")
+        # an explicit method is the caller's (the suite checks the backend refuses it)
+        self.method = ForwardMethod.parse(method) if method is not None else (
+            backend.forward_method_for(self.phase, self.mode) or ForwardMethod.MLA)
+        self.max_seq_len = int(max_seq_len or backend.config.max_context_len)
+        self.max_requests = int(max_requests) if max_requests else None
+        self.writes_kv = bool(writes_kv)
+        self._step_fn: StepFn = step if step is not None else GraphSession.attend
+        self.after_attention = after_attention
+        self.runner = runner if runner is not None else GraphRunner(
+            pool.device, mempool=mempool, capture_error_mode=capture_error_mode,
+            warmup=warmup, forbid_sync=forbid_sync, device_graphs=device_graphs,
+            before_replay=before_replay, recorder=recorder)
+        #: steps run, by rule id (:class:`SessionCounts`)
+        self.counts = SessionCounts()
+        self._shapes = {key: self._shape(key) for key in self._keys()}
+        if self.method is not ForwardMethod.MLA and max_kv_rows is None and static_inputs:
+            raise ValueError(f"the {self.method} method attends ragged k / v: give max_kv_rows")
+        #: the static inputs and outputs (None with ``static_inputs=False``)
+        self.statics: StaticBuffers | None = (
+            self._allocate(max_kv_rows or 0) if static_inputs else None)
+        self._graphs: dict[BucketKey, CapturedGraph] = {}
+        self._state_ready = False
+        #: TC_PIECEWISE: the batch the eager attention plans at the next (re)run
+        self._piecewise_batch: ForwardBatch | None = None
+        if gate is not None:
+            self._check_gate(gate)
+
+    @classmethod
+    def from_plan(cls, backend: AttentionBackend, pool: MLAKVPool, gate: ReplayGate,
+                  phase: Phase | str, **options: Any) -> GraphSession:
+        """The session of one phase of ``gate.plan``: its mode, buckets, forward modes (with
+        their draft tokens), longest sequence and prefill request slots.
+
+        ``options`` are the other constructor arguments (``layers``, runner
+        options, ...).  Raises ``ValueError`` when the plan captures nothing in
+        that phase (the engine runs it eagerly: no session needed).
+        """
+        pp = gate.plan.phase(phase)
+        if pp.mode is GraphMode.DISABLED or not pp.captured:
+            raise ValueError(f"the plan captures no {pp.phase} graphs ({pp.mode}): run that "
+                             "phase eagerly")
+        first = pp.captured[0]
+        modes = {s.forward_mode: int(s.query_len or 0) for s in pp.captured}
+        options.setdefault("max_seq_len", max(s.max_seq_len for s in pp.captured))
+        if first.keyed_by_tokens:
+            options.setdefault("max_requests", first.max_requests)
+        return cls(backend, pool, phase=pp.phase, mode=pp.mode, buckets=first.buckets(),
+                   gate=gate, forward_modes=modes, **options)
+
+    # -- shapes ------------------------------------------------------------------------
+    def _keys(self) -> list[BucketKey]:
+        return [(fm, b) for fm in self.forward_modes for b in self.buckets]
+
+    def _shape(self, key: BucketKey) -> tuple[int, int]:
+        """(bs, num_tokens) the backend captures for ``key``."""
+        fm, b = key
+        if fm is ForwardMode.EXTEND:
+            return min(b, self.max_requests or min(b, 64)), b
+        return b, b * self.forward_modes[fm]
+
+    def shape(self, key: BucketKey) -> tuple[int, int]:
+        """The captured ``(bs, num_tokens)`` of bucket ``key``."""
+        return self._shapes[key]
+
+    @property
+    def keys(self) -> list[BucketKey]:
+        """Every captured bucket, largest first (the capture order)."""
+        return sorted(self._shapes, key=lambda k: (self._shapes[k][1], self._shapes[k][0]),
+                      reverse=True)
+
+    def graph(self, key: BucketKey) -> CapturedGraph:
+        """The captured graph of ``key``."""
+        try:
+            return self._graphs[key]
+        except KeyError:
+            raise SessionError(f"no graph captured for {key[0]} bucket {key[1]}; captured: "
+                               f"{[(str(m), b) for m, b in self._graphs]}") from None
+
+    def _allocate(self, max_kv_rows: int) -> StaticBuffers:
+        cfg = self.backend.config
+        rows = max(nt for _, nt in self._shapes.values())
+        dev = self.pool.device
+        qdt = torch_dtype(cfg.q_dtype)
+        heads = cfg.num_heads
+        mla = self.method is ForwardMethod.MLA
+        qk = cfg.kv_row_dim if mla else cfg.mha_head_dims[0]
+        dv = cfg.kv_lora_rank if mla else cfg.mha_head_dims[1]
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=qdt, device=dev)
+
+        n = self.layers
+        statics = StaticBuffers(
+            qs=[zeros(rows, heads, qk) for _ in range(n)],
+            latents=[zeros(rows, cfg.kv_lora_rank) for _ in range(n)] if self.writes_kv else [],
+            ropes=[zeros(rows, cfg.qk_rope_head_dim) for _ in range(n)] if self.writes_kv
+            else [],
+            outs=[zeros(rows, heads, dv) for _ in range(n)])
+        if not mla:
+            statics.k = zeros(max_kv_rows, heads, cfg.mha_head_dims[0])
+            statics.v = zeros(max_kv_rows, heads, cfg.mha_head_dims[1])
+        return statics
+
+    def _check_gate(self, gate: ReplayGate) -> None:
+        """The gate's plan must capture no bucket this session lacks (else it would answer
+        a replay no graph serves)."""
+        for fm in self.forward_modes:
+            shapes = gate.shapes_for(fm)
+            if shapes is None:
+                continue
+            missing = sorted(set(shapes.buckets()) - set(self.buckets))
+            if missing:
+                raise SessionError(
+                    f"the gate's plan replays {fm} batches at buckets {list(shapes.buckets())}, "
+                    f"this session captures {list(self.buckets)}: {missing} would be answered "
+                    "with no graph behind them; build the session from the plan's buckets")
+            if fm in SPECULATIVE_MODES and shapes.query_len not in (None,
+                                                                     self.forward_modes[fm]):
+                raise SessionError(
+                    f"the gate's plan captures {fm} with {shapes.query_len} tokens per "
+                    f"sequence, this session with {self.forward_modes[fm]}")
+
+    # -- capture -----------------------------------------------------------------------
+    def init_graph_state(self) -> None:
+        """``init_cuda_graph_state`` for the largest bucket (once; :meth:`capture` calls it).
+
+        Skipped when the backend's graph state (another session's) already covers
+        this phase, mode and bounds: sessions of one backend then share it.
+        TC_PIECEWISE captures no attention, so it allocates nothing.
+        """
+        if self._state_ready or self.mode is GraphMode.TC_PIECEWISE:
+            self._state_ready = True
+            return
+        max_bs = max(bs for bs, _ in self._shapes.values())
+        max_tokens = max(max(nt for _, nt in self._shapes.values()), max_bs)
+        state = self.backend.graph_state
+        if (state is not None and state.graph_modes.get(self.phase) is self.mode
+                and state.max_bs >= max_bs and state.max_num_tokens >= max_tokens
+                and state.max_seq_len >= self.max_seq_len):
+            # another session of this backend allocated state that covers this one: a new
+            # init_cuda_graph_state would drop the metadata its graphs replay with
+            self._state_ready = True
+            return
+        with capturing(self.mode):
+            self.backend.init_cuda_graph_state(max_bs, max_tokens, max_seq_len=self.max_seq_len,
+                                               graph_modes={self.phase: self.mode})
+        self._state_ready = True
+
+    def bind(self, key: BucketKey, batch: ForwardBatch | None = None) -> None:
+        """``init_forward_metadata_capture`` of bucket ``key`` (``batch``: a representative
+        batch that fits it; None: the backend's dummy batch)."""
+        self.init_graph_state()
+        if self.mode is GraphMode.TC_PIECEWISE:
+            if batch is None:
+                raise SessionError("TC_PIECEWISE runs attention eagerly at capture: give a "
+                                   f"capture batch for {key[0]} bucket {key[1]}")
+            self._piecewise_batch = batch
+            return
+        bs, nt = self._shapes[key]
+        self.backend.init_forward_metadata_capture(bs, nt, batch=batch, forward_mode=key[0])
+
+    def warm_up(self, key: BucketKey, times: int = 1) -> None:
+        """Run bucket ``key``'s captured function eagerly under ``capturing(mode)`` (on CUDA
+        on a side stream), after :meth:`bind`: kernels compile outside the graph."""
+        self.runner.warm_up(self._function(key), self.mode, times)
+
+    def record(self, key: BucketKey, *, warmup: int | None = None) -> CapturedGraph:
+        """Record bucket ``key`` (after :meth:`bind`); ``warmup``: side-stream runs first."""
+        if self.mode is GraphMode.TC_PIECEWISE:
+            pieces: list[Callable[[], object] | EagerStep] = [
+                EagerStep(self._function(key, attention_only=True), "attention")]
+            if self.after_attention is not None:
+                after = self.after_attention
+                step = self._graph_step(key)
+                pieces.append(lambda: after(step))
+            graph = self.runner.capture_pieces(pieces, self.mode, key=self._runner_key(key),
+                                               warmup=warmup)
+        else:
+            graph = self.runner.capture(self._function(key), self.mode,
+                                        key=self._runner_key(key), warmup=warmup)
+        self._graphs[key] = graph
+        return graph
+
+    def capture(self, batches: Mapping[BucketKey | int, ForwardBatch] | None = None,
+                inputs: Mapping[BucketKey | int, StepInputs] | None = None
+                ) -> dict[BucketKey, CapturedGraph]:
+        """Capture every bucket, largest first; return the graphs by key.
+
+        ``batches``: a representative batch per bucket (keyed by ``(forward
+        mode, bucket)`` or, for the session's one forward mode, the bucket);
+        default the backend's dummy batch (required under TC_PIECEWISE).
+        ``inputs``: what the static inputs hold while capturing (default zeros).
+        """
+        batches = batches or {}
+        inputs = inputs or {}
+        self.init_graph_state()
+        for key in self.keys:
+            batch = self._lookup(batches, key)
+            given = self._lookup(inputs, key)
+            if given is not None:
+                self.load(key, given)
+            self.bind(key, batch)
+            self.record(key)
+        return dict(self._graphs)
+
+    def _lookup(self, table: Mapping[Any, Any], key: BucketKey) -> Any:
+        if key in table:
+            return table[key]
+        if len(self.forward_modes) == 1:
+            return table.get(key[1])
+        return None
+
+    def _runner_key(self, key: BucketKey) -> tuple[str, str, int]:
+        # a shared runner holds every session's graphs: the phase keeps them apart
+        return (str(self.phase), str(key[0]), key[1])
+
+    # -- the captured function -----------------------------------------------------------
+    def _views(self, rows: int) -> tuple[StepInputs, list[torch.Tensor]]:
+        """The first ``rows`` rows of the static inputs and outputs."""
+        s = self.statics
+        assert s is not None
+
+        def first(t: torch.Tensor) -> torch.Tensor:
+            # the whole buffer is handed over itself, not as a view: a backend that
+            # releases a tensor it was given (set_) then releases the session's own
+            # storage, which the conformance suite's storage check sees
+            return t if rows == t.shape[0] else t[:rows]
+
+        inputs = StepInputs([first(q) for q in s.qs],
+                            [first(t) for t in s.latents] if s.latents else [],
+                            [first(t) for t in s.ropes] if s.ropes else [], s.k, s.v)
+        return inputs, [first(o) for o in s.outs]
+
+    def _graph_step(self, key: BucketKey, batch: ForwardBatch | None = None,
+                    rows: int | None = None) -> SessionStep:
+        """The step of bucket ``key`` over the static views (``rows`` of them)."""
+        if self.statics is None:
+            return SessionStep(self, key[0], batch, None, None, key[1])
+        inputs, outs = self._views(self._shapes[key][1] if rows is None else rows)
+        return SessionStep(self, key[0], batch, inputs, outs, key[1])
+
+    def _function(self, key: BucketKey, attention_only: bool = False) -> Callable[[], None]:
+        """What is captured for ``key``: the step over the static views, then the caller's
+        ``after_attention`` (under TC_PIECEWISE: the eager attention alone)."""
+        if self.mode is GraphMode.TC_PIECEWISE:
+            def piecewise() -> None:
+                batch = self._piecewise_batch
+                assert batch is not None, "bind() or _replay_metadata() sets it"
+                self.backend.init_forward_metadata(batch)
+                step = self._graph_step(key, batch, batch.num_tokens)
+                self._step_fn(step)
+                if self.statics is not None:  # the rows the after piece reads as padding
+                    for out in self.statics.outs:
+                        out[batch.num_tokens:self._shapes[key][1]].zero_()
+                if not attention_only and self.after_attention is not None:
+                    self.after_attention(self._graph_step(key))
+            return piecewise
+        step = self._graph_step(key)
+        after = self.after_attention
+
+        def captured() -> None:
+            self._step_fn(step)
+            if after is not None:
+                after(step)
+        return captured
+
+    @staticmethod
+    def attend(step: SessionStep) -> None:
+        """The default step: one forward per layer (``layer_id`` 0, 1, ...) of the session."""
+        ses, inputs = step.session, step.inputs
+        assert inputs is not None
+        outs = step.outputs or [None] * ses.layers
+        for i in range(ses.layers):
+            latent = inputs.latent_new[i] if ses.writes_kv else None
+            rope = inputs.rope_new[i] if ses.writes_kv else None
+            if step.forward_mode is ForwardMode.DECODE:
+                ses.backend.forward_decode(inputs.q[i], latent, rope, ses.pool, step.batch,
+                                           out=outs[i], layer_id=i)
+            else:
+                ses.backend.forward_extend(inputs.q[i], latent, rope, ses.pool, step.batch,
+                                           method=ses.method, k=inputs.k, v=inputs.v,
+                                           out=outs[i], layer_id=i)
+
+    # -- run ---------------------------------------------------------------------------
+    def decide(self, batch: ForwardBatch, facts: ReplayBatch | None = None
+               ) -> tuple[bool, int | None, ReplayReason]:
+        """(replay?, bucket, reason) for ``batch``: the gate's answer (one question per step).
+
+        ``facts``: the engine's own :class:`ReplayBatch` (with LoRA, embeddings,
+        logprobs...); default :func:`replay_batch` of ``batch``.
+        """
+        rb = facts if facts is not None else replay_batch(batch)
+        if self.gate is not None:
+            ok, reason = self.gate.can_replay(rb)
+            if not ok:
+                return False, None, reason
+            bucket = self.gate.bucket_for(rb)
+            if bucket is None or (rb.forward_mode, bucket) not in self._graphs:
+                raise SessionError(
+                    f"the gate replays this {rb.forward_mode} batch at bucket {bucket}, which "
+                    f"this session did not capture (captured: "
+                    f"{[(str(m), b) for m, b in sorted(self._graphs)]})")
+            return True, bucket, reason
+        return self._own_decision(rb)
+
+    def _own_decision(self, rb: ReplayBatch) -> tuple[bool, int | None, ReplayReason]:
+        """Without a gate: replay whenever a captured bucket holds the batch."""
+        fm = rb.forward_mode
+        if fm not in self.forward_modes:
+            rule = "gate.spec_forward_mode" if fm in SPECULATIVE_MODES else "gate.phase_disabled"
+            return False, None, ReplayReason(rule, f"this session captured no {fm} graphs "
+                                             f"(it captures {[str(m) for m in self.forward_modes]})")
+        if fm is ForwardMode.EXTEND:
+            tokens = rb.tokens or 0
+            bucket = smallest_bucket(tokens, self.buckets)
+            if bucket is None:
+                return False, None, ReplayReason(
+                    "gate.num_tokens_above_max",
+                    f"{tokens} tokens exceed the largest captured bucket ({self.buckets[-1]})")
+            if rb.batch_size > self._shapes[(fm, bucket)][0]:
+                return False, None, ReplayReason(
+                    "gate.batch_slots", f"{rb.batch_size} requests exceed the "
+                    f"{self._shapes[(fm, bucket)][0]} the {bucket}-token graph holds")
+        else:
+            bucket = smallest_bucket(rb.batch_size, self.buckets)
+            if bucket is None:
+                return False, None, ReplayReason(
+                    "gate.batch_slots", f"{rb.batch_size} requests exceed the "
+                    f"{self.buckets[-1]} captured {fm} slots")
+            q = self.forward_modes[fm]
+            lens = set(rb.extend_lens)
+            if fm is ForwardMode.TARGET_VERIFY and lens and lens != {q}:
+                return False, None, ReplayReason(
+                    "gate.spec_query_len", f"verify graphs are captured for {q} tokens per "
+                    f"sequence; this batch has {sorted(lens)}")
+            if fm is ForwardMode.DRAFT_EXTEND and lens and max(lens) > q:
+                return False, None, ReplayReason(
+                    "gate.spec_query_len", f"draft-extend graphs are captured for 1..{q} "
+                    f"tokens per sequence; this batch has up to {max(lens)}")
+        longest = rb.max_seq_len
+        if longest is not None and longest > self.max_seq_len:
+            return False, None, ReplayReason(
+                "gate.seq_len_above_max", f"a sequence of {longest} tokens exceeds the "
+                f"{self.max_seq_len} the graphs were captured for")
+        return True, bucket, ReplayReason("gate.ok", "the batch replays a captured graph")
+
+    def run(self, batch: ForwardBatch, inputs: StepInputs | None = None, *,
+            facts: ReplayBatch | None = None, agreed: AgreedStep | None = None) -> StepResult:
+        """One step: ask the gate, then replay the bucket (padded) or run eagerly.
+
+        ``inputs``: this step's attention inputs (real rows); None when the
+        caller's own step reads its own tensors (``step=``), or the static
+        inputs already hold them.  ``agreed``: what the data-parallel group
+        agreed for this step (:func:`attnreg.graph_policy.sync` of
+        ``gate.facts(...)``): replay at its bucket, or run eagerly when another
+        rank could not replay (counted as :data:`SYNC_EAGER`).  Counted in
+        :attr:`counts` by rule id.
+
+        Raises
+        ------
+        SessionError
+            When the group agreed to replay a batch this rank's gate refuses, or
+            at a bucket this session did not capture (the ranks' plans differ).
+        """
+        ok, bucket, reason = self.decide(batch, facts)
+        rule = reason.rule
+        if agreed is not None:
+            if agreed.replay and not ok:
+                raise SessionError(f"the data-parallel group agreed to replay this step, but "
+                                   f"this rank's gate refuses it ({reason}): the ranks were "
+                                   "asked about different facts or plans")
+            if agreed.replay:
+                bucket = agreed.bucket
+                if bucket is None or (batch.forward_mode, bucket) not in self._graphs:
+                    raise SessionError(
+                        f"the data-parallel group agreed on {batch.forward_mode} bucket "
+                        f"{bucket}, which this session did not capture (captured "
+                        f"{list(self.buckets)}): the ranks' plans differ")
+            elif ok:
+                ok, rule = False, SYNC_EAGER
+        if ok:
+            assert bucket is not None
+            outputs = self.replay(batch, inputs, bucket=bucket)
+        else:
+            outputs = self.eager(batch, inputs)
+        self.counts.record(ok, rule)
+        return StepResult(outputs, ok, bucket if ok else None, reason, rule)
+
+    def replay(self, batch: ForwardBatch, inputs: StepInputs | None = None, *,
+               bucket: int | None = None) -> list[torch.Tensor]:
+        """Replay ``batch`` through bucket ``bucket`` (default: the smallest that holds it),
+        asking no gate; every layer's output rows of the batch (views of the static outputs).
+
+        Raises
+        ------
+        SessionError
+            When no captured bucket holds the batch.
+        """
+        fm = batch.forward_mode
+        if bucket is None:
+            size = batch.num_tokens if fm is ForwardMode.EXTEND else batch.batch_size
+            bucket = smallest_bucket(size, self.buckets)
+            if bucket is None:
+                raise SessionError(f"no captured {fm} bucket holds {size} "
+                                   f"({'tokens' if fm is ForwardMode.EXTEND else 'requests'}); "
+                                   f"captured {list(self.buckets)}")
+        key = (fm, bucket)
+        graph = self.graph(key)
+        rows = batch.num_tokens
+        if inputs is not None:
+            self.load(key, inputs)
+        self._replay_metadata(key, batch)
+        graph.replay()
+        if self.statics is None:
+            return []
+        return [o[:rows] for o in self.statics.outs]
+
+    def _replay_metadata(self, key: BucketKey, batch: ForwardBatch) -> None:
+        """The one place a replay's metadata is prepared (host today; device-side later)."""
+        if self.mode is GraphMode.TC_PIECEWISE:
+            self._piecewise_batch = batch  # the eager attention plans it when it runs
+            return
+        bs, nt = self._shapes[key]
+        self.backend.init_forward_metadata_replay(bs, nt, batch, forward_mode=key[0])
+
+    def eager(self, batch: ForwardBatch, inputs: StepInputs | None = None
+              ) -> list[torch.Tensor]:
+        """Run ``batch`` eagerly (``init_forward_metadata`` + the step); the outputs.
+
+        With ``inputs`` the step attends them and the backend allocates the
+        outputs; without, the first rows of the static inputs (which must hold
+        the batch) are attended into the static outputs.
+        """
+        fm = batch.forward_mode
+        self.backend.init_forward_metadata(batch)
+        if inputs is not None:
+            self._check_inputs(inputs)
+            if self._step_fn is GraphSession.attend:
+                return self._eager_attend(batch, inputs)
+            self._step_fn(SessionStep(self, fm, batch, inputs, None))
+            return []
+        if self.statics is None:
+            self._step_fn(SessionStep(self, fm, batch, None, None))
+            return []
+        rows, have = batch.num_tokens, self.statics.qs[0].shape[0]
+        if rows > have:
+            raise SessionError(f"an eager step of {rows} rows needs its inputs: the static "
+                               f"ones hold {have}")
+        views, outs = self._views(rows)
+        self._step_fn(SessionStep(self, fm, batch, views, outs))
+        return outs
+
+    def _eager_attend(self, batch: ForwardBatch, inputs: StepInputs) -> list[torch.Tensor]:
+        """The default step over the caller's inputs, returning what the backend allocates."""
+        out: list[torch.Tensor] = []
+        for i in range(self.layers):
+            latent = inputs.latent_new[i] if self.writes_kv else None
+            rope = inputs.rope_new[i] if self.writes_kv else None
+            if batch.forward_mode is ForwardMode.DECODE:
+                out.append(self.backend.forward_decode(inputs.q[i], latent, rope, self.pool,
+                                                       batch, layer_id=i))
+            else:
+                out.append(self.backend.forward_extend(inputs.q[i], latent, rope, self.pool,
+                                                       batch, method=self.method, k=inputs.k,
+                                                       v=inputs.v, layer_id=i))
+        return out
+
+    # -- inputs ------------------------------------------------------------------------
+    def _check_inputs(self, inputs: StepInputs | None) -> None:
+        if inputs is None:
+            return
+        if self._step_fn is GraphSession.attend and inputs.layers != self.layers:
+            raise SessionError(f"inputs for {inputs.layers} layers, the session attends "
+                               f"{self.layers}")
+
+    def load(self, key: BucketKey, inputs: StepInputs) -> None:
+        """Copy ``inputs`` into the static inputs of bucket ``key``; zero its padding rows
+        (what :meth:`replay` does first; for a caller that warms up or captures itself)."""
+        s = self.statics
+        if s is None:
+            return
+        self._check_inputs(inputs)
+        rows = self._shapes[key][1]
+        n = inputs.rows
+        if n > rows:
+            raise SessionError(f"{n} input rows do not fit the {rows} rows of {key[0]} "
+                               f"bucket {key[1]}")
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = list(zip(s.qs, inputs.q))
+        if s.latents:
+            pairs += list(zip(s.latents, inputs.latent_new)) + list(zip(s.ropes,
+                                                                         inputs.rope_new))
+        for static, value in pairs:
+            if value is None:
+                continue
+            static[:n].copy_(value)
+            static[n:rows].zero_()
+        for static_kv, value_kv in ((s.k, inputs.k), (s.v, inputs.v)):
+            if static_kv is not None and value_kv is not None:
+                t = value_kv.shape[0]
+                static_kv[:t].copy_(value_kv)
+                static_kv[t:].zero_()
+
+    def __repr__(self) -> str:
+        modes = ", ".join(f"{m}x{q}" if m in SPECULATIVE_MODES else str(m)
+                          for m, q in self.forward_modes.items())
+        return (f"GraphSession({self.backend.name}, {self.phase}/{self.mode}, {modes}, "
+                f"buckets={list(self.buckets)}, layers={self.layers}, "
+                f"captured={len(self._graphs)})")
+
