@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnreg.testing.kv_canary import Canary
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
 from attnreg.runtime import CudaGraphRecorder, GraphRunner, MLAConfig
 
@@ -91,7 +92,7 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
     bs, max_seq = 6, 4096
     pool = cfg.make_pool(4 * (max_seq // page_size) * 6 + 8,
                          scale=FP8_SCALE if kv_dtype == "fp8_e4m3" else 1.0)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     tri.init_cuda_graph_state(max_bs=8, max_num_tokens=8, max_seq_len=max_seq)
     tri.init_forward_metadata_capture(bs, bs)
     assert tri.forward_metadata is not None
@@ -124,7 +125,7 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        assert pool.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
+        assert canary.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
         pool.free([p for row in sc.batch.page_table.tolist() for p in row if p])
 
 
@@ -133,7 +134,7 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
     tri, ref = backends(cfg)
     bs, tokens = 4, 256
     pool = cfg.make_pool(600)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     tri.init_cuda_graph_state(max_bs=4, max_num_tokens=tokens, max_seq_len=2048,
                               graph_modes={"prefill": "breakable"})
     tri.init_forward_metadata_capture(bs, tokens, forward_mode="extend")
@@ -165,7 +166,7 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        assert pool.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
+        assert canary.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
         pool.free([p for row in sc.batch.page_table.tolist() for p in row if p])
 
 
