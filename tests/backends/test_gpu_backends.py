@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.testing.kv_canary import Canary
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
 from attnreg.runtime import CudaGraphRecorder, GraphRunner, MLAConfig
+from attnreg.testing.kv_canary import Canary
 
 from ._scenarios import FP8_SCALE, make_scenario
 

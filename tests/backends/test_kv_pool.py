@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.testing.kv_canary import Canary
 from attnreg.registry import ForwardMode, UnsupportedError
 from attnreg.runtime import (
     FP8_E4M3_MAX,
@@ -16,6 +15,7 @@ from attnreg.runtime import (
     decode_batch,
     extend_batch,
 )
+from attnreg.testing.kv_canary import Canary
 
 
 def rows(n: int, seed: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

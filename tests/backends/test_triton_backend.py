@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnreg.testing.kv_canary import Canary
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
 from attnreg.runtime import MLAConfig, decode_batch
+from attnreg.testing.kv_canary import Canary
 
 from ._scenarios import FP8_SCALE, make_scenario
 

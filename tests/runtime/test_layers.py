@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from attnreg.testing.kv_canary import Canary
 from attnreg.registry import ForwardMethod, UnsupportedError, get_registry
 from attnreg.runtime import (
     ForwardBatch,
@@ -17,6 +16,7 @@ from attnreg.runtime import (
     decode_batch,
     extend_batch,
 )
+from attnreg.testing.kv_canary import Canary
 
 H = 2
 

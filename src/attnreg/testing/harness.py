@@ -31,9 +31,9 @@ from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served
 from .claims import MULTI_LAYER_COUNT, Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
+from .integrity import InputGuard, kv_problems
 from .workload import (
     Workload,
-    check_pool_after,
     compare,
     compare_lse,
     make_config,
@@ -183,12 +183,12 @@ class Harness:
             return
         pool = make_pool(config, specs)
         problems: list[str] = []
-        written: list[int] = []
         with_lse = claim.check is Check.LSE
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, combo.method, seed=100 + i,
                                  q_compute_dtype=q_compute)
+            inputs = InputGuard([work])
             with explained(f"{spec.describe()}, eager"):
                 result = self.eager_forward(backend, work, pool, return_lse=with_lse)
                 self.sync()
@@ -205,8 +205,8 @@ class Harness:
             msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
             if msg:
                 problems.append(msg)
-            problems += check_pool_after(pool, work, written)
-            written += work.written_slots
+            problems += kv_problems(pool, [work], f"{spec.name}, eager")
+            problems += inputs.problems(f"{spec.describe()}, eager")
         if problems:
             raise ClaimRefuted("; ".join(problems))
 
@@ -216,7 +216,6 @@ class Harness:
         combo = _combo(claim)
         pool = make_pool(config, specs, num_layers=MULTI_LAYER_COUNT)
         problems: list[str] = []
-        written: list[int] = []
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             works = make_layer_workloads(config, pool, spec, combo.method, seed=500 + 10 * i,
@@ -224,9 +223,14 @@ class Harness:
             backend.init_forward_metadata(works[0].batch)
             planned = backend.forward_metadata
             for work in works:
+                inputs = InputGuard([work])
                 with explained(f"{spec.describe()}, eager, layer {work.layer_id}"):
                     out = self.eager_forward(backend, work, pool, plan=False)
                     self.sync()
+                # after each layer's forward: a write into another layer is named as such
+                when = f"{spec.name}, eager, forward of layer {work.layer_id}"
+                problems += kv_problems(pool, [work], when)
+                problems += inputs.problems(when)
                 if backend.forward_metadata is not planned:
                     problems.append(f"{spec.name}: the forward of layer {work.layer_id} "
                                     "re-planned the step (one plan per step must serve every "
@@ -234,10 +238,6 @@ class Harness:
                 msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"layer {work.layer_id}: {msg}")
-            for work in works:
-                problems += [f"layer {work.layer_id}: {p}"
-                             for p in check_pool_after(pool, work, written)]
-            written += works[0].written_slots
         if problems:
             raise ClaimRefuted("; ".join(problems))
 
@@ -458,9 +458,16 @@ class Harness:
         # capture could be handed to it and overwritten by a replay.
         capture_works = build(specs[0], 1)
         works = [build(spec, 200 + 10 * i) for i, spec in enumerate(specs)]
-        written = list(capture_works[0].written_slots)
-        for w in works:
-            written += w[0].prefix_slots
+        # KV integrity and unchanged inputs around every run of the graph: byte copies
+        # of the pool (taken as the workloads were built) and of each step's inputs
+        inputs = [InputGuard(step) for step in [capture_works, *works]]
+        full_bs = max(s.batch_size for s in specs)
+        full_rows = max(step[0].rows for step in [capture_works, *works])
+
+        def padded_step(step: list[Workload]) -> bool:
+            """Whether the graph pads this step (its padding rows may write page 0)."""
+            return step[0].spec.batch_size < full_bs or step[0].rows < full_rows
+
         with explained(f"{label}: preparing the capture ({specs[0].describe()})"):
             captured.prepare(capture_works[0])
         with explained(f"{label}: warm-up run under capturing({captured.mode}) on "
@@ -471,7 +478,9 @@ class Harness:
             at = f" (layer {work.layer_id})" if layers > 1 else ""
             if msg:
                 problems.append(f"warm-up under capture{at}: {msg}")
-            problems += [f"warm-up{at}: {p}" for p in check_pool_after(pool, work, written)]
+        problems += kv_problems(pool, capture_works, "warm-up under capture",
+                                padding=padded_step(capture_works))
+        problems += inputs[0].problems("warm-up under capture")
         with explained(f"{label}: capturing"):
             captured.capture()
         for i, (spec, step) in enumerate(zip(specs, works)):
@@ -487,11 +496,12 @@ class Harness:
                 msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"replay {i + 1}{at}: {msg}")
-                problems += [f"replay {i + 1}{at}: {p}"
-                             for p in check_pool_after(pool, work, written)]
+            problems += kv_problems(pool, step, f"replay {i + 1} ({spec.name})",
+                                    padding=padded_step(step))
+            problems += inputs[i + 1].problems(f"replay {i + 1} ({spec.name})")
+            problems += _static_q_problems(captured, step, f"replay {i + 1} ({spec.name})")
             if padded:
                 problems += [f"replay {i + 1}: {p}" for p in captured.padding_problems(step[0])]
-            written += step[0].new_slots
             if churn is not None:
                 bad = churn.corrupted()
                 if bad:
@@ -639,10 +649,10 @@ class Harness:
         combo = _combo(claim)
         pool = make_pool(config, specs)
         problems: list[str] = []
-        written: list[int] = []
         served: Served = []
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, method, seed=300 + i)
+            inputs = InputGuard([work])
             with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
                 with capturing(GraphMode.TC_PIECEWISE), recording_served() as records:
                     out = self.eager_forward(backend, work, pool)
@@ -651,8 +661,9 @@ class Harness:
             msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
             if msg:
                 problems.append(msg)
-            problems += check_pool_after(pool, work, written)
-            written += work.written_slots
+            when = f"{spec.name} under capturing(tc_piecewise)"
+            problems += kv_problems(pool, [work], when)
+            problems += inputs.problems(when)
         if problems:
             raise ClaimRefuted("; ".join(problems))
         return served
@@ -754,7 +765,7 @@ class _Piecewise:
             graph = runner.capture_pieces([piece_a, EagerStep(attention, "attention"),
                                            piece_b], GraphMode.TC_PIECEWISE)
         problems: list[str] = []
-        written = [slot for w in works for slot in w.prefix_slots]
+        inputs = [InputGuard([w]) for w in works]
         for i, work in enumerate(works):
             n = work.rows
             self._load(hidden, hidden_kv, work)
@@ -766,8 +777,9 @@ class _Piecewise:
                           work.spec)
             if msg:
                 problems.append(f"replay {i + 1}: {msg}")
-            problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
-            written += work.new_slots
+            # attention ran eagerly on views of the static buffers: no padding rows
+            problems += kv_problems(pool, [work], f"replay {i + 1} ({work.spec.name})")
+            problems += inputs[i].problems(f"replay {i + 1} ({work.spec.name})")
             bad = churn.corrupted()
             if bad:
                 problems.append(f"replay {i + 1}: wrote into {len(bad)} tensors allocated after "
@@ -788,6 +800,21 @@ class _Piecewise:
                 value = getattr(work, name)
                 t.zero_()
                 t[:value.shape[0]].copy_(value)
+
+
+def _static_q_problems(captured: CapturedForward, step: list[Workload], when: str
+                       ) -> list[str]:
+    """The graph's static q after a replay must still hold what was copied in (the
+    step's q): a backend that scales q in place inside the graph is refuted."""
+    if len(step) != 1:
+        return []  # one static q per layer; the public view is layer 0's
+    work = step[0]
+    static = captured.q[:work.rows]
+    if static.shape == work.q.shape and not torch.equal(static.view(torch.uint8),
+                                                        work.q.view(torch.uint8)):
+        return [f"{when}: the forward changed its input q (the graph's static q no longer "
+                "holds the q copied in before the replay); a backend must not write into q"]
+    return []
 
 
 def _served_problems(served: Served, expected: str) -> list[str] | None:
