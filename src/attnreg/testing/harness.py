@@ -32,6 +32,7 @@ from .capture_harness import AllocatorChurn, CapturedForward, Served
 from .claims import MULTI_LAYER_COUNT, Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
 from .integrity import InputGuard, kv_problems
+from .timelimit import stage
 from .workload import (
     Workload,
     compare,
@@ -60,7 +61,11 @@ def _where(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def explained(what: str) -> Iterator[None]:
-    """Turn anything a backend raises while running a *declared* input into ClaimRefuted."""
+    """Turn anything a backend raises while running a *declared* input into ClaimRefuted.
+
+    ``what`` is also reported as the claim's current stage (a time limit names it).
+    """
+    stage(what)
     try:
         yield
     except (ClaimRefuted, HarnessLimitation):
@@ -100,11 +105,16 @@ class Harness:
     def run(self, claim: Claim) -> None:
         """Check ``claim``; raise ClaimRefuted (or pytest's skip) when it does not hold."""
         try:
-            self._dispatch(claim)
+            self.check(claim)
         except HarnessLimitation as exc:
             import pytest
 
             pytest.skip(f"harness limitation: {exc}")
+
+    def check(self, claim: Claim) -> None:
+        """Check ``claim``; raise ClaimRefuted, or HarnessLimitation when it cannot be
+        checked here (no pytest involved: what a claim worker runs)."""
+        self._dispatch(claim)
 
     def _dispatch(self, claim: Claim) -> None:
         if claim.kind is ClaimKind.EAGER:
