@@ -204,9 +204,8 @@ class KVLedger:
         named = []
         for layer, pos in hits[:4].tolist():
             slot = pos - g
-            named.append(f"slot {slot} of layer {layer} ({self.owner(slot, layer, step_layers=layers_written)})"
-                         if pool.num_layers > 1 else
-                         f"slot {slot} ({self.owner(slot, layer, step_layers=layers_written)})")
+            at = f" of layer {layer}" if pool.num_layers > 1 else ""
+            named.append(f"slot {slot}{at} ({self.owner(slot, layer, step, layers_written)})")
         more = f" and {total - 4} more" if total > 4 else ""
         wrote = ", ".join(f"layer {w}" for w in layers_written)
         return (f"{when}: {total} KV rows the step did not own changed: {'; '.join(named)}"
@@ -224,7 +223,8 @@ class KVLedger:
         """
         pool = self.pool
         ps = pool.page_size
-        other = (f"another layer than the step's {', '.join(map(str, step_layers))}: "
+        other = (f"another layer (the forward wrote layer "
+                 f"{', '.join(map(str, step_layers))}): "
                  if step_layers and layer not in step_layers else "")
         if slot < 0:
             return (f"{other}beyond the pool's pages: {-slot} slots before the first page "
@@ -236,7 +236,11 @@ class KVLedger:
         if page == PADDING_PAGE:
             return (f"{other}the padding page (page {PADDING_PAGE}), which only the padding "
                     "rows of a replay smaller than its graph may write")
-        for work in reversed(self._works):
+        # the step's own workloads first, then the newest of that layer, then any (the
+        # layers of one step share their pages)
+        candidates = [*step, *(w for w in reversed(self._works) if w.layer_id == layer),
+                      *reversed(self._works)]
+        for work in candidates:
             for i, (owned, (prefix, extend)) in enumerate(zip(work.pages, work.spec.seqs)):
                 if page not in owned:
                     continue
