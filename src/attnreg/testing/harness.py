@@ -29,7 +29,8 @@ from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig,
 
 from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served
-from .claims import MULTI_LAYER_COUNT, Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
+from .checks import CHECKS, GraphOptions
+from .claims import Check, Claim, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
 from .integrity import InputGuard, kv_problems
 from .timelimit import stage
@@ -117,23 +118,10 @@ class Harness:
         self._dispatch(claim)
 
     def _dispatch(self, claim: Claim) -> None:
-        if claim.kind is ClaimKind.EAGER:
-            self.check_eager(claim)
-        elif claim.kind is ClaimKind.REFUSAL:
-            self.check_refusal(claim)
-        elif claim.kind is ClaimKind.CAPTURE:
-            if claim.check is Check.REFUSES_CAPTURE:
-                self.check_refuses_capture(claim)
-            elif claim.check is Check.PINNING:
-                self.check_pinning(claim)
-            elif claim.check is Check.FALLBACK_SERVED:
-                self.check_fallback_served(claim)
-            elif claim.graph_mode is GraphMode.TC_PIECEWISE:
-                self.check_piecewise(claim)
-            else:
-                self.check_graph(claim)
-        else:
-            raise HarnessLimitation(f"nothing to run for a {claim.kind} claim")
+        check = CHECKS.get(claim.check)
+        if check is None or claim.kind not in check.kinds:
+            raise HarnessLimitation(f"nothing to run for a {claim.kind} {claim.check} claim")
+        check.run(self, claim)
 
     # ------------------------------------------------------------------------------
     # helpers
@@ -183,17 +171,19 @@ class Harness:
     # ------------------------------------------------------------------------------
     # eager correctness
     # ------------------------------------------------------------------------------
-    def check_eager(self, claim: Claim) -> None:
+    def check_eager(self, claim: Claim, *, with_lse: bool = False, layers: int = 1) -> None:
+        """Each batch of the claim, eagerly: output (and LSE) against the oracle, KV
+        integrity, inputs unchanged; ``layers`` > 1: one plan per step over that many
+        pool layers."""
         combo = _combo(claim)
         config = make_config(combo, self.device)
         specs = self.claim_specs(claim)
         backend = self.create(claim, config)
-        if claim.check is Check.MULTI_LAYER:
-            self._check_multi_layer_eager(claim, backend, config, specs)
+        if layers > 1:
+            self._check_multi_layer_eager(claim, backend, config, specs, layers)
             return
         pool = make_pool(config, specs)
         problems: list[str] = []
-        with_lse = claim.check is Check.LSE
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, combo.method, seed=100 + i,
@@ -221,10 +211,11 @@ class Harness:
             raise ClaimRefuted("; ".join(problems))
 
     def _check_multi_layer_eager(self, claim: Claim, backend: AttentionBackend,
-                                 config: MLAConfig, specs: Sequence[BatchSpec]) -> None:
+                                 config: MLAConfig, specs: Sequence[BatchSpec],
+                                 layers: int) -> None:
         """One plan per step, one forward per layer: each layer matches its own oracle."""
         combo = _combo(claim)
-        pool = make_pool(config, specs, num_layers=MULTI_LAYER_COUNT)
+        pool = make_pool(config, specs, num_layers=layers)
         problems: list[str] = []
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
@@ -524,34 +515,35 @@ class Harness:
                 churn.release()
         return problems
 
-    def check_graph(self, claim: Claim) -> None:
+    def _graph_setup(self, claim: Claim) -> tuple[AttentionBackend, MLAConfig,
+                                                  list[BatchSpec]]:
+        specs = self.claim_specs(claim)
+        config = make_config(_combo(claim), self.device,
+                             max_context_len=max(s.max_seq_len for s in specs))
+        return self.create(claim, config), config, specs
+
+    def check_graph(self, claim: Claim, options: GraphOptions) -> None:
+        """A FULL / BREAKABLE claim: capture once, replay every batch (see ``options``)."""
         combo = _combo(claim)
         phase, mode = combo.phase, claim.graph_mode
         method = combo.method
-        specs = self.claim_specs(claim)
-        config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
-                                                                      for s in specs))
-        backend = self.create(claim, config)
-        if claim.check is Check.CAPTURE_MEMORY:
-            self.check_capture_memory(claim, backend, config, specs)
-            return
-        layers = MULTI_LAYER_COUNT if claim.check is Check.MULTI_LAYER else 1
-        padded = claim.check is Check.PADDED_ROWS
-        if (claim.check is Check.CAPTURE_PATH or not self.real_graphs) and layers == 1:
+        backend, config, specs = self._graph_setup(claim)
+        layers = options.layers
+        if (options.path_only or not self.real_graphs) and layers == 1:
             served = self._run_capture_path(claim, backend, config, specs, method,
-                                            padded=padded)
-            if claim.check is Check.CAPTURE_PATH:
+                                            padded=options.padded)
+            if options.path_only:
                 self._check_native_served(claim, served)
             return
         pool = make_pool(config, list(specs) + [specs[0]], num_layers=layers)
         captured = self._captured(claim, backend, config, pool, specs, method,
                                   real_graphs=self.real_graphs,
-                                  sync_check=claim.check is Check.NO_SYNC_ALLOC, layers=layers)
-        churn = AllocatorChurn(pool.device) if claim.check is Check.ALLOCATOR_CHURN else None
+                                  sync_check=options.sync_check, layers=layers)
+        churn = AllocatorChurn(pool.device) if options.churn else None
         label = f"{phase} {mode} graph" + (f" of {layers} layers" if layers > 1 else "")
         problems = self._drive(captured, config, pool, specs, method, combo, label=label,
-                               churn=churn, padded=padded)
-        if claim.check is Check.NO_SYNC_ALLOC and captured.memory is not None:
+                               churn=churn, padded=options.padded)
+        if options.sync_check and captured.memory is not None:
             problems += captured.memory.problems()
         if problems:
             raise ClaimRefuted("; ".join(problems))
@@ -559,8 +551,7 @@ class Harness:
     # ------------------------------------------------------------------------------
     # capture: memory against the declaration
     # ------------------------------------------------------------------------------
-    def check_capture_memory(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
-                             specs: Sequence[BatchSpec]) -> None:
+    def check_capture_memory(self, claim: Claim) -> None:
         """init_cuda_graph_state + capture allocate what ``CaptureMemory.estimate`` declares.
 
         Captured through the graph runner at the bounds of the claim's batches
@@ -568,6 +559,7 @@ class Harness:
         backend's typed graph state on cpu (see ``CaptureMemoryCheck``).
         """
         combo = _combo(claim)
+        backend, config, specs = self._graph_setup(claim)
         pool = make_pool(config, [specs[0], specs[0]])
         captured = self._captured(claim, backend, config, pool, specs, combo.method,
                                   real_graphs=self.real_graphs)
@@ -678,14 +670,16 @@ class Harness:
             raise ClaimRefuted("; ".join(problems))
         return served
 
-    def check_piecewise(self, claim: Claim) -> None:
+    def check_piecewise(self, claim: Claim, *, path_only: bool = False) -> None:
+        """A TC_PIECEWISE claim: pieces captured around an eager attention (``path_only``:
+        the attention under capturing(tc_piecewise) only, and who served it)."""
         combo = _combo(claim)
         specs = self.claim_specs(claim)
         config = make_config(combo, self.device)
         backend = self.create(claim, config)
-        if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
+        if path_only or not self.real_graphs:
             served = self._piecewise_eager(claim, backend, config, specs, combo.method)
-            if claim.check is Check.CAPTURE_PATH:
+            if path_only:
                 self._check_native_served(claim, served)
             return
         problems = _Piecewise(self, backend, config, combo, specs).run()
