@@ -59,6 +59,9 @@ DEFAULT_LIMITS = {"cpu": 600.0, "cuda": 300.0}
 STARTUP_LIMIT = 300.0
 
 _CHILD: Connection | None = None  # set in a worker: where stage() reports
+#: What a CUDA error that leaves the context unusable says (the worker is replaced).
+_CONTEXT_LOST = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                 "CUDA error: an illegal instruction")
 
 
 class ClaimWorkerError(RuntimeError):
@@ -296,6 +299,10 @@ class ClaimRunner:
             if message[0] == "stage":
                 last = message[1]
                 continue
+            if message[0] != "ok" and any(sign in message[1] for sign in _CONTEXT_LOST):
+                # the device context is unusable now: the next claim gets a fresh worker
+                self._worker = None
+                worker.kill()
             return message
 
     def _await_ready(self, worker: _Worker) -> str | None:
