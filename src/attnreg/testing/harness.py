@@ -462,12 +462,13 @@ class Harness:
         # KV integrity and unchanged inputs around every run of the graph: byte copies
         # of the pool (taken as the workloads were built) and of each step's inputs
         inputs = [InputGuard(step) for step in [capture_works, *works]]
-        full_bs = max(s.batch_size for s in specs)
-        full_rows = max(step[0].rows for step in [capture_works, *works])
 
         def padded_step(step: list[Workload]) -> bool:
-            """Whether the graph pads this step (its padding rows may write page 0)."""
-            return step[0].spec.batch_size < full_bs or step[0].rows < full_rows
+            """Whether the graph pads this step (its padding rows may write page 0): fewer
+            sequences or fewer query rows than captured (a draft-extend batch accepts
+            fewer tokens than the graph's bs * draft tokens)."""
+            return (step[0].spec.batch_size < captured.bs
+                    or step[0].rows < captured.num_tokens)
 
         with explained(f"{label}: preparing the capture ({specs[0].describe()})"):
             captured.prepare(capture_works[0])

@@ -236,8 +236,11 @@ class ClaimRunner:
                 proc.start()
                 pid = proc.pid
             else:
+                # the run's import path (pytest's rootdir insertions included), so the
+                # worker imports the same plugin modules
                 env = dict(os.environ, **self.recipe.env, _ATTNREG_WORKER=address,
-                           _ATTNREG_WORKER_KEY=authkey.hex())
+                           _ATTNREG_WORKER_KEY=authkey.hex(),
+                           PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
                 proc = subprocess.Popen([sys.executable, "-m", "attnreg.testing.timelimit"],
                                         env=env)
                 pid = proc.pid
