@@ -261,10 +261,10 @@ def test_gpu_defects_are_refuted_under_real_capture(tmp_path, backend):
 # backends with their own eager break inside attention (cpu: the break is a no-op)
 FALLBACK_REFUTED = {
     "planted_fallback_mismatch/capture/prefill/tc_piecewise/fallback_served/mla/"
-    f"{P}": "declares FALLBACK to reference, but 5 of 5 forwards under capture were served "
+    f"{P}": "declares FALLBACK to reference, but 6 of 6 forwards under capture were served "
             "by planted_fallback_mismatch",
     "planted_native_but_fallback/capture/prefill/tc_piecewise/capture_path/mla/"
-    f"{P}": "is declared NATIVE, but 5 of 5 forwards under capture were served by reference",
+    f"{P}": "is declared NATIVE, but 6 of 6 forwards under capture were served by reference",
 }
 
 
