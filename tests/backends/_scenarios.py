@@ -39,7 +39,7 @@ def make_pool(cfg: MLAConfig, seq_lens: list[int], spare_pages: int = 3) -> MLAK
 def make_scenario(cfg: MLAConfig, prefix_lens: list[int], extend_lens: list[int], *,
                   decode: bool = False, mha: bool = False, seed: int = 0,
                   q_dtype: torch.dtype = torch.bfloat16, shuffle: bool = True,
-                  canary: bool = False, pool: MLAKVPool | None = None) -> Scenario:
+                  pool: MLAKVPool | None = None) -> Scenario:
     """Pool with the prefixes written, a batch of the new tokens, random inputs.
 
     ``pool``: reuse an existing pool (pages are taken from its free list)."""
@@ -47,8 +47,6 @@ def make_scenario(cfg: MLAConfig, prefix_lens: list[int], extend_lens: list[int]
     dev = cfg.device
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool = make_pool(cfg, seq_lens) if pool is None else pool
-    if canary:
-        pool.fill_canary()
     pages = pool.allocate(seq_lens, shuffle=seed if shuffle else False)
     seq_latent, seq_rope = [], []
     for owned, n, p in zip(pages, seq_lens, prefix_lens):

@@ -9,6 +9,7 @@ import torch
 
 from attnreg.registry import ForwardMethod, ForwardMode, UnsupportedError, get_registry
 from attnreg.runtime import CudaGraphRecorder, GraphSession, MLAConfig, StepInputs
+from attnreg.testing.kv_canary import Canary
 
 from ._scenarios import FP8_SCALE, make_scenario
 
@@ -91,7 +92,7 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
     bs, max_seq = 6, 4096
     pool = cfg.make_pool(4 * (max_seq // page_size) * 6 + 8,
                          scale=FP8_SCALE if kv_dtype == "fp8_e4m3" else 1.0)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     session = GraphSession(tri, pool, phase="decode", mode="full", buckets=[bs],
                            max_seq_len=max_seq, before_replay=_churn)
     key = (ForwardMode.DECODE, bs)
@@ -119,7 +120,7 @@ def test_decode_cuda_graph_replays_other_lengths_and_contents(heads: int, page_s
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        assert pool.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
+        assert canary.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
         pool.free([p for row in sc.batch.page_table.tolist() for p in row if p])
 
 
@@ -128,7 +129,7 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
     tri, ref = backends(cfg)
     bs, tokens = 4, 256
     pool = cfg.make_pool(600)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     session = GraphSession(tri, pool, phase="prefill", mode="breakable", buckets=[tokens],
                            max_requests=bs, max_seq_len=2048, method=ForwardMethod.MLA,
                            before_replay=_churn)
@@ -153,7 +154,7 @@ def test_absorbed_extend_cuda_graph_replays_other_lengths_and_contents() -> None
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        assert pool.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
+        assert canary.corrupted_slots(written) == [], f"replay {step} wrote outside its slots"
         pool.free([p for row in sc.batch.page_table.tolist() for p in row if p])
 
 

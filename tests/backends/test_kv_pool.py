@@ -15,6 +15,7 @@ from attnreg.runtime import (
     decode_batch,
     extend_batch,
 )
+from attnreg.testing.kv_canary import Canary
 
 
 def rows(n: int, seed: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,21 +151,72 @@ def test_page_table_is_int32_and_padded_with_the_padding_page() -> None:
 
 def test_canaries_flag_only_stray_writes() -> None:
     pool = MLAKVPool(6, 16, kv_dtype="fp8_e4m3", scale=0.05)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     latent, rope = rows(3)
     written = [20, 21, 40]
     pool.write(i32(written), latent, rope)
-    assert pool.corrupted_slots(written) == []
-    assert pool.corrupted_slots([20, 21]) == [40]
+    assert canary.corrupted_slots(written) == []
+    assert canary.corrupted_slots([20, 21]) == [40]
     pool.write(i32([pool.padding_slot]), latent[:1], rope[:1])  # padding page: ignored
-    assert pool.corrupted_slots(written) == []
+    assert canary.corrupted_slots(written) == []
     pool.buffer.view(96, 576)[70, 5] = 0.0  # one stray byte elsewhere
-    assert pool.corrupted_slots(torch.tensor(written)) == [70]
+    assert canary.corrupted_slots(torch.tensor(written)) == [70]
 
 
-def test_corrupted_slots_needs_a_canary_first() -> None:
-    with pytest.raises(RuntimeError, match="fill_canary"):
-        MLAKVPool(2, 1).corrupted_slots()
+def test_the_pool_is_storage_and_an_allocator_only() -> None:
+    pool = MLAKVPool(4, 2)
+    assert not any(hasattr(pool, name) for name in ("fill_canary", "corrupted_slots"))
+
+
+@pytest.mark.parametrize(("seq_lens", "needle"), [
+    ([-100, 200], r"seq_lens\[0\] is -100, below 0"),
+    ([-1], r"seq_lens\[0\] is -1, below 0"),
+    ([3, True], r"seq_lens\[1\] is True \(bool\), not an integer"),
+    ([2.0], r"seq_lens\[0\] is 2.0 \(float\), not an integer"),
+    (["4"], r"seq_lens\[0\] is '4' \(str\), not an integer"),
+])
+def test_allocate_refuses_negative_and_non_integer_lengths_and_takes_nothing(
+        seq_lens: list[object], needle: str) -> None:
+    pool = MLAKVPool(num_pages=64, page_size=16, kv_lora_rank=1, rope_dim=1)
+    with pytest.raises(ValueError, match=needle):
+        pool.allocate(seq_lens)  # type: ignore[arg-type]
+    assert pool.num_free_pages == 63
+    assert pool.allocate([17]) == [[1, 2]], "a refused allocate left the free list as it was"
+
+
+@pytest.mark.parametrize(("pages", "needle"), [
+    ([3.7], r"pages\[0\] is 3.7 \(float\), not an integer"),
+    ([True], r"pages\[0\] is True \(bool\), not an integer"),
+    ([2, "1"], r"pages\[1\] is '1' \(str\), not an integer"),
+])
+def test_free_refuses_non_integer_pages_and_frees_nothing(pages: list[object],
+                                                          needle: str) -> None:
+    pool = MLAKVPool(8, 4)
+    pool.allocate([12])  # pages 1, 2, 3
+    with pytest.raises(ValueError, match=needle):
+        pool.free(pages)  # type: ignore[arg-type]
+    assert pool.num_free_pages == 4
+    pool.free([1, 2, 3])  # still owned: nothing was freed by the refused call
+    assert pool.num_free_pages == 7
+
+
+def test_integer_scalars_of_other_types_are_accepted() -> None:
+    pool = MLAKVPool(8, 4)
+    pages = pool.allocate([torch.tensor(5), 3])
+    assert pages == [[1, 2], [3]]
+    pool.free([torch.tensor(1)])
+    assert pool.num_free_pages == 5
+
+
+def test_write_accepts_what_slots_returns() -> None:
+    pool = MLAKVPool(4, 4, kv_dtype="fp32")
+    pages = pool.allocate([6])
+    slots = pool.slots(pages[0], range(6))
+    latent, rope = rows(6)
+    pool.write(slots, latent, rope)
+    assert torch.equal(pool.read_slots(i32(slots))[:, :512], latent.float())
+    with pytest.raises(ValueError, match=r"slots\[0\] is -1"):
+        pool.write([-1] + slots[1:], latent, rope)
 
 
 def test_decode_batch_writes_the_last_position() -> None:

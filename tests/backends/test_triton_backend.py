@@ -10,6 +10,7 @@ import torch
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
 from attnreg.runtime import MLAConfig, decode_batch
+from attnreg.testing.kv_canary import Canary
 
 from ._scenarios import FP8_SCALE, make_scenario
 
@@ -86,7 +87,7 @@ def test_decode_graph_metadata_replays_other_lengths_and_contents() -> None:
     cfg = MLAConfig(num_heads=H, page_size=16, device=DEVICE, kv_dtype="fp8_e4m3")
     tri, ref = backends(cfg, force_kv_splits=2)
     pool = cfg.make_pool(20, scale=FP8_SCALE)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     tri.init_cuda_graph_state(max_bs=4, max_num_tokens=4, max_seq_len=64)
     tri.init_forward_metadata_capture(3, 3)
     static_q = torch.zeros(3, H, 576, dtype=torch.bfloat16, device=DEVICE)
@@ -111,7 +112,7 @@ def test_decode_graph_metadata_replays_other_lengths_and_contents() -> None:
         want = ref.forward_decode(sc.q, None, None, pool, sc.batch)
         assert_close(out[:b], want)
         assert torch.count_nonzero(out[b:].float()) == 0, f"step {step}: padded rows not 0"
-        assert pool.corrupted_slots(written) == [], f"step {step}: stray KV writes"
+        assert canary.corrupted_slots(written) == [], f"step {step}: stray KV writes"
 
 
 def test_extend_graph_metadata_replays_other_lengths() -> None:
@@ -120,7 +121,7 @@ def test_extend_graph_metadata_replays_other_lengths() -> None:
     cfg = MLAConfig(num_heads=H, page_size=1, device=DEVICE)
     tri, ref = backends(cfg)
     pool = cfg.make_pool(200)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     tri.init_cuda_graph_state(max_bs=2, max_num_tokens=12, max_seq_len=64,
                               graph_modes={"prefill": "breakable"})
     tri.init_forward_metadata_capture(2, 12, forward_mode="extend")
@@ -143,7 +144,7 @@ def test_extend_graph_metadata_replays_other_lengths() -> None:
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        assert pool.corrupted_slots(written) == []
+        assert canary.corrupted_slots(written) == []
 
 
 def test_split_extend_graph_metadata_replays_longer_prefixes() -> None:
@@ -152,7 +153,7 @@ def test_split_extend_graph_metadata_replays_longer_prefixes() -> None:
     cfg = MLAConfig(num_heads=H, page_size=16, device=DEVICE)
     tri, ref = backends(cfg, force_kv_splits=3)
     pool = cfg.make_pool(80)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     tri.init_cuda_graph_state(max_bs=2, max_num_tokens=8, max_seq_len=400,
                               graph_modes={"prefill": "breakable"})
     tri.init_forward_metadata_capture(2, 8, forward_mode="extend")
@@ -175,7 +176,7 @@ def test_split_extend_graph_metadata_replays_longer_prefixes() -> None:
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        assert pool.corrupted_slots(written) == []
+        assert canary.corrupted_slots(written) == []
 
 
 def test_split_extend_capture_takes_the_heuristic_splits_from_the_graph_state() -> None:

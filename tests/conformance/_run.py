@@ -20,7 +20,7 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
-def conformance(tmp_path: Path, *args: str, timeout: float = 600
+def conformance(tmp_path: Path, *args: str, timeout: float = 1200
                 ) -> tuple[int, str, dict[str, Any] | None]:
     """(exit code, stdout + stderr, parsed report or None)."""
     report = tmp_path / "report.json"

@@ -19,8 +19,8 @@ from attnreg.registry import (
     get_registry,
 )
 from attnreg.testing.batches import eager_specs, quick_specs
+from attnreg.testing.checks import CPU_RUNNABLE_CAPTURE_CHECKS
 from attnreg.testing.claims import (
-    CPU_RUNNABLE_CAPTURE_CHECKS,
     YARN_SM_SCALE,
     Check,
     ClaimKind,

@@ -261,10 +261,10 @@ def test_gpu_defects_are_refuted_under_real_capture(tmp_path, backend):
 # backends with their own eager break inside attention (cpu: the break is a no-op)
 FALLBACK_REFUTED = {
     "planted_fallback_mismatch/capture/prefill/tc_piecewise/fallback_served/mla/"
-    f"{P}": "declares FALLBACK to reference, but 5 of 5 forwards under capture were served "
+    f"{P}": "declares FALLBACK to reference, but 6 of 6 forwards under capture were served "
             "by planted_fallback_mismatch",
     "planted_native_but_fallback/capture/prefill/tc_piecewise/capture_path/mla/"
-    f"{P}": "is declared NATIVE, but 5 of 5 forwards under capture were served by reference",
+    f"{P}": "is declared NATIVE, but 6 of 6 forwards under capture were served by reference",
 }
 
 
@@ -322,3 +322,77 @@ def test_a_replayable_own_eager_break_replays_and_a_with_block_is_skipped(tmp_pa
     skipped = by_status(data, "skipped")
     mine = {c: m for c, m in skipped.items() if c.startswith("planted_eager_with_block/")}
     assert mine and all("as a `with` block" in m for m in mine.values()), out
+
+
+# (m)-(q) silent corruption: another sequence's prefix, another layer, NaN above four
+# sequences, an input changed in place, a forward that never returns
+HANG_LIMIT = 10
+INTEGRITY_DEFECTS: dict[str, dict[str, str]] = {
+    "planted_prefix_overwrite": {
+        f"eager/decode/mla/{P}": "ragged_decode, eager: 1 KV rows the step did not own "
+                                 "changed: slot",
+        f"eager/decode/mla/multi_layer/{FP8}": "(sequence 1's prefix token 0 of ragged_decode)",
+        f"capture/decode/full/capture_path/mla/{P}":
+            "warm-up under capture: 1 KV rows the step did not own changed",
+    },
+    "planted_other_layer": {
+        f"eager/decode/mla/multi_layer/{FP8}":
+            "of layer 1 (another layer (the forward wrote layer 0): sequence 0's new token 0",
+    },
+    "planted_nan_wide": {
+        f"eager/decode/mla/{P}": "NaN in the output where the oracle is finite: 16384 values "
+                                 "in 16 of 16 rows, at batch size 16",
+        f"capture/decode/full/capture_path/mla/{P}": "NaN in the output where the oracle is "
+                                                     "finite",
+    },
+    "planted_inplace_q": {
+        f"eager/decode/mla/{P}": "eager: the forward changed its inputs: q (",
+        f"eager/decode/mla/multi_layer/{FP8}": "the forward changed its inputs: q (",
+        f"capture/decode/full/capture_path/mla/{P}": "the forward changed its input q",
+    },
+    "planted_hang": {
+        f"eager/decode/mla/{P}": f"timed out after {HANG_LIMIT} s in eager step",
+        f"eager/decode/mla/multi_layer/{FP8}": f"timed out after {HANG_LIMIT} s in eager step",
+        f"capture/decode/full/capture_path/mla/{P}": f"timed out after {HANG_LIMIT} s in "
+                                                     "capture",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def integrity_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("integrity")
+    # the base decode claims, eager and through the capture path, the multi-layer eager
+    # one, and a cheap refusal as the control each backend verifies (after a hang too)
+    args = ["--device", "cpu", "--plugin", "planted.integrity",
+            "--time-limit", str(HANG_LIMIT),
+            "-k", f"(eager/decode/mla/{P} or eager/decode/mla/multi_layer or "
+                  f"capture/decode/full/capture_path/mla/{P} or "
+                  "refusal/decode/mla/index_dtype) and not sm_scale"]
+    for name in INTEGRITY_DEFECTS:
+        args += ["--backend", name]
+    return conformance(tmp, *args)
+
+
+@pytest.mark.parametrize("backend", sorted(INTEGRITY_DEFECTS))
+def test_each_silent_corruption_is_refuted_naming_its_cause(integrity_run, backend):
+    code, out, data = integrity_run
+    assert code == 1 and data is not None, out
+    refuted = {cid.removeprefix(backend + "/"): msg
+               for cid, msg in by_status(data, "refuted").items()
+               if cid.startswith(backend + "/")}
+    expected = INTEGRITY_DEFECTS[backend]
+    assert set(refuted) == set(expected), out
+    for cid, needle in expected.items():
+        assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
+    # the claim after them still ran: the run goes on after a refutation or a timeout
+    assert f"{backend}/refusal/decode/mla/index_dtype/int64" in by_status(data, "verified")
+
+
+def test_a_hung_claim_ends_within_its_limit_plus_30_s(integrity_run):
+    _, out, data = integrity_run
+    hung = [c for c in data["claims"] if c["backend"] == "planted_hang"
+            and "timed out" in c["message"]]
+    assert len(hung) == 3, out
+    for claim in hung:
+        assert claim["duration_s"] <= HANG_LIMIT + 30, claim

@@ -16,6 +16,7 @@ from attnreg.runtime import (
     decode_batch,
     extend_batch,
 )
+from attnreg.testing.kv_canary import Canary
 
 H = 2
 
@@ -78,11 +79,11 @@ def test_unknown_layers_are_refused_with_the_range() -> None:
 
 def test_canaries_cover_every_layer() -> None:
     pool = MLAKVPool(4, 16, num_layers=2)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     pool.layer(1).buffer.view(-1, 576)[33] = 0.0
-    assert pool.corrupted_slots() == [33]
-    assert pool.corrupted_slots(layer_id=0) == []
-    assert pool.corrupted_slots([33]) == []
+    assert canary.corrupted_slots() == [33]
+    assert canary.corrupted_slots(layer_id=0) == []
+    assert canary.corrupted_slots([33]) == []
 
 
 def test_wrap_views_an_engines_per_layer_buffers_without_copying() -> None:
@@ -149,13 +150,13 @@ def test_new_rows_go_to_the_forwarded_layer_only() -> None:
     cfg = MLAConfig(num_heads=H, page_size=16)
     backend = get_registry().create("reference", cfg)
     pool = cfg.make_pool(6, num_layers=2)
-    pool.fill_canary()
+    canary = Canary.fill(pool)
     batch = extend_batch(pool, [0], [3])
     latent, rope = rows(3, 2)
     q = torch.randn(3, H, 576).bfloat16()
     backend.forward_extend(q, latent, rope, pool, batch, method=ForwardMethod.MLA, layer_id=1)
-    assert pool.corrupted_slots(batch.out_cache_loc, layer_id=1) == []
-    assert pool.corrupted_slots(layer_id=0) == [], "layer 0 was not written"
+    assert canary.corrupted_slots(batch.out_cache_loc, layer_id=1) == []
+    assert canary.corrupted_slots(layer_id=0) == [], "layer 0 was not written"
     held = pool.read_slots(batch.out_cache_loc, layer_id=1)
     assert torch.equal(held, torch.cat([latent, rope], -1).float())
 

@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", action="store_true",
                         help="progress lines on stderr even when it is not a terminal (a log "
                              "file)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="refute a claim that runs longer than SECONDS as timed out and go "
+                             "on with the next (default: $ATTNREG_CLAIM_TIME_LIMIT, else 600 "
+                             "on cpu, 300 on cuda; 0: no limit, claims run in this process)")
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to pytest as is (repeatable)")
     parser.add_argument("--merge", action="append", default=[], metavar="REPORT",
@@ -158,6 +162,8 @@ def pytest_args(args: argparse.Namespace, ini_path: Path,
         argv += ["--attnreg-plugin", module]
     for name in args.disable:
         argv += ["--attnreg-disable", name]
+    if args.time_limit is not None:
+        argv += ["--attnreg-time-limit", str(args.time_limit)]
     if args.other_platforms is not None:
         argv.append("--attnreg-other-platforms" if args.other_platforms
                     else "--attnreg-no-other-platforms")

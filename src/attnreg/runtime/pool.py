@@ -13,7 +13,12 @@ in every layer: pages are allocated once for all layers.
 
 Page 0 is reserved, as in sglang's token pool: padded requests of a replayed
 CUDA graph write their dummy tokens there, so it is never handed out by
-:meth:`MLAKVPool.allocate` and canary checks ignore it.
+:meth:`MLAKVPool.allocate`.  What a backend may write there is in
+docs/runtime.md ("The padding page").
+
+The pool is storage and an allocator, nothing else: canary fills and checks
+of stray writes live in :mod:`attnreg.testing.kv_canary` and
+:mod:`attnreg.testing.integrity`.
 
 FP8 pools store ``value / scale`` as ``float8_e4m3fn`` and read back
 ``stored * scale``, with one scale per layer (per-tensor scaling per layer, as
@@ -137,18 +142,24 @@ class MLAKVLayer(_PagedGeometry):
         self.scale_tensor.fill_(self.scale)
 
     # -- writes and reads ------------------------------------------------------------
-    def write(self, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor | Sequence[int], latent: torch.Tensor,
+              rope: torch.Tensor) -> None:
         """Write new tokens' latent ``[N, 512]`` and rope ``[N, 64]`` rows at flat ``slots``.
 
-        Quantises for an fp8 pool (``value / scale``, clamped to the e4m3 range).
-        Reads no host value, so it can run inside a captured graph; its
-        temporaries then come from the graph's private memory pool.
+        ``slots``: an int32 device tensor, or the list :meth:`MLAKVPool.slots`
+        returns (copied to the device first, so eager code only).  Quantises for
+        an fp8 pool (``value / scale``, clamped to the e4m3 range).  With a
+        tensor it reads no host value, so it can run inside a captured graph;
+        its temporaries then come from the graph's private memory pool.
 
         Raises
         ------
         UnsupportedError
             On wrong shapes, devices or a non-int32 ``slots`` tensor.
         """
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.tensor(_whole_numbers(slots, "slots", minimum=0),
+                                 dtype=torch.int32, device=self.device)
         n = latent.shape[0] if latent.dim() == 2 else -1
         problems = []
         if latent.dim() != 2 or latent.shape[1] != self.kv_lora_rank:
@@ -202,6 +213,33 @@ class MLAKVLayer(_PagedGeometry):
                 f"page_size={self.page_size}, kv_dtype={self.kv_dtype}{scale})")
 
 
+def _whole_numbers(values: Sequence[int], what: str, *, minimum: int | None = None
+                   ) -> list[int]:
+    """``values`` as a list of Python ints, or ValueError naming the first bad one.
+
+    Accepts ints and integer scalars (numpy, 0-d tensors via ``__index__``); refuses
+    bools (``True`` is not page 1), floats (``3.7`` is not page 3) and strings, which
+    ``int()`` would silently convert.  The common case (all plain ints) is one
+    C-level pass.
+    """
+    out = list(values)
+    if all(map(int.__instancecheck__, out)) and not any(
+            map(bool.__instancecheck__, out)):
+        ints = out
+    else:
+        ints = []
+        for i, v in enumerate(out):
+            if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+                raise ValueError(f"{what}[{i}] is {v!r} ({type(v).__name__}), not an integer: "
+                                 f"pass whole numbers (nothing was changed)")
+            ints.append(v.__index__())
+    if minimum is not None and ints and min(ints) < minimum:
+        i = next(j for j, v in enumerate(ints) if v < minimum)
+        raise ValueError(f"{what}[{i}] is {ints[i]}, below {minimum}: a sequence cannot "
+                         "hold a negative number of tokens (nothing was allocated)")
+    return ints
+
+
 def _scales(scale: float | Sequence[float], num_layers: int) -> list[float]:
     if isinstance(scale, (int, float)):
         return [float(scale)] * num_layers
@@ -243,7 +281,7 @@ class MLAKVPool(_PagedGeometry):
     --------
     >>> pool = MLAKVPool(num_pages=8, page_size=16, num_layers=2, kv_dtype="bf16")
     >>> pages = pool.allocate([20])            # 2 pages for a 20-token sequence
-    >>> slots = torch.tensor(pool.slots(pages[0], range(20)), dtype=torch.int32)
+    >>> slots = pool.slots(pages[0], range(20))
     >>> pool.write(slots, torch.randn(20, 512), torch.randn(20, 64), layer_id=1)
     >>> pool.layer(1).buffer.shape
     torch.Size([8, 16, 576])
@@ -287,7 +325,6 @@ class MLAKVPool(_PagedGeometry):
         self._free_pages = list(range(self.num_pages - 1, PADDING_PAGE, -1))
         self._is_free = bytearray(self.num_pages)
         self._is_free[PADDING_PAGE + 1:] = b"\x01" * (self.num_pages - 1 - PADDING_PAGE)
-        self._canary: torch.Tensor | None = None
 
     def _adopt(self, buffers: Sequence[torch.Tensor], shape: tuple[int, int, int]
                ) -> list[torch.Tensor]:
@@ -453,10 +490,11 @@ class MLAKVPool(_PagedGeometry):
         Raises
         ------
         ValueError
-            When the pool has too few free pages.
+            When a length is negative or not an integer (a bool, a float, a string),
+            or the pool has too few free pages; nothing is allocated then.
         """
         ps = self.page_size
-        counts = [-(-int(n) // ps) for n in seq_lens]
+        counts = [-(-n // ps) for n in _whole_numbers(seq_lens, "seq_lens", minimum=0)]
         need = sum(counts)
         free = self._free_pages
         if need > len(free):
@@ -481,11 +519,11 @@ class MLAKVPool(_PagedGeometry):
         Raises
         ------
         ValueError
-            When a page is not one :meth:`allocate` can hand out (out of range, or the
-            reserved padding page), is already free, or is listed twice; nothing is
-            freed then.
+            When a page is not an integer (a bool, a float, a string), is not one
+            :meth:`allocate` can hand out (out of range, or the reserved padding page),
+            is already free, or is listed twice; nothing is freed then.
         """
-        pages = list(map(int, pages))
+        pages = _whole_numbers(pages, "pages")
         if not pages:
             return
         flags = self._is_free
@@ -512,7 +550,10 @@ class MLAKVPool(_PagedGeometry):
         raise AssertionError("unreachable: free() found a problem _raise_bad_free did not")
 
     def slots(self, pages: Sequence[int], positions: Sequence[int] | range) -> list[int]:
-        """Flat slot of each token position of a sequence that owns ``pages``."""
+        """Flat slot of each token position of a sequence that owns ``pages``.
+
+        A list of ints, which :meth:`write` accepts as it is (or as an int32 tensor).
+        """
         ps = self.page_size
         return [pages[t // ps] * ps + t % ps for t in positions]
 
@@ -533,8 +574,8 @@ class MLAKVPool(_PagedGeometry):
         return table.to(self.device)
 
     # -- writes and reads (one layer; layer 0 by default) ------------------------------
-    def write(self, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, *,
-              layer_id: int = 0) -> None:
+    def write(self, slots: torch.Tensor | Sequence[int], latent: torch.Tensor,
+              rope: torch.Tensor, *, layer_id: int = 0) -> None:
         """Write new tokens' rows into layer ``layer_id`` (see :meth:`MLAKVLayer.write`)."""
         self.layer(layer_id).write(slots, latent, rope)
 
@@ -550,49 +591,6 @@ class MLAKVPool(_PagedGeometry):
     def quantize_roundtrip(self, x: torch.Tensor, *, layer_id: int = 0) -> torch.Tensor:
         """What reading back ``x`` from layer ``layer_id`` after a write gives (float32)."""
         return self.layer(layer_id).quantize_roundtrip(x)
-
-    # -- canaries --------------------------------------------------------------------
-    def fill_canary(self, value: float = -3.0) -> None:
-        """Fill every slot of every layer with ``value`` and remember the pattern.
-
-        A later :meth:`corrupted_slots` lists slots that changed although nothing
-        was meant to write them.  The default is finite on purpose: a kernel that
-        loads a whole tile and masks the scores multiplies the masked values by a
-        zero probability, which is harmless for a finite value but NaN for a NaN.
-        """
-        for layer in self.layers:
-            layer.buffer.fill_(value)
-        self._canary = self.layers[0].buffer[0, 0].clone()
-
-    def corrupted_slots(self, written: Sequence[int] | torch.Tensor = (), *,
-                        layer_id: int | None = None) -> list[int]:
-        """Slots outside ``written`` (and outside the padding page) that lost the canary.
-
-        ``layer_id``: check that layer only; None (default) checks every layer
-        and lists a slot changed in any of them.  Compares bytes, so it also
-        works for fp8 and NaN canaries.
-
-        Raises
-        ------
-        RuntimeError
-            When :meth:`fill_canary` was never called.
-        """
-        if self._canary is None:
-            raise RuntimeError("call fill_canary() before corrupted_slots()")
-        layers = self.layers if layer_id is None else (self.layer(layer_id),)
-        ref = self._canary.view(torch.uint8)
-        changed = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        for layer in layers:
-            flat = layer.buffer.view(self.num_slots, self.row_dim).view(torch.uint8)
-            changed |= (flat != ref).any(dim=1)
-        changed[: (PADDING_PAGE + 1) * self.page_size] = False
-        if isinstance(written, torch.Tensor):
-            written_idx = written.to(device=changed.device, dtype=torch.long)
-        else:
-            written_idx = torch.tensor(list(written), dtype=torch.long, device=changed.device)
-        if written_idx.numel():
-            changed[written_idx] = False
-        return [int(i) for i in torch.nonzero(changed).flatten().tolist()]
 
     def __repr__(self) -> str:
         scale = f", scales={list(self.scales)}" if self.is_fp8 else ""

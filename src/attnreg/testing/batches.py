@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attnreg.graph_policy.config import DEFAULT_DECODE_BATCH_SIZES
 from attnreg.registry.capabilities import ForwardMethod, ForwardMode, Phase
 
 __all__ = ["CAPTURE_REPLAY_SPECS", "CHUNKED_PREFIX_SPECS", "QUICK_SPECS", "SPECS",
@@ -108,6 +109,13 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
                                   "a short extend over a long cached prefix"),
         "short_extend": _extend("short_extend", ((5, 3), (0, 2)),
                                 "few new tokens over short histories"),
+        # many sequences, tiny lengths: a kernel wrong (or NaN) above a few sequences
+        "wide_decode": _decode("wide_decode", (3, 0, 9, 1, 17, 5, 2, 12, 0, 7, 30, 4, 1, 16,
+                                               8, 11),
+                               "sixteen short requests"),
+        "odd_extend": _extend("odd_extend", ((0, 2), (3, 1), (5, 3), (0, 1), (9, 2), (1, 1),
+                                             (4, 4), (0, 3), (12, 1), (2, 2), (6, 1)),
+                              "eleven short prompts (not a power of two)"),
     },
     "cuda": {
         "single_decode": _decode("single_decode", (1000,), "one request, one new token"),
@@ -126,22 +134,33 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
                                   "short extends over long cached prefixes"),
         "short_extend": _extend("short_extend", ((300, 3), (0, 2)),
                                 "few new tokens over short histories"),
+        # the largest declared decode capture bucket, every sequence real
+        "wide_decode": _decode("wide_decode",
+                               tuple((37 * i) % 700 for i in range(DEFAULT_DECODE_BATCH_SIZES[-1])),
+                               f"{DEFAULT_DECODE_BATCH_SIZES[-1]} requests: the largest "
+                               "default decode capture bucket"),
+        "odd_extend": _extend("odd_extend", tuple(((61 * i) % 400, 1 + (7 * i) % 23)
+                                                  for i in range(13)),
+                              "thirteen prompts (not a power of two)"),
     },
 }
 
 #: The specs a claim runs, per phase (eager correctness).
 EAGER_SPECS: dict[Phase, tuple[str, ...]] = {
-    Phase.DECODE: ("single_decode", "ragged_decode", "long_kv"),
-    Phase.PREFILL: ("extend_no_prefix", "extend_with_prefix", "mixed_lengths"),
+    Phase.DECODE: ("single_decode", "ragged_decode", "long_kv", "wide_decode"),
+    Phase.PREFILL: ("extend_no_prefix", "extend_with_prefix", "mixed_lengths", "odd_extend"),
 }
 
 #: The batches replayed through one captured graph, per phase: different batch
 #: sizes, lengths and contents.  The first one is replayed twice with fresh
-#: contents, so a graph that baked in the capture batch's values is caught.
+#: contents, so a graph that baked in the capture batch's values is caught.  The
+#: widest batch (16 on cpu, the largest default decode bucket on cuda) sets the
+#: captured size, so every other batch is replayed padded.
 CAPTURE_REPLAY_SPECS: dict[Phase, tuple[str, ...]] = {
-    Phase.DECODE: ("ragged_decode", "single_decode", "long_kv", "ragged_decode"),
+    Phase.DECODE: ("ragged_decode", "single_decode", "long_kv", "wide_decode",
+                   "ragged_decode"),
     Phase.PREFILL: ("mixed_lengths", "extend_no_prefix", "extend_with_prefix",
-                    "long_kv_extend", "mixed_lengths"),
+                    "long_kv_extend", "odd_extend", "mixed_lengths"),
 }
 
 

@@ -65,7 +65,6 @@ from attnreg.registry.strenum import StrEnum
 from .batches import eager_specs, quick_specs, replay_specs
 
 __all__ = [
-    "CPU_RUNNABLE_CAPTURE_CHECKS",
     "CUDA_PLATFORMS",
     "YARN_SM_SCALE",
     "Check",
@@ -121,14 +120,6 @@ class Check(StrEnum):
     AVAILABLE = "available"
 
 
-
-#: Capture checks that also run without a CUDA graph: on cpu under
-#: ``capturing(mode)`` with capture and replay emulated by the graph runner
-#: (capture memory is then read from the backend's typed graph state).
-CPU_RUNNABLE_CAPTURE_CHECKS = frozenset({Check.REFUSES_CAPTURE, Check.CAPTURE_PATH,
-                                         Check.FALLBACK_SERVED, Check.PINNING,
-                                         Check.PADDED_ROWS, Check.CAPTURE_MEMORY,
-                                         Check.MULTI_LAYER})
 
 #: Pool layers a ``multi_layer`` claim runs (each with its own contents and fp8 scale).
 MULTI_LAYER_COUNT = 3
@@ -707,16 +698,19 @@ def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: Fo
     how = "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
     replay = replay_specs(phase, forward_mode)
 
-    def add(check: Check, statement: str, combo: Combo = base, needs_graphs: bool = True,
+    def add(check: Check, statement: str, combo: Combo = base,
             batches: Sequence[str] = replay) -> None:
+        from .checks import needs_device_graphs  # the check's class says where it runs
+
         claims.append(Claim(caps.backend, ClaimKind.CAPTURE, check, combo, statement,
-                            batches=tuple(batches), needs_device_graphs=needs_graphs,
+                            batches=tuple(batches),
+                            needs_device_graphs=needs_device_graphs(check),
                             **spec_common))  # type: ignore[arg-type]
 
     add(Check.CAPTURE_PATH,
         f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
         "code path (capture metadata, then replay metadata for each batch) is "
-        "driven without a device graph", needs_graphs=False)
+        "driven without a device graph")
     if forward_mode is None:
         # what is planned at capture must use the config's scale too (on cpu: the
         # capture batch and one replay)
@@ -725,17 +719,16 @@ def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: Fo
             f"{where}, {method} with MLAConfig.sm_scale {YARN_SM_SCALE:.4g} (a YaRN-scaled "
             f"model's) runs {how} and matches the oracle at that scale when its "
             "capture-mode code path is driven without a device graph", combo=scaled,
-            needs_graphs=False, batches=replay[:2] if device == "cpu" else replay)
+            batches=replay[:2] if device == "cpu" else replay)
     if forward_mode is None and sup.is_fallback:
         add(Check.FALLBACK_SERVED,
             f"{where}, {method} is served by the declared fallback {sup.fallback_to} "
-            "(as the backend reports through note_served_by), on every batch",
-            needs_graphs=False)
+            "(as the backend reports through note_served_by), on every batch")
     if forward_mode is None and entry.pinned_method is not None and phase is Phase.PREFILL:
         # decode has one form (forward_decode takes no method): nothing to pin
         add(Check.PINNING,
             f"{where} every extend batch (prefix or not) runs the pinned "
-            f"{entry.pinned_method} method, never another one", needs_graphs=False)
+            f"{entry.pinned_method} method, never another one")
     if mode is GraphMode.TC_PIECEWISE:
         add(Check.PIECEWISE,
             f"{where}, {method} runs eagerly between captured graph pieces (static "
@@ -754,18 +747,17 @@ def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: Fo
         add(Check.CAPTURE_MEMORY,
             f"{where}, what init_cuda_graph_state and the capture allocate is within "
             "1.25x (or 1 MiB) of the declared CaptureMemory.estimate for the captured "
-            "shape", combo=combo, needs_graphs=False)
+            "shape", combo=combo)
     add(Check.PADDED_ROWS,
         f"{where}, a graph captured for the largest of {', '.join(replay)} "
-        "replays the smaller ones with every output row of the padding exactly zero",
-        needs_graphs=False)
+        "replays the smaller ones with every output row of the padding exactly zero")
     if method is ForwardMethod.MLA:  # the layer decides what MLA reads (MHA: k / v given)
         add(Check.MULTI_LAYER,
             f"{where}, {MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales) "
             "captured in one graph over one captured plan replay "
             f"{', '.join(replay[:2])} with every layer matching its own oracle",
             combo=_multi_layer_combo(caps, method, phase, device, heads) or base,
-            needs_graphs=False, batches=replay[:2])
+            batches=replay[:2])
     add(Check.ALLOCATOR_CHURN,
         f"{where}, replays stay correct after large tensors are allocated and "
         "freed between them (storage the graph recorded was not freed)")

@@ -29,11 +29,13 @@ from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig,
 
 from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served, capture_once
-from .claims import MULTI_LAYER_COUNT, Check, Claim, ClaimKind, Combo, kernel_q_compute_dtype
+from .checks import CHECKS, GraphOptions
+from .claims import Check, Claim, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
+from .integrity import InputGuard, kv_problems
+from .timelimit import stage
 from .workload import (
     Workload,
-    check_pool_after,
     compare,
     compare_lse,
     make_config,
@@ -60,7 +62,11 @@ def _where(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def explained(what: str) -> Iterator[None]:
-    """Turn anything a backend raises while running a *declared* input into ClaimRefuted."""
+    """Turn anything a backend raises while running a *declared* input into ClaimRefuted.
+
+    ``what`` is also reported as the claim's current stage (a time limit names it).
+    """
+    stage(what)
     try:
         yield
     except (ClaimRefuted, HarnessLimitation):
@@ -100,30 +106,22 @@ class Harness:
     def run(self, claim: Claim) -> None:
         """Check ``claim``; raise ClaimRefuted (or pytest's skip) when it does not hold."""
         try:
-            self._dispatch(claim)
+            self.check(claim)
         except HarnessLimitation as exc:
             import pytest
 
             pytest.skip(f"harness limitation: {exc}")
 
+    def check(self, claim: Claim) -> None:
+        """Check ``claim``; raise ClaimRefuted, or HarnessLimitation when it cannot be
+        checked here (no pytest involved: what a claim worker runs)."""
+        self._dispatch(claim)
+
     def _dispatch(self, claim: Claim) -> None:
-        if claim.kind is ClaimKind.EAGER:
-            self.check_eager(claim)
-        elif claim.kind is ClaimKind.REFUSAL:
-            self.check_refusal(claim)
-        elif claim.kind is ClaimKind.CAPTURE:
-            if claim.check is Check.REFUSES_CAPTURE:
-                self.check_refuses_capture(claim)
-            elif claim.check is Check.PINNING:
-                self.check_pinning(claim)
-            elif claim.check is Check.FALLBACK_SERVED:
-                self.check_fallback_served(claim)
-            elif claim.graph_mode is GraphMode.TC_PIECEWISE:
-                self.check_piecewise(claim)
-            else:
-                self.check_graph(claim)
-        else:
-            raise HarnessLimitation(f"nothing to run for a {claim.kind} claim")
+        check = CHECKS.get(claim.check)
+        if check is None or claim.kind not in check.kinds:
+            raise HarnessLimitation(f"nothing to run for a {claim.kind} {claim.check} claim")
+        check.run(self, claim)
 
     # ------------------------------------------------------------------------------
     # helpers
@@ -173,22 +171,24 @@ class Harness:
     # ------------------------------------------------------------------------------
     # eager correctness
     # ------------------------------------------------------------------------------
-    def check_eager(self, claim: Claim) -> None:
+    def check_eager(self, claim: Claim, *, with_lse: bool = False, layers: int = 1) -> None:
+        """Each batch of the claim, eagerly: output (and LSE) against the oracle, KV
+        integrity, inputs unchanged; ``layers`` > 1: one plan per step over that many
+        pool layers."""
         combo = _combo(claim)
         config = make_config(combo, self.device)
         specs = self.claim_specs(claim)
         backend = self.create(claim, config)
-        if claim.check is Check.MULTI_LAYER:
-            self._check_multi_layer_eager(claim, backend, config, specs)
+        if layers > 1:
+            self._check_multi_layer_eager(claim, backend, config, specs, layers)
             return
         pool = make_pool(config, specs)
         problems: list[str] = []
-        written: list[int] = []
-        with_lse = claim.check is Check.LSE
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, combo.method, seed=100 + i,
                                  q_compute_dtype=q_compute)
+            inputs = InputGuard([work])
             with explained(f"{spec.describe()}, eager"):
                 result = self.eager_forward(backend, work, pool, return_lse=with_lse)
                 self.sync()
@@ -205,18 +205,18 @@ class Harness:
             msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
             if msg:
                 problems.append(msg)
-            problems += check_pool_after(pool, work, written)
-            written += work.written_slots
+            problems += kv_problems(pool, [work], f"{spec.name}, eager")
+            problems += inputs.problems(f"{spec.describe()}, eager")
         if problems:
             raise ClaimRefuted("; ".join(problems))
 
     def _check_multi_layer_eager(self, claim: Claim, backend: AttentionBackend,
-                                 config: MLAConfig, specs: Sequence[BatchSpec]) -> None:
+                                 config: MLAConfig, specs: Sequence[BatchSpec],
+                                 layers: int) -> None:
         """One plan per step, one forward per layer: each layer matches its own oracle."""
         combo = _combo(claim)
-        pool = make_pool(config, specs, num_layers=MULTI_LAYER_COUNT)
+        pool = make_pool(config, specs, num_layers=layers)
         problems: list[str] = []
-        written: list[int] = []
         q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             works = make_layer_workloads(config, pool, spec, combo.method, seed=500 + 10 * i,
@@ -224,9 +224,14 @@ class Harness:
             backend.init_forward_metadata(works[0].batch)
             planned = backend.forward_metadata
             for work in works:
+                inputs = InputGuard([work])
                 with explained(f"{spec.describe()}, eager, layer {work.layer_id}"):
                     out = self.eager_forward(backend, work, pool, plan=False)
                     self.sync()
+                # after each layer's forward: a write into another layer is named as such
+                when = f"{spec.name}, eager, forward of layer {work.layer_id}"
+                problems += kv_problems(pool, [work], when)
+                problems += inputs.problems(when)
                 if backend.forward_metadata is not planned:
                     problems.append(f"{spec.name}: the forward of layer {work.layer_id} "
                                     "re-planned the step (one plan per step must serve every "
@@ -234,10 +239,6 @@ class Harness:
                 msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"layer {work.layer_id}: {msg}")
-            for work in works:
-                problems += [f"layer {work.layer_id}: {p}"
-                             for p in check_pool_after(pool, work, written)]
-            written += works[0].written_slots
         if problems:
             raise ClaimRefuted("; ".join(problems))
 
@@ -431,9 +432,17 @@ class Harness:
         # capture could be handed to it and overwritten by a replay.
         capture_works = build(specs[0], 1)
         works = [build(spec, 200 + 10 * i) for i, spec in enumerate(specs)]
-        written = list(capture_works[0].written_slots)
-        for w in works:
-            written += w[0].prefix_slots
+        # KV integrity and unchanged inputs around every run of the graph: byte copies
+        # of the pool (taken as the workloads were built) and of each step's inputs
+        inputs = [InputGuard(step) for step in [capture_works, *works]]
+
+        def padded_step(step: list[Workload]) -> bool:
+            """Whether the graph pads this step (its padding rows may write page 0): fewer
+            sequences or fewer query rows than captured (a draft-extend batch accepts
+            fewer tokens than the graph's bs * draft tokens)."""
+            return (step[0].spec.batch_size < captured.bs
+                    or step[0].rows < captured.num_tokens)
+
         with explained(f"{label}: preparing the capture ({specs[0].describe()})"):
             captured.prepare(capture_works[0])
         with explained(f"{label}: warm-up run under capturing({captured.mode}) on "
@@ -444,7 +453,9 @@ class Harness:
             at = f" (layer {work.layer_id})" if layers > 1 else ""
             if msg:
                 problems.append(f"warm-up under capture{at}: {msg}")
-            problems += [f"warm-up{at}: {p}" for p in check_pool_after(pool, work, written)]
+        problems += kv_problems(pool, capture_works, "warm-up under capture",
+                                padding=padded_step(capture_works))
+        problems += inputs[0].problems("warm-up under capture")
         with explained(f"{label}: capturing"):
             captured.capture()
         for i, (spec, step) in enumerate(zip(specs, works)):
@@ -460,11 +471,12 @@ class Harness:
                 msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"replay {i + 1}{at}: {msg}")
-                problems += [f"replay {i + 1}{at}: {p}"
-                             for p in check_pool_after(pool, work, written)]
+            problems += kv_problems(pool, step, f"replay {i + 1} ({spec.name})",
+                                    padding=padded_step(step))
+            problems += inputs[i + 1].problems(f"replay {i + 1} ({spec.name})")
+            problems += _static_q_problems(captured, step, f"replay {i + 1} ({spec.name})")
             if padded:
                 problems += [f"replay {i + 1}: {p}" for p in captured.padding_problems(step[0])]
-            written += step[0].new_slots
             if churn is not None:
                 bad = churn.corrupted()
                 if bad:
@@ -477,34 +489,35 @@ class Harness:
                 churn.release()
         return problems
 
-    def check_graph(self, claim: Claim) -> None:
+    def _graph_setup(self, claim: Claim) -> tuple[AttentionBackend, MLAConfig,
+                                                  list[BatchSpec]]:
+        specs = self.claim_specs(claim)
+        config = make_config(_combo(claim), self.device,
+                             max_context_len=max(s.max_seq_len for s in specs))
+        return self.create(claim, config), config, specs
+
+    def check_graph(self, claim: Claim, options: GraphOptions) -> None:
+        """A FULL / BREAKABLE claim: capture once, replay every batch (see ``options``)."""
         combo = _combo(claim)
         phase, mode = combo.phase, claim.graph_mode
         method = combo.method
-        specs = self.claim_specs(claim)
-        config = make_config(combo, self.device, max_context_len=max(s.max_seq_len
-                                                                      for s in specs))
-        backend = self.create(claim, config)
-        if claim.check is Check.CAPTURE_MEMORY:
-            self.check_capture_memory(claim, backend, config, specs)
-            return
-        layers = MULTI_LAYER_COUNT if claim.check is Check.MULTI_LAYER else 1
-        padded = claim.check is Check.PADDED_ROWS
-        if (claim.check is Check.CAPTURE_PATH or not self.real_graphs) and layers == 1:
+        backend, config, specs = self._graph_setup(claim)
+        layers = options.layers
+        if (options.path_only or not self.real_graphs) and layers == 1:
             served = self._run_capture_path(claim, backend, config, specs, method,
-                                            padded=padded)
-            if claim.check is Check.CAPTURE_PATH:
+                                            padded=options.padded)
+            if options.path_only:
                 self._check_native_served(claim, served)
             return
         pool = make_pool(config, list(specs) + [specs[0]], num_layers=layers)
         captured = self._captured(claim, backend, config, pool, specs, method,
                                   real_graphs=self.real_graphs,
-                                  sync_check=claim.check is Check.NO_SYNC_ALLOC, layers=layers)
-        churn = AllocatorChurn(pool.device) if claim.check is Check.ALLOCATOR_CHURN else None
+                                  sync_check=options.sync_check, layers=layers)
+        churn = AllocatorChurn(pool.device) if options.churn else None
         label = f"{phase} {mode} graph" + (f" of {layers} layers" if layers > 1 else "")
         problems = self._drive(captured, config, pool, specs, method, combo, label=label,
-                               churn=churn, padded=padded)
-        if claim.check is Check.NO_SYNC_ALLOC and captured.memory is not None:
+                               churn=churn, padded=options.padded)
+        if options.sync_check and captured.memory is not None:
             problems += captured.memory.problems()
         if problems:
             raise ClaimRefuted("; ".join(problems))
@@ -512,8 +525,7 @@ class Harness:
     # ------------------------------------------------------------------------------
     # capture: memory against the declaration
     # ------------------------------------------------------------------------------
-    def check_capture_memory(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
-                             specs: Sequence[BatchSpec]) -> None:
+    def check_capture_memory(self, claim: Claim) -> None:
         """init_cuda_graph_state + capture allocate what ``CaptureMemory.estimate`` declares.
 
         Captured through the graph runner at the bounds of the claim's batches
@@ -521,6 +533,7 @@ class Harness:
         backend's typed graph state on cpu (see ``CaptureMemoryCheck``).
         """
         combo = _combo(claim)
+        backend, config, specs = self._graph_setup(claim)
         pool = make_pool(config, [specs[0], specs[0]])
         captured = self._captured(claim, backend, config, pool, specs, combo.method,
                                   real_graphs=self.real_graphs)
@@ -612,10 +625,10 @@ class Harness:
         combo = _combo(claim)
         pool = make_pool(config, specs)
         problems: list[str] = []
-        written: list[int] = []
         served: Served = []
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, method, seed=300 + i)
+            inputs = InputGuard([work])
             with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
                 with capturing(GraphMode.TC_PIECEWISE), recording_served() as records:
                     out = self.eager_forward(backend, work, pool)
@@ -624,20 +637,23 @@ class Harness:
             msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
             if msg:
                 problems.append(msg)
-            problems += check_pool_after(pool, work, written)
-            written += work.written_slots
+            when = f"{spec.name} under capturing(tc_piecewise)"
+            problems += kv_problems(pool, [work], when)
+            problems += inputs.problems(when)
         if problems:
             raise ClaimRefuted("; ".join(problems))
         return served
 
-    def check_piecewise(self, claim: Claim) -> None:
+    def check_piecewise(self, claim: Claim, *, path_only: bool = False) -> None:
+        """A TC_PIECEWISE claim: pieces captured around an eager attention (``path_only``:
+        the attention under capturing(tc_piecewise) only, and who served it)."""
         combo = _combo(claim)
         specs = self.claim_specs(claim)
         config = make_config(combo, self.device)
         backend = self.create(claim, config)
-        if claim.check is Check.CAPTURE_PATH or not self.real_graphs:
+        if path_only or not self.real_graphs:
             served = self._piecewise_eager(claim, backend, config, specs, combo.method)
-            if claim.check is Check.CAPTURE_PATH:
+            if path_only:
                 self._check_native_served(claim, served)
             return
         problems = _Piecewise(self, backend, config, combo, specs).run()
@@ -727,7 +743,7 @@ class _Piecewise:
             graph = runner.capture_pieces([piece_a, EagerStep(attention, "attention"),
                                            piece_b], GraphMode.TC_PIECEWISE)
         problems: list[str] = []
-        written = [slot for w in works for slot in w.prefix_slots]
+        inputs = [InputGuard([w]) for w in works]
         for i, work in enumerate(works):
             n = work.rows
             self._load(hidden, hidden_kv, work)
@@ -739,8 +755,9 @@ class _Piecewise:
                           work.spec)
             if msg:
                 problems.append(f"replay {i + 1}: {msg}")
-            problems += [f"replay {i + 1}: {p}" for p in check_pool_after(pool, work, written)]
-            written += work.new_slots
+            # attention ran eagerly on views of the static buffers: no padding rows
+            problems += kv_problems(pool, [work], f"replay {i + 1} ({work.spec.name})")
+            problems += inputs[i].problems(f"replay {i + 1} ({work.spec.name})")
             bad = churn.corrupted()
             if bad:
                 problems.append(f"replay {i + 1}: wrote into {len(bad)} tensors allocated after "
@@ -761,6 +778,21 @@ class _Piecewise:
                 value = getattr(work, name)
                 t.zero_()
                 t[:value.shape[0]].copy_(value)
+
+
+def _static_q_problems(captured: CapturedForward, step: list[Workload], when: str
+                       ) -> list[str]:
+    """The graph's static q after a replay must still hold what was copied in (the
+    step's q): a backend that scales q in place inside the graph is refuted."""
+    if len(step) != 1:
+        return []  # one static q per layer; the public view is layer 0's
+    work = step[0]
+    static = captured.q[:work.rows]
+    if static.shape == work.q.shape and not torch.equal(static.view(torch.uint8),
+                                                        work.q.view(torch.uint8)):
+        return [f"{when}: the forward changed its input q (the graph's static q no longer "
+                "holds the q copied in before the replay); a backend must not write into q"]
+    return []
 
 
 def _served_problems(served: Served, expected: str) -> list[str] | None:

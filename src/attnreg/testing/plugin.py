@@ -25,6 +25,12 @@ Options
     backend package under development, not installed as an entry point).
 ``--attnreg-disable NAME``
     Block a plugin or backend by name (as ``attnreg --disable``).
+``--attnreg-time-limit SECONDS``
+    End a claim that runs longer as refuted ("timed out after N s in ...") and go
+    on with the next (claims run in a worker process, see
+    :mod:`attnreg.testing.timelimit`).  Default: ``ATTNREG_CLAIM_TIME_LIMIT``, else
+    600 s on cpu (Triton interpreter) and 300 s on cuda; 0 runs claims in this
+    process without a limit.
 ``--attnreg-other-platforms`` / ``--attnreg-no-other-platforms``
     Also list, skipped, the claims a backend declares only for other CUDA
     platforms (:data:`~attnreg.testing.claims.CUDA_PLATFORMS`), e.g. Blackwell-only
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
     from attnreg.registry import BackendRegistry
 
     from .harness import Harness
+    from .timelimit import ClaimRunner
 
 __all__ = ["SESSION_KEY", "ConformanceSession"]
 
@@ -79,6 +86,8 @@ class ConformanceSession:
         self.plugin_modules: list[str] = list(config.getoption("attnreg_plugins") or [])
         self.disable: list[str] = list(config.getoption("attnreg_disable") or [])
         self.other_platforms_option: bool | None = config.getoption("attnreg_other_platforms")
+        self.time_limit_option: float | None = config.getoption("attnreg_time_limit")
+        self._runner: Harness | ClaimRunner | None = None
         self.report = Report()
         self.backends_seen: list[str] = []
         self.unavailable: dict[str, str] = {}
@@ -151,6 +160,30 @@ class ConformanceSession:
 
             self._harness = Harness(self.registry, self.device, self.platform)
         return self._harness
+
+    def claim_runner(self) -> Harness | ClaimRunner:
+        """What runs each claim: a time-limited :class:`~attnreg.testing.timelimit.ClaimRunner`,
+        or the harness itself when the limit is 0."""
+        from .timelimit import ClaimRunner, HarnessRecipe, resolve_limit
+
+        if self._runner is None:
+            try:
+                limit = resolve_limit(self.time_limit_option, self.device)
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from exc
+            if limit == 0:
+                self._runner = self.harness()
+            else:
+                recipe = HarnessRecipe(self.device, tuple(self.plugin_modules),
+                                       tuple(self.disable))
+                self._runner = ClaimRunner(self.harness, recipe, limit)
+        return self._runner
+
+    def close(self) -> None:
+        """End the claim worker, if one runs."""
+        close = getattr(self._runner, "close", None)
+        if close is not None:
+            close()
 
     # -- claims ------------------------------------------------------------------------
     def claims_for(self, backends: list[str]) -> list[Claim]:
@@ -296,6 +329,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="import MODULE and register it as an attnreg plugin for this run")
     group.addoption("--attnreg-disable", action="append", default=[], dest="attnreg_disable",
                     metavar="NAME", help="block an attnreg plugin or backend by name")
+    group.addoption("--attnreg-time-limit", type=float, default=None,
+                    dest="attnreg_time_limit", metavar="SECONDS",
+                    help="refute a claim that runs longer than SECONDS (timed out) and go on; "
+                         "default: $ATTNREG_CLAIM_TIME_LIMIT, else 600 on cpu, 300 on cuda; "
+                         "0: no limit, claims run in this process")
     group.addoption("--attnreg-other-platforms", action="store_const", const=True,
                     default=None, dest="attnreg_other_platforms",
                     help="also list, skipped, the claims a backend declares only for other "
@@ -354,9 +392,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def attnreg_harness(request: pytest.FixtureRequest) -> Harness:
-    """The conformance harness of this run (device, registry, oracle)."""
-    return _session(request.config).harness()
+def attnreg_harness(request: pytest.FixtureRequest
+                    ) -> Generator[Harness | ClaimRunner, None, None]:
+    """What runs this run's claims (``.run(claim)``): the harness (device, registry,
+    oracle), behind a per-claim time limit unless the limit is 0."""
+    session = _session(request.config)
+    yield session.claim_runner()
+    session.close()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

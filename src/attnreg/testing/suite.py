@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from .claims import Claim
     from .harness import Harness
+    from .timelimit import ClaimRunner
 
 __all__ = ["BackendConformance", "TestConformance"]
 
@@ -32,7 +33,7 @@ class BackendConformance:
 
     attnreg_backends: ClassVar[tuple[str, ...]] = ()
 
-    def test_claim(self, attnreg_claim: Claim, attnreg_harness: Harness) -> None:
+    def test_claim(self, attnreg_claim: Claim, attnreg_harness: Harness | ClaimRunner) -> None:
         attnreg_harness.run(attnreg_claim)
 
 

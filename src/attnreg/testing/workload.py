@@ -34,6 +34,7 @@ from attnreg.runtime import (
 
 from .batches import BatchSpec
 from .claims import Combo, head_dims_config
+from .integrity import guarded_pool, ledger_of, nonfinite_problem
 
 __all__ = [
     "FP8_POOL_SCALE",
@@ -112,14 +113,18 @@ def layer_scales(config: MLAConfig, num_layers: int = 1) -> list[float]:
 
 
 def make_pool(config: MLAConfig, specs: Sequence[BatchSpec], *, spare_pages: int = 2,
-              canary: bool = True, num_layers: int = 1) -> MLAKVPool:
-    """A pool big enough for every spec at once (pages are never reused between them)."""
+              num_layers: int = 1) -> MLAKVPool:
+    """A pool big enough for every spec at once (pages are never reused between them).
+
+    Guarded and ledgered (:func:`~attnreg.testing.integrity.guarded_pool`): every
+    row starts as a finite fill value, and :func:`~attnreg.testing.integrity.kv_problems`
+    checks a step against a byte copy of the whole pool.
+    """
     pages = sum(-(-n // config.page_size) for s in specs for n in s.seq_lens)
-    pool = config.make_pool(1 + pages + spare_pages, num_layers=num_layers,
-                            scale=layer_scales(config, num_layers))
-    if canary:
-        pool.fill_canary()
-    return pool
+    return guarded_pool(1 + pages + spare_pages, config.page_size, num_layers=num_layers,
+                        kv_dtype=config.kv_dtype, device=config.device,
+                        kv_lora_rank=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim,
+                        scale=layer_scales(config, num_layers))
 
 
 @dataclass
@@ -305,13 +310,20 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
         k = _randn(gen, batch.num_kv_tokens, heads, qk).to(qdt).to(dev)
         v = _randn(gen, batch.num_kv_tokens, heads, dv).to(qdt).to(dev)
         expected, lse = oracle_mha(q, k, v, spec, config.softmax_scale)
-    return Workload(spec=spec, method=method, batch=batch, q=q,
+    work = Workload(spec=spec, method=method, batch=batch, q=q,
                     latent_new=torch.cat(new_latent).to(dev),
                     rope_new=torch.cat(new_rope).to(dev), k=k, v=v, expected=expected,
                     new_rows=torch.cat(new_rows), prefix_slots=prefix_slots,
                     new_slots=new_slots, expected_lse=lse, layer_id=layer_id,
                     pages=[list(p) for p in pages], decompress=decompress,
                     chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype)
+    ledger = ledger_of(pool)
+    if ledger is not None:
+        # the prefixes just written are the pool's new baseline; the slots are this
+        # workload's (named in a refutation)
+        ledger.own([work])
+        ledger.snapshot()
+    return work
 
 
 def make_layer_workloads(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec,
@@ -428,6 +440,10 @@ def compare(out: torch.Tensor, expected: torch.Tensor, q_dtype: DType,
     if tuple(got.shape) != tuple(expected.shape):
         return (f"{spec.describe()}: output shape {tuple(got.shape)}, expected "
                 f"{tuple(expected.shape)}")
+    # a NaN is not a large error: named as what it is, before any tolerance
+    nonfinite_msg = nonfinite_problem(got, expected, spec)
+    if nonfinite_msg:
+        return nonfinite_msg
     tol = TOLERANCES.get(q_dtype, TOLERANCES[DType.BF16])
     nonfinite = ~torch.isfinite(got)
     err = (got - expected).abs()
@@ -486,28 +502,3 @@ def _locate(row: int, spec: BatchSpec) -> tuple[int, int]:
             return i, row - start
         start += extend
     return len(spec.seqs) - 1, 0
-
-
-def check_pool_after(pool: MLAKVPool, work: Workload, extra_written: Sequence[int] = ()
-                     ) -> list[str]:
-    """Problems with the pool after a forward: new rows not written, canaries overwritten.
-
-    ``extra_written``: slots other workloads legitimately wrote (their prefixes, the new
-    tokens of forwards that already ran).
-    """
-    problems = []
-    slots = work.batch.out_cache_loc.to(device=pool.device)
-    held = pool.read_slots(slots, layer_id=work.layer_id).cpu()
-    if held.shape == work.new_rows.shape and not torch.equal(held, work.new_rows):
-        wrong = int((held != work.new_rows).any(dim=1).sum())
-        where = f" of layer {work.layer_id}" if pool.num_layers > 1 else ""
-        problems.append(f"{work.spec.name}: {wrong}/{held.shape[0]} new tokens were not "
-                        f"written to their out_cache_loc slots{where} as given "
-                        "(latent_new/rope_new)")
-    corrupted = pool.corrupted_slots(list(work.written_slots) + list(extra_written))
-    if corrupted:
-        problems.append(f"{work.spec.name}: {len(corrupted)} KV slots outside the written ones "
-                        f"changed (canary overwritten), e.g. slots {corrupted[:8]} (page "
-                        f"{corrupted[0] // pool.page_size}): the backend writes outside "
-                        "out_cache_loc")
-    return problems
