@@ -26,12 +26,12 @@ True
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
 import stat
 import tempfile
-import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

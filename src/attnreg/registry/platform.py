@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .environment import env_value
 from .strenum import StrEnum
 
 __all__ = ["KNOWN_DEVICES", "PLATFORM_TRAITS", "DeviceInfo", "Platform", "PlatformTraits",
@@ -184,9 +185,9 @@ class Platform:
         imported lazily.  Startup queries therefore never pay for torch on a
         CPU-only machine.
         """
-        override = os.environ.get("ATTNREG_PLATFORM")
-        if override:
-            return cls.parse(override)
+        override = env_value("ATTNREG_PLATFORM")  # EnvironmentValueError when it does not parse
+        if override is not None:
+            return override  # type: ignore[no-any-return]
         if "torch" not in sys.modules and not _has_gpu_device_nodes():
             return cls(Vendor.CPU)
         if "torch" not in sys.modules:
