@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import AttnregError
+
 __all__ = [
     "MAX_DEPTH",
     "MAX_FILE_BYTES",
@@ -44,6 +46,7 @@ __all__ = [
     "Bool",
     "Check",
     "Int",
+    "JSONFileError",
     "List",
     "Map",
     "Nullable",
@@ -65,6 +68,17 @@ MAX_DEPTH = 64
 
 #: What a caller's documented error is built from: (file name, problem) -> exception.
 ErrorFactory = Callable[[str, str], Exception]
+
+
+class JSONFileError(AttnregError, ValueError):
+    """A JSON file attnreg cannot read or write, for callers without an error of their own
+    (``-o FILE`` of every command): ``FILE: problem; what to do``."""
+
+    def __init__(self, source: str, problem: str) -> None:
+        self.source = source
+        self.problem = problem
+        super().__init__(f"{source}: {problem}; check the path (a file you may write, in a "
+                         "directory that exists or can be made)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -337,7 +351,7 @@ def problems_text(schema: Schema, data: Any) -> str | None:
     return "; ".join(found) or None
 
 
-def read_json(path: str | os.PathLike[str], error: ErrorFactory, *,
+def read_json(path: str | os.PathLike[str], error: ErrorFactory = JSONFileError, *,
               schema: Schema | None = None, max_bytes: int = MAX_FILE_BYTES,
               max_depth: int = MAX_DEPTH) -> Any:
     """The JSON document in ``path``, checked by ``schema``.
@@ -370,7 +384,7 @@ def read_json(path: str | os.PathLike[str], error: ErrorFactory, *,
 # writing
 # ----------------------------------------------------------------------------------------
 
-def write_json(path: str | os.PathLike[str], data: Any, error: ErrorFactory, *,
+def write_json(path: str | os.PathLike[str], data: Any, error: ErrorFactory = JSONFileError, *,
                what: str = "the JSON") -> Path:
     """Write ``data`` as indented JSON to ``path`` without ever leaving half a file.
 
@@ -390,7 +404,7 @@ def write_json(path: str | os.PathLike[str], data: Any, error: ErrorFactory, *,
     except OSError as exc:
         raise error(source, f"cannot write {what} there ({exc.strerror or exc})") from None
     if st is not None and stat.S_ISDIR(st.st_mode):
-        raise error(source, f"is a directory; give a file name to write {what} to")
+        raise error(source, f"is a directory, not a file to write {what} to")
     try:
         if st is not None and not stat.S_ISREG(st.st_mode):
             with open(p, "w", encoding="utf-8") as f:
