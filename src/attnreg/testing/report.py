@@ -291,10 +291,12 @@ class Report:
             lines.append(f"not available here: {name}: {reason}")
         return lines
 
-    def to_text(self, *, verbose: bool = False, width: int = 100) -> str:
+    def to_text(self, *, verbose: bool = False, width: int = 100, listing: bool = False) -> str:
         """The claims table: each refuted claim with its message, skips grouped by reason.
 
         Verified claims (and every skipped id) are listed only when ``verbose``.
+        ``listing``: the claims were only listed (``--list``), so the last line
+        says that nothing ran instead of a verdict.
         """
         lines = self.header_lines()
         for backend in self.backends():
@@ -321,6 +323,9 @@ class Report:
                 lines.append(f"  ({c['verified']} verified claims not listed; -v lists them)")
         total = self.counts()
         lines.append("")
+        if listing:
+            lines.append("listed only, nothing ran: drop --list to check these claims")
+            return "\n".join(lines)
         verdict = "REFUTED" if total["refuted"] else ("OK" if total["verified"]
                                                       else "NOTHING VERIFIED")
         lines.append(f"{verdict}: {total['verified']} verified, {total['refuted']} refuted, "
