@@ -81,6 +81,7 @@ from attnreg.profiling.progress import Progress
 
 from ._common import (
     add_json_argument,
+    check_output_path,
     add_registry_arguments,
     add_wide_argument,
     print_json,
@@ -404,6 +405,8 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output_path(args.output, "the profile")  # before minutes of measuring
     try:
         import torch
     except ImportError:
