@@ -81,9 +81,9 @@ from attnreg.profiling.progress import Progress
 
 from ._common import (
     add_json_argument,
-    check_output_path,
     add_registry_arguments,
     add_wide_argument,
+    check_output_path,
     print_json,
     table,
     width_of,

@@ -375,8 +375,8 @@ def read_json(path: str | os.PathLike[str], error: ErrorFactory = JSONFileError,
     except OSError as exc:
         raise error(source, f"cannot be read ({exc.strerror or exc})") from None
     if len(raw) > max_bytes:
-        raise error(source, f"is larger than {max_bytes // (1024 * 1024)} MiB; not a file "
-                            "attnreg wrote")
+        limit = f"{max_bytes / 2**20:g} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+        raise error(source, f"is larger than {limit}, more than any file attnreg writes")
     return parse_json(raw, source, error, schema=schema, max_depth=max_depth)
 
 
