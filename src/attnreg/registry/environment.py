@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from .errors import AttnregError
@@ -95,23 +94,31 @@ def _parse_text(text: str) -> str:
     return text
 
 
-@dataclass(frozen=True)
 class EnvVar:
     """One environment variable: what it does, the flag it mirrors, how it is parsed.
 
     ``parse`` turns the raw value into what code uses, raising ``ValueError``
     with what is allowed; ``owner`` is ``attnreg`` or the program that defines
     the variable.  ``default`` is what code uses when it is unset (or, with
-    ``empty_is_unset``, set to blanks).
+    ``empty_is_unset``, set to blanks).  A plain class (not a dataclass): the
+    table is built on every start-up (P5).
     """
 
-    name: str
-    help: str
-    parse: Callable[[str], Any] = _parse_text
-    flag: str = ""
-    default: Any = None
-    owner: str = "attnreg"
-    empty_is_unset: bool = False
+    __slots__ = ("default", "empty_is_unset", "flag", "help", "name", "owner", "parse")
+
+    def __init__(self, name: str, help: str, parse: Callable[[str], Any] = _parse_text, *,
+                 flag: str = "", default: Any = None, owner: str = "attnreg",
+                 empty_is_unset: bool = False) -> None:
+        self.name = name
+        self.help = help
+        self.parse = parse
+        self.flag = flag
+        self.default = default
+        self.owner = owner
+        self.empty_is_unset = empty_is_unset
+
+    def __repr__(self) -> str:
+        return f"EnvVar({self.name!r})"
 
 
 #: Every variable attnreg reads, in the order ``attnreg doctor`` lists them.

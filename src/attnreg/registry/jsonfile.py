@@ -33,7 +33,6 @@ import os
 import stat
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +103,9 @@ class Schema:
 
     Subclasses implement :meth:`problem` (the first problem of ``value`` at
     ``path``); :class:`Obj` goes on to its next key after a problem, so
-    :meth:`problems` can list the first few at once.
+    :meth:`problems` can list the first few at once.  Plain classes, not
+    dataclasses: this module is imported on every ``attnreg compat`` (P5), and a
+    dataclass costs its generated methods at import.
     """
 
     def problem(self, value: Any, path: str) -> str | None:  # pragma: no cover - abstract
@@ -125,7 +126,6 @@ def _at(path: str, message: str) -> str:
     return f"at `{path}`: {message}" if path else message
 
 
-@dataclass(frozen=True)
 class AnyValue(Schema):
     """Any JSON value (kept, not interpreted)."""
 
@@ -133,12 +133,12 @@ class AnyValue(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Str(Schema):
     """A string; ``choices``: one of these; ``nonempty``: not ``""``."""
 
-    choices: tuple[str, ...] = ()
-    nonempty: bool = False
+    def __init__(self, choices: tuple[str, ...] = (), nonempty: bool = False) -> None:
+        self.choices = choices
+        self.nonempty = nonempty
 
     def problem(self, value: Any, path: str) -> str | None:
         if not isinstance(value, str):
@@ -150,7 +150,6 @@ class Str(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Bool(Schema):
     def problem(self, value: Any, path: str) -> str | None:
         if not isinstance(value, bool):
@@ -158,12 +157,12 @@ class Bool(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Num(Schema):
     """A finite number (a JSON int or float that a float holds) within the bounds."""
 
-    minimum: float | None = None
-    maximum: float | None = None
+    def __init__(self, minimum: float | None = None, maximum: float | None = None) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
 
     def problem(self, value: Any, path: str) -> str | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -181,12 +180,12 @@ class Num(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Int(Schema):
     """A whole number within the bounds (``true`` is not 1 here)."""
 
-    minimum: int | None = None
-    maximum: int | None = None
+    def __init__(self, minimum: int | None = None, maximum: int | None = None) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
 
     def problem(self, value: Any, path: str) -> str | None:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -198,21 +197,21 @@ class Int(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Nullable(Schema):
     """``null`` or what ``inner`` accepts."""
 
-    inner: Schema
+    def __init__(self, inner: Schema) -> None:
+        self.inner = inner
 
     def problem(self, value: Any, path: str) -> str | None:
         return None if value is None else self.inner.problem(value, path)
 
 
-@dataclass(frozen=True)
 class List(Schema):
     """A list whose items ``item`` accepts."""
 
-    item: Schema = field(default_factory=AnyValue)
+    def __init__(self, item: Schema | None = None) -> None:
+        self.item = item or AnyValue()
 
     def problem(self, value: Any, path: str) -> str | None:
         if not isinstance(value, list):
@@ -224,13 +223,14 @@ class List(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Map(Schema):
     """An object of any keys (``keys``: only these; ``nonempty``) whose values ``value`` accepts."""
 
-    value: Schema = field(default_factory=AnyValue)
-    keys: tuple[str, ...] = ()
-    nonempty: bool = False
+    def __init__(self, value: Schema | None = None, keys: tuple[str, ...] = (),
+                 nonempty: bool = False) -> None:
+        self.value = value or AnyValue()
+        self.keys = keys
+        self.nonempty = nonempty
 
     def problem(self, value: Any, path: str) -> str | None:
         if not isinstance(value, Mapping):
@@ -246,12 +246,12 @@ class Map(Schema):
         return None
 
 
-@dataclass(frozen=True)
 class Obj(Schema):
     """An object with these keys (each required unless in ``optional``); others are kept."""
 
-    fields: Mapping[str, Schema]
-    optional: tuple[str, ...] = ()
+    def __init__(self, fields: Mapping[str, Schema], optional: tuple[str, ...] = ()) -> None:
+        self.fields = fields
+        self.optional = optional
 
     def problem(self, value: Any, path: str) -> str | None:
         return next(iter(self.problems(value, path)), None)
@@ -271,12 +271,12 @@ class Obj(Schema):
                 yield found
 
 
-@dataclass(frozen=True)
 class Check(Schema):
     """What ``inner`` accepts, then ``test(value)``: None, or the problem."""
 
-    inner: Schema
-    test: Callable[[Any], str | None]
+    def __init__(self, inner: Schema, test: Callable[[Any], str | None]) -> None:
+        self.inner = inner
+        self.test = test
 
     def problem(self, value: Any, path: str) -> str | None:
         found = self.inner.problem(value, path)
