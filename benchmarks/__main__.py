@@ -38,7 +38,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Run attnreg's benchmarks (issue 7), write DIR/results.json and render "
+        description="Run attnreg's benchmarks, write DIR/results.json and render "
                     "DIR/benchmarks.md with plots in DIR/img.")
     ids = ", ".join(s.id for s in SECTIONS)
     p.add_argument("--only", default=None, metavar="IDS",

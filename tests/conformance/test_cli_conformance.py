@@ -147,7 +147,7 @@ def test_merge_joins_reports_without_running_claims(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "attnreg", "conformance", "--merge",
                               str(tmp_path / "nope.json")],
                              capture_output=True, text=True, env=env(), timeout=120)
-    assert missing.returncode == 2 and "no such report" in missing.stderr
+    assert missing.returncode == 2 and "nope.json: no such file" in missing.stderr
 
 
 def _attnreg_conformance(tmp_path, *args):

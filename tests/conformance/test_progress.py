@@ -112,7 +112,7 @@ class _Lines:
     def __init__(self) -> None:
         self.notes: list[str] = []
 
-    def step(self, what: str) -> str:
+    def step(self, what: str, *, left_s: float | None = None) -> str:
         return what
 
     def note(self, line: str) -> None:

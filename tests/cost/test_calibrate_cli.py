@@ -48,10 +48,13 @@ def test_a_real_run_needs_a_backend(capsys: pytest.CaptureFixture[str],
 
 
 def test_bad_grid_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["calibrate", "--dry-run", "--extends", "0"])
-    assert code == 2 and ">= 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--dry-run", "--prefixes", "a,b"])
+    for argv in (["--extends", "0"], ["--heads", "0"], ["--batch-sizes", "0"],
+                 ["--prefixes", "a,b"], ["--page-size", "0"]):
+        with pytest.raises(SystemExit) as exc:  # argparse refuses it, like --batch-sizes 0
+            main(["calibrate", "--dry-run", *argv])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument {argv[0]}: " in err, err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.fixture(scope="module")

@@ -111,4 +111,4 @@ def test_a_malformed_profile_exits_2_naming_the_file(capsys: pytest.CaptureFixtu
     bad.write_text('{"schema": "attnreg.cost_profile", "schema_version": 1}')
     code, _, err = run(capsys, *PLAN, "--cost-profile", str(bad))
     assert code == 2
-    assert f"cost profile {bad}:" in err and "'terms' must be an object" in err
+    assert f"cost profile {bad}:" in err and "at `backend`: missing" in err

@@ -205,7 +205,7 @@ def test_a_malformed_profile_file_is_a_clear_error(tmp_path: Path) -> None:
         ReplayGate(sim(), cost_profile=str(path))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(mutated(lambda d: d["terms"].pop("graph_host"))))
-    with pytest.raises(CostProfileError, match=r"bad.json: 'terms' lacks \['graph_host'\]"):
+    with pytest.raises(CostProfileError, match=r"bad.json: at `terms.graph_host`: missing"):
         ReplayGate(sim(), cost_profile=bad)
 
 

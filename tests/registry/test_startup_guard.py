@@ -54,7 +54,6 @@ def test_a_plugin_that_does_nothing_heavy_gets_no_warning(fake_site):
 @pytest.mark.parametrize("env,expected", [
     ({}, StartupLimits()),
     ({"ATTNREG_SLOW_PLUGIN_SECONDS": "2.5"}, StartupLimits(slow_seconds=2.5)),
-    ({"ATTNREG_SLOW_PLUGIN_SECONDS": "soon"}, StartupLimits()),
     ({"ATTNREG_HEAVY_MODULES": "torch, jax"}, StartupLimits(heavy_modules=("torch", "jax"))),
     ({"ATTNREG_HEAVY_MODULES": ""}, StartupLimits(heavy_modules=())),
 ])
@@ -64,6 +63,17 @@ def test_limits_from_the_environment(monkeypatch, env, expected):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert StartupLimits.from_env() == expected
+
+
+@pytest.mark.parametrize("env", [{"ATTNREG_SLOW_PLUGIN_SECONDS": "soon"},
+                                 {"ATTNREG_SLOW_PLUGIN_SECONDS": "-1"}])
+def test_limits_that_do_not_parse_are_an_error_naming_the_variable(monkeypatch, env):
+    from attnreg.registry.environment import EnvironmentValueError
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(EnvironmentValueError, match="ATTNREG_SLOW_PLUGIN_SECONDS="):
+        StartupLimits.from_env()
 
 
 def test_backends_and_compat_print_one_warning_line_doctor_shows_figures(fake_site, monkeypatch,

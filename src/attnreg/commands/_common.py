@@ -10,14 +10,59 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from attnreg.registry import BackendRegistry, Platform, load_registry
+from attnreg.registry import AttnregError, BackendRegistry, Platform, load_registry
+from attnreg.registry.environment import EnvironmentValueError, env_value
+from attnreg.registry.jsonfile import write_json
 from attnreg.registry.resolution import locate_module
+
+
+class UsageError(AttnregError):
+    """Bad input a command finds itself (an option's value, a module that does not exist).
+
+    ``attnreg``'s error boundary prints it as one line and exits 2.
+    """
+
+
+def check_plugin_modules(plugins: Sequence[str], option: str = "--plugin") -> None:
+    """Each ``MODULE[:OBJ]`` of ``plugins`` names a module that exists (not imported here).
+
+    Raises
+    ------
+    UsageError
+        For the first that does not, with what to do.
+    """
+    for path in plugins:
+        module = path.partition(":")[0]
+        if not module or locate_module(module) is None:
+            raise UsageError(f"{option} {path}: no module named {module!r}; check the name, "
+                             "or put its directory on PYTHONPATH")
+
+
+def check_output_path(path: str, what: str = "the JSON") -> None:
+    """Fail early (before a long run) when ``-o PATH`` cannot be written: a directory, or
+    a parent directory that cannot be made.
+
+    Raises
+    ------
+    UsageError
+        Naming the path and the problem.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"-o {path}: is a directory, not a file to write {what} to; give a "
+                         "file name")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"-o {path}: cannot write {what} there: {exc.strerror or exc} "
+                         f"({exc.filename or p.parent}); check the path") from None
 
 
 def add_registry_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,13 +113,12 @@ def emit_json(args: argparse.Namespace, data: Any) -> None:
     """Write ``data`` to ``--output`` (if given) and print it with ``--json``.
 
     The line naming the written file goes to stderr, so ``--json`` stdout
-    stays one JSON document.
+    stays one JSON document.  The file is replaced only once the whole
+    document is written (a full disk leaves what was there); a failure is a
+    ``JSONFileError`` naming the file.
     """
     if getattr(args, "output", None):
-        path = Path(args.output)
-        if path.parent != Path(""):
-            path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        path = write_json(args.output, data, what="the JSON")  # atomic: temp file + rename
         print(f"JSON written to {path}", file=sys.stderr)
     if getattr(args, "json", False):
         print_json(data)
@@ -88,16 +132,11 @@ def registry_from(args: argparse.Namespace, *, warn: bool = True,
     slow, a backend outranking every built-in) is printed to stderr as one
     line; with ``report_errors``, each plugin error too (commands that list
     errors themselves turn it off).  stderr, so ``--json`` output on stdout
-    stays clean.  A ``--plugin`` module that does not exist is bad input: one
-    line on stderr, exit 2.
+    stays clean.  A ``--plugin`` module that does not exist is bad input: a
+    :class:`UsageError` (one line on stderr, exit 2).
     """
     plugins = list(getattr(args, "plugin", None) or [])
-    for path in plugins:
-        module = path.partition(":")[0]
-        if not module or locate_module(module) is None:
-            print(f"attnreg: error: --plugin {path}: no module named {module!r}; check the "
-                  "name, or put its directory on PYTHONPATH", file=sys.stderr)
-            raise SystemExit(2)
+    check_plugin_modules(plugins)
     reg = load_registry(disable=args.disable, extra_plugins=[(p, p) for p in plugins])
     if report_errors:
         for err in reg.errors:
@@ -111,16 +150,47 @@ def registry_from(args: argparse.Namespace, *, warn: bool = True,
 def parse_platform(text: str | None) -> tuple[Platform, bool]:
     """The platform to report on and whether it was simulated (given) or detected.
 
-    A platform that does not parse is bad input: the message goes to stderr and
-    the command exits 2, like an argparse error.
+    ``None`` or ``"detect"``: ``ATTNREG_PLATFORM`` when it is set (a simulated
+    platform, as ``--platform`` would give), else this machine's.
+
+    A simulated platform must have an arch attnreg knows (``Platform.arch_known``):
+    declarations gate kernels by arch, so a plan for ``cuda:sm999`` would be a
+    guess that looks like an answer (docs/policy.md, "Platforms").  A detected
+    arch is used as it is.
+
+    Raises
+    ------
+    UsageError
+        ``text`` does not parse, or names an arch attnreg does not know (bad
+        input: one line, exit 2).
+    EnvironmentValueError
+        ``ATTNREG_PLATFORM`` does not parse or names an unknown arch.
     """
     if text is None or text == "detect":
-        return Platform.detect(), False
+        from_env = env_value("ATTNREG_PLATFORM")
+        if from_env is None:
+            return Platform.detect(), False
+        problem = _unknown_arch(from_env)
+        if problem:
+            raise EnvironmentValueError("ATTNREG_PLATFORM", os.environ["ATTNREG_PLATFORM"],
+                                        problem)
+        return from_env, True
     try:
-        return Platform.parse(text), True
+        platform = Platform.parse(text)
     except ValueError as exc:
-        print(f"attnreg: error: --platform: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise UsageError(f"--platform: {exc}") from None
+    problem = _unknown_arch(platform)
+    if problem:
+        raise UsageError(f"--platform {platform}: {problem}")
+    return platform, True
+
+
+def _unknown_arch(platform: Platform) -> str | None:
+    if platform.arch_known:
+        return None
+    return (f"attnreg knows no {platform.vendor.value} architecture {platform.arch!r}, and no "
+            "declaration was written for it (a plan would be a guess); give one of "
+            f"{', '.join(platform.known_archs())}")
 
 
 def print_json(data: Any) -> None:

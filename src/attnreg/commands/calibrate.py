@@ -83,6 +83,7 @@ from ._common import (
     add_json_argument,
     add_registry_arguments,
     add_wide_argument,
+    check_output_path,
     print_json,
     table,
     width_of,
@@ -304,15 +305,46 @@ def _measure_point(ses: Session, backend: Any, layer: MLALayer, shape: PrefillSh
 # the command
 # ----------------------------------------------------------------------------------------
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(what: str, minimum: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated ints >= ``minimum`` (``what`` they count)."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not allowed: expected comma-separated integers >= {minimum} "
+                f"({what}), e.g. {'0,4096' if minimum == 0 else '1,4'}")
+        return values
+    parse.__name__ = "list"
+    return parse
+
+
+def _count(what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= 1 (``what`` it counts)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: expected an integer "
+                                             f">= 1 ({what})")
+        return value
+    parse.__name__ = "count"
+    return parse
+
+
+def _seconds(text: str) -> float:
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") \
-            from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative ints, got {text!r}")
-    return values
+        value = -1.0
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: expected a number of "
+                                         "seconds above 0")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -324,14 +356,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "backend: writes a profile marked dry_run, NOT a measurement")
     grid = parser.add_argument_group("grid (defaults: B 1,4; prefix 0,4096,16384; extend "
                                      "128,512,2048,4096; 128 heads)")
-    grid.add_argument("--heads", type=int, default=None, help="attention heads on one rank")
-    grid.add_argument("--batch-sizes", type=_ints, default=None, metavar="B,...")
-    grid.add_argument("--prefixes", type=_ints, default=None, metavar="P,...")
-    grid.add_argument("--extends", type=_ints, default=None, metavar="E,...")
-    grid.add_argument("--layer-tokens", type=_ints, default=None, metavar="N,...",
-                      help="token counts of the layer projection measurements")
-    grid.add_argument("--page-size", type=int, default=1)
-    grid.add_argument("--time-budget-s", type=float, default=85.0,
+    grid.add_argument("--heads", type=_count("attention heads on one rank"), default=None,
+                      metavar="N", help="attention heads on one rank (dry run default 4)")
+    grid.add_argument("--batch-sizes", type=_ints("sequences per measured batch", 1),
+                      default=None, metavar="B,...",
+                      help="sequences per measured prefill batch (dry run default 1,2)")
+    grid.add_argument("--prefixes", type=_ints("cached tokens per sequence", 0), default=None,
+                      metavar="P,...", help="cached prefix tokens per sequence, 0 allowed "
+                                            "(dry run default 0,24)")
+    grid.add_argument("--extends", type=_ints("new tokens per sequence", 1), default=None,
+                      metavar="E,...", help="new (extend) tokens per sequence (dry run "
+                                            "default 4,16)")
+    grid.add_argument("--layer-tokens", type=_ints("tokens of a layer measurement", 1),
+                      default=None, metavar="N,...",
+                      help="token counts of the layer projection measurements (default "
+                           "128,512,2048,8192,16384; dry run 4,16,48)")
+    grid.add_argument("--page-size", type=_count("tokens per KV-pool page"), default=1,
+                      metavar="N", help="tokens per KV-pool page of the measured pool "
+                                        "(default 1)")
+    grid.add_argument("--time-budget-s", type=_seconds, default=85.0,
                       help="stop starting new measurements after this many seconds (the "
                            "rest is recorded as skipped; default 85)")
     shown = parser.add_argument_group("output")
@@ -362,6 +405,8 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output_path(args.output, "the profile")  # before minutes of measuring
     try:
         import torch
     except ImportError:
@@ -381,14 +426,12 @@ def run(args: argparse.Namespace) -> int:
                          "one backend")
         device, grid, shape = "cuda", FULL_GRID, LayerShape()
         backend_name = args.backend
+    # the option types refuse 0 (and negative) values, so `or` only fills what was not given
     grid = Grid(batch_sizes=args.batch_sizes or grid.batch_sizes,
                 prefixes=args.prefixes or grid.prefixes,
                 extends=args.extends or grid.extends,
                 layer_tokens=args.layer_tokens or grid.layer_tokens,
                 heads=args.heads or grid.heads, graph_layers=grid.graph_layers)
-    if min(grid.batch_sizes) < 1 or min(grid.extends) < 1 or min(grid.layer_tokens) < 1 \
-            or grid.heads < 1 or args.page_size < 1:
-        return _fail("batch sizes, extends, layer tokens, heads and page size must be >= 1")
     return _calibrate(args, torch, device, grid, shape, backend_name)
 
 

@@ -181,19 +181,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model facts (a preset, then overrides)")
     model.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
                        help="start from a preset's facts")
-    model.add_argument("--attention", choices=("mla", "mha"), default=None)
-    model.add_argument("--kv-dtype", choices=[d.value for d in DType], default=None)
-    model.add_argument("--act-dtype", choices=[d.value for d in DType], default=None)
+    model.add_argument("--attention", choices=("mla", "mha"), default=None,
+                       help="attention kind: mla (latent KV) or mha (default: the preset's, "
+                            "else mla)")
+    model.add_argument("--kv-dtype", choices=[d.value for d in DType], default=None,
+                       help="dtype of the KV pool (default: the preset's, else bf16)")
+    model.add_argument("--act-dtype", choices=[d.value for d in DType], default=None,
+                       help="dtype of activations, the query (default: the preset's, else "
+                            "bf16)")
     model.add_argument("--num-heads", type=_positive_int("attention heads on one rank"),
                        default=None, metavar="N", help="attention heads on one rank")
-    model.add_argument("--multimodal", action=argparse.BooleanOptionalAction, default=None)
+    model.add_argument("--multimodal", action=argparse.BooleanOptionalAction, default=None,
+                       help="the model is multimodal (a policy input for piecewise prefill)")
     model.add_argument("--piecewise-validated", action=argparse.BooleanOptionalAction,
                        default=None, help="tc_piecewise prefill validated for the model")
-    model.add_argument("--dsa-sparse", action=argparse.BooleanOptionalAction, default=None)
+    model.add_argument("--dsa-sparse", action=argparse.BooleanOptionalAction, default=None,
+                       help="sparse (DSA top-k) attention; backends must declare it")
     model.add_argument("--capture-pool-bytes", type=parse_size, default=None, metavar="SIZE",
                        help="graph-pool memory of the model's captured prefill graphs")
     model.add_argument("--decode-capture-pool-bytes", type=parse_size, default=None,
-                       metavar="SIZE")
+                       metavar="SIZE",
+                       help="graph-pool memory of the model's captured decode graphs")
     engine = parser.add_argument_group("engine facts")
     engine.add_argument("--page-size", type=_positive_int("tokens per KV-pool page"),
                         default=None, metavar="N",
@@ -226,12 +234,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=None, metavar="MODES",
                         help="decode graph modes the host engine has (default: all)")
     backends = parser.add_argument_group("backends (default: the best declared for the need)")
-    backends.add_argument("--backend", default=None, help="one backend for both phases")
-    backends.add_argument("--prefill-backend", default=None)
-    backends.add_argument("--decode-backend", default=None)
+    backends.add_argument("--backend", default=None, metavar="NAME",
+                          help="one backend for both phases")
+    backends.add_argument("--prefill-backend", default=None, metavar="NAME",
+                          help="backend for prefill (overrides --backend there)")
+    backends.add_argument("--decode-backend", default=None, metavar="NAME",
+                          help="backend for decode (overrides --backend there)")
     graphs = parser.add_argument_group("graph modes and capture sizes (a given mode is locked)")
-    graphs.add_argument("--prefill-graph", choices=_PREFILL_MODES, default=None)
-    graphs.add_argument("--decode-graph", choices=_DECODE_MODES, default=None)
+    graphs.add_argument("--prefill-graph", choices=_PREFILL_MODES, default=None,
+                        help="prefill graph mode, locked: a hard rule against it is an error "
+                             "(default: the policy chooses)")
+    graphs.add_argument("--decode-graph", choices=_DECODE_MODES, default=None,
+                        help="decode graph mode, locked (default: the policy chooses)")
     graphs.add_argument("--capture-memory-budget", type=parse_size, default=None,
                         metavar="SIZE", help="soft budget for all capture memory (replaces the "
                                              "default budget)")

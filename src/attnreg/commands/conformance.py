@@ -10,7 +10,8 @@ the elapsed time and an estimate of the time left, and a notice before a
 flashinfer kernel variant may JIT-compile (when stderr is a terminal, or with
 ``--progress``; never with ``-q/--quiet``).  Exit status: 0 when no claim is refuted, 1 when
 one is (or no claim could be collected, or a backend asked for by name cannot
-run here), 2 on bad input or when pytest itself could not run.
+run here), 2 on bad input (``-k`` selecting nothing included) or when pytest
+itself could not run.
 
 Examples::
 
@@ -26,13 +27,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from ._common import add_registry_arguments, print_json
+from ._common import (
+    UsageError,
+    add_registry_arguments,
+    check_output_path,
+    check_plugin_modules,
+    print_json,
+)
 
 PLUGIN_MODULE = "attnreg.testing.plugin"
 SUITE_MODULE = "attnreg.testing.suite"
@@ -207,6 +213,9 @@ def _check_inputs(args: argparse.Namespace) -> str | None:
     """A usage problem to report before starting pytest, or None."""
     from attnreg.registry import load_registry
 
+    check_plugin_modules(args.plugin)
+    if args.output:
+        check_output_path(args.output, "the report")
     reg = load_registry(args.disable)
     for name in args.backend:
         if name not in reg.names() and not args.plugin:
@@ -248,14 +257,9 @@ def merge_reports(args: argparse.Namespace) -> int:
         return 2
     from attnreg.testing.report import Report
 
-    try:
-        merged = Report.merge(Report.read_json(path) for path in args.merge)
-    except FileNotFoundError as exc:
-        print(f"attnreg conformance: error: no such report: {exc.filename}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # schema, JSON syntax, or reports of different machines
-        print(f"attnreg conformance: error: {exc}", file=sys.stderr)
-        return 2
+    # a file that is missing, not JSON or not a report, or reports of different machines:
+    # ReportError, one line and exit 2 at the CLI's error boundary
+    merged = Report.merge(Report.read_json(path) for path in args.merge)
     if args.json:
         print_json(merged.to_dict())
     else:
@@ -300,6 +304,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import pytest
 
+    from attnreg.registry.jsonfile import read_json
+    from attnreg.testing.report import ReportError
+
     plugins = _progress_plugins(args)
     with tempfile.TemporaryDirectory(prefix="attnreg-conformance-") as tmp:
         ini = Path(tmp) / "pytest.ini"
@@ -314,7 +321,10 @@ def run(args: argparse.Namespace) -> int:
                                                progress=bool(plugins)), plugins=plugins))
         unavailable = _unavailable_requested(args, report_path)
         if args.json and not args.list and report_path.exists():
-            print_json(json.loads(report_path.read_text()))
+            print_json(read_json(report_path, ReportError))
+    if code == _PYTEST_NO_TESTS and args.keyword:
+        raise UsageError(f"-k {args.keyword!r}: nothing selected, no claim id matches it; "
+                         "`attnreg conformance --list` shows the claim ids")
     if args.list:
         return 0 if code == _PYTEST_OK else 2
     if code == _PYTEST_OK and unavailable:
@@ -329,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if code == _PYTEST_NO_TESTS:
         print("attnreg conformance: no claims were collected (no backend available on this "
-              "device, or -k matched nothing)", file=sys.stderr)
+              "device)", file=sys.stderr)
         return 1
     print(f"attnreg conformance: pytest could not run the suite (exit code {code})",
           file=sys.stderr)

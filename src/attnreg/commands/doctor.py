@@ -7,7 +7,13 @@ its plugin, distribution and whether its runtime dotted path resolves
 (checked without importing it).  Each plugin error comes with the line that
 silences the plugin.
 
-JSON keys: ``platform``, ``libraries``, ``environment``, ``limits
+The environment table lists every variable attnreg reads
+(:data:`attnreg.registry.environment.ENV_VARS`), set or not, and says which
+value does not parse.
+
+JSON keys: ``platform``, ``platform_source`` (``detected`` or
+``ATTNREG_PLATFORM``), ``libraries``, ``environment`` (name -> raw value or
+null), ``environment_problems`` (name -> what is wrong), ``limits
 {slow_seconds, heavy_modules}``, ``plugins[PluginInfo.to_dict()]``,
 ``disabled``, ``backends{name: {plugin, distribution, version, runtime,
 runtime_check{state, detail}}}``, ``errors[{plugin, distribution, version,
@@ -18,10 +24,9 @@ message}]``.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from attnreg.registry import Platform
+from attnreg.registry.environment import environment_report
 from attnreg.registry.spec import installed_version
 
 from ._common import (
@@ -29,6 +34,7 @@ from ._common import (
     add_plugin_argument,
     add_registry_arguments,
     emit_json,
+    parse_platform,
     registry_from,
     table,
     width_of,
@@ -37,9 +43,6 @@ from ._common import (
 
 LIBRARIES = ("attnreg", "pluggy", "torch", "triton", "numpy", "flashinfer-python",
              "flash-attn-4", "nvidia-cutlass-dsl")
-ENV_VARS = ("ATTNREG_PLUGINS", "ATTNREG_DISABLE", "ATTNREG_DISABLE_PLUGIN_AUTOLOAD",
-            "ATTNREG_SLOW_PLUGIN_SECONDS", "ATTNREG_HEAVY_MODULES", "TRITON_INTERPRET",
-            "CUDA_VISIBLE_DEVICES")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
+    # A variable the registry or the platform needs that does not parse stops here, as
+    # in every command (one line, exit 2); the others are marked INVALID in the table.
+    environment = environment_report()
     # The warnings are part of the report here, not extra lines on stderr.
     reg = registry_from(args, warn=False, report_errors=False)
+    platform, from_env = parse_platform(None)
     backends = {}
     for name in reg.names():
         spec = reg.get(name)
@@ -61,9 +68,15 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                           "version": spec.distribution_version, "runtime": spec.runtime,
                           "runtime_check": check.to_dict()}
     return {
-        "platform": str(Platform.detect()),
+        "platform": str(platform),
+        "platform_source": "ATTNREG_PLATFORM" if from_env else "detected",
         "libraries": {name: installed_version(name) for name in LIBRARIES},
-        "environment": {k: os.environ.get(k) for k in ENV_VARS},
+        "environment": {row["name"]: row["value"] for row in environment},
+        "environment_problems": {row["name"]: row["problem"] for row in environment
+                                 if row["problem"]},
+        "environment_help": {row["name"]: (row["help"] if row["owner"] == "attnreg"
+                                           else f"({row['owner']}) {row['help']}")
+                             for row in environment},
         "limits": {"slow_seconds": reg.limits.slow_seconds,
                    "heavy_modules": list(reg.limits.heavy_modules)},
         "plugins": [p.to_dict() for p in reg.plugins],
@@ -91,14 +104,18 @@ def _status(plugin: dict[str, Any], errors: list[dict[str, Any]]) -> str:
 
 def render(data: dict[str, Any], *, traceback: bool = False, width: int | None = None) -> str:
     """The human form: one table per part, then warnings and plugin errors."""
-    lines = [f"platform (detected): {data['platform']}", "", "libraries",
+    source = "detected" if data["platform_source"] == "detected" else "from ATTNREG_PLATFORM"
+    problems = data["environment_problems"]
+    lines = [f"platform ({source}): {data['platform']}", "", "libraries",
              table(("distribution", "version"),
                    [(k, v or "not installed") for k, v in data["libraries"].items()]),
-             "", "environment",
-             table(("variable", "value"),
-                   [(k, "(unset)" if v is None else repr(v))
+             "", "environment (every variable attnreg reads)",
+             table(("variable", "value", "meaning"),
+                   [(k, ("(unset)" if v is None else repr(v))
+                     + (f"  INVALID: {problems[k]}" if k in problems else ""),
+                     data["environment_help"][k])
                     for k, v in data["environment"].items()],
-                   wrap_columns=("value",), width=width)]
+                   wrap_columns=("value", "meaning"), width=width)]
     limits = data["limits"]
     lines += ["", *wrap(f"plugins (startup limits: {limits['slow_seconds']:g} s per plugin; "
                         f"heavy libraries: {', '.join(limits['heavy_modules']) or 'none'})",

@@ -75,9 +75,7 @@ profiles live in ``attnreg/data/profiles/*.json``.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,11 +85,25 @@ from typing import Any
 
 from ..registry.capabilities import DType
 from ..registry.errors import AttnregError
+from ..registry.jsonfile import (
+    Bool,
+    Check,
+    Int,
+    Map,
+    Nullable,
+    Num,
+    Obj,
+    Str,
+    problems_text,
+    read_json,
+    write_json,
+)
 from ..registry.platform import Platform
 
 __all__ = [
     "FEATURES",
     "PROFILE_SCHEMA",
+    "PROFILE_SCHEMA_CHECK",
     "PROFILE_SCHEMA_VERSION",
     "TERMS",
     "TERM_FEATURES",
@@ -294,46 +306,26 @@ class CostProfile:
         Raises
         ------
         CostProfileError
-            Naming ``source`` and every problem found.
+            Naming ``source`` and the first problems found (:data:`PROFILE_SCHEMA_CHECK`).
         """
-        if not isinstance(data, Mapping):
-            raise CostProfileError(source, f"expected a JSON object, got {type(data).__name__}")
-        problems: list[str] = []
-        if data.get("schema") != PROFILE_SCHEMA:
-            problems.append(f"'schema' is {data.get('schema')!r}, expected {PROFILE_SCHEMA!r} "
-                            "(is this a cost profile?)")
-        version = data.get("schema_version")
-        if version != PROFILE_SCHEMA_VERSION:
-            if isinstance(version, int) and version > PROFILE_SCHEMA_VERSION:
+        if isinstance(data, Mapping):
+            version = data.get("schema_version")
+            if isinstance(version, int) and not isinstance(version, bool) \
+                    and version > PROFILE_SCHEMA_VERSION:
                 raise CostProfileError(
-                    source, f"schema_version {version} is newer than this attnreg reads "
-                    f"({PROFILE_SCHEMA_VERSION})", hint="upgrade attnreg or recalibrate")
-            problems.append(f"'schema_version' is {version!r}, expected "
-                            f"{PROFILE_SCHEMA_VERSION}")
-        backend = data.get("backend")
-        if not isinstance(backend, str) or not backend:
-            problems.append(f"'backend' must be a backend name, got {backend!r}")
-        platform: Platform | None = None
-        try:
-            platform = Platform.parse(str(data.get("platform")))
-        except ValueError as exc:
-            problems.append(f"'platform': {exc}")
-        kv_dtype: DType | None = None
-        try:
-            kv_dtype = DType(data.get("kv_dtype"))
-        except ValueError:
-            problems.append(f"'kv_dtype' is {data.get('kv_dtype')!r}, expected one of "
-                            f"{[d.value for d in DType]}")
-        terms = _parse_terms(data.get("terms"), problems)
-        heads = _calibrated_heads(data.get("calibration"), problems)
-        if problems:
-            raise CostProfileError(source, "; ".join(problems))
-        assert platform is not None and kv_dtype is not None and isinstance(backend, str)
-        return cls(backend=backend, platform=platform, kv_dtype=kv_dtype,
-                   terms=tuple((t, terms[t]) for t in TERMS), source=source,
+                    source, f"schema_version {_short(version)} is newer than this attnreg "
+                    f"reads ({PROFILE_SCHEMA_VERSION})", hint="upgrade attnreg or recalibrate")
+        problem = problems_text(PROFILE_SCHEMA_CHECK, data)
+        if problem:
+            raise CostProfileError(source, problem)
+        calibration = data.get("calibration") or {}
+        return cls(backend=data["backend"], platform=Platform.parse(data["platform"]),
+                   kv_dtype=DType(data["kv_dtype"]),
+                   terms=tuple((t, CostTerm.of(data["terms"][t]["coefficients_us"]))
+                               for t in TERMS), source=source,
                    device=str(data.get("device") or ""), created=str(data.get("created") or ""),
-                   dry_run=bool(data.get("dry_run", False)), calibrated_heads=heads,
-                   data=dict(data))
+                   dry_run=bool(data.get("dry_run", False)),
+                   calibrated_heads=calibration.get("heads"), data=dict(data))
 
     # -- identity ----------------------------------------------------------------------
     def term(self, name: str) -> CostTerm:
@@ -398,61 +390,41 @@ class CostProfile:
         return CostComparison(graph, eager, tuple(sorted(t.items())))
 
 
-def _parse_terms(raw: Any, problems: list[str]) -> dict[str, CostTerm]:
-    if not isinstance(raw, Mapping):
-        problems.append(f"'terms' must be an object with the terms {list(TERMS)}, got "
-                        f"{type(raw).__name__}")
-        return {}
-    missing = [t for t in TERMS if t not in raw]
-    unknown = sorted(set(raw) - set(TERMS))
-    if missing:
-        problems.append(f"'terms' lacks {missing}")
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "huge"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _platform_problem(text: str) -> str | None:
+    try:
+        Platform.parse(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _terms_problem(terms: Mapping[str, Any]) -> str | None:
+    unknown = sorted(str(t) for t in terms if t not in TERMS)
     if unknown:
-        problems.append(f"'terms' has unknown terms {unknown} (known: {list(TERMS)})")
-    out: dict[str, CostTerm] = {}
-    for name in TERMS:
-        entry = raw.get(name)
-        if name not in raw:
-            continue
-        coefs = entry.get("coefficients_us") if isinstance(entry, Mapping) else None
-        if not isinstance(coefs, Mapping) or not coefs:
-            problems.append(f"terms.{name}.coefficients_us must be a non-empty object of "
-                            "feature -> microseconds per unit")
-            continue
-        bad = sorted(str(f) for f in coefs if f not in FEATURES)
-        if bad:
-            problems.append(f"terms.{name}.coefficients_us has unknown features {bad} "
-                            f"(known: {list(FEATURES)})")
-            continue
-        values: dict[str, float] = {}
-        for feat, value in coefs.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                problems.append(f"terms.{name}.coefficients_us.{feat} is {value!r}, not a "
-                                "finite number")
-            elif value < 0:
-                problems.append(f"terms.{name}.coefficients_us.{feat} is {value}, negative "
-                                "(a negative coefficient makes extrapolated times negative)")
-            else:
-                values[feat] = float(value)
-        if len(values) == len(coefs):
-            out[name] = CostTerm.of(values)
-    return out
+        return f"unknown terms {unknown} (known: {list(TERMS)})"
+    return None
 
 
-def _calibrated_heads(raw: Any, problems: list[str]) -> int | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        problems.append(f"'calibration' must be an object, got {type(raw).__name__}")
-        return None
-    heads = raw.get("heads")
-    if heads is None:
-        return None
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        problems.append(f"calibration.heads is {heads!r}, expected a positive int")
-        return None
-    return heads
+#: One term: ``{"coefficients_us": {feature: microseconds per unit >= 0}}``, more kept.
+_TERM = Obj({"coefficients_us": Map(Num(minimum=0.0), keys=FEATURES, nonempty=True)})
+
+#: The whole profile, as :func:`attnreg.registry.jsonfile.read_json` checks it; the
+#: informational keys are checked only where they are read (``calibration.heads``).
+PROFILE_SCHEMA_CHECK = Obj({
+    "schema": Str(choices=(PROFILE_SCHEMA,)),
+    "schema_version": Int(minimum=PROFILE_SCHEMA_VERSION, maximum=PROFILE_SCHEMA_VERSION),
+    "backend": Str(nonempty=True),
+    "platform": Check(Str(nonempty=True), _platform_problem),
+    "kv_dtype": Str(choices=tuple(d.value for d in DType)),
+    "terms": Check(Obj(dict.fromkeys(TERMS, _TERM)), _terms_problem),
+    "calibration": Nullable(Obj({"heads": Nullable(Int(minimum=1))}, optional=("heads",))),
+    "dry_run": Bool(),
+}, optional=("calibration", "dry_run"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -473,19 +445,11 @@ def load_profile(path: str | os.PathLike[str]) -> CostProfile:
         names the file and the problem.
     """
     p = _shipped_by_name(Path(path))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not p.exists() and not p.is_symlink():
         shipped = ", ".join(q.name for q in shipped_profile_paths()) or "none"
         raise CostProfileError(str(p), "no such file", hint=(
-            f"give a path to a profile, or the name of a shipped one ({shipped})")) from None
-    except OSError as exc:
-        raise CostProfileError(str(p), f"cannot be read ({exc.strerror or exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CostProfileError(str(p), f"is not valid JSON ({exc.msg} at line {exc.lineno}, "
-                                       f"column {exc.colno})") from None
+            f"give a path to a profile, or the name of a shipped one ({shipped})"))
+    data = read_json(p, CostProfileError)
     return CostProfile.from_dict(data, source=str(p))
 
 
@@ -494,10 +458,7 @@ def save_profile(profile: CostProfile | Mapping[str, Any], path: str | os.PathLi
     """Validate and write a profile (a :class:`CostProfile` or its JSON dict)."""
     data = profile.to_dict() if isinstance(profile, CostProfile) else dict(profile)
     CostProfile.from_dict(data, source=str(path))  # never write what cannot be read back
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    return p
+    return write_json(path, data, CostProfileError, what="the profile")
 
 
 def _shipped_by_name(path: Path) -> Path:

@@ -77,15 +77,22 @@ class Progress:
         done = self.index - 1
         if done < 1:
             return None
-        left = self.elapsed_s() / done * (self.total - done)
+        return self._capped(self.elapsed_s() / done * (self.total - done))
+
+    def _capped(self, left: float) -> float:
         if self.budget_s is not None:
             left = min(left, max(0.0, self.budget_s - self.elapsed_s()))
         return left
 
-    def step(self, what: str) -> str:
-        """Start the next step: its line (printed when enabled)."""
+    def step(self, what: str, *, left_s: float | None = None) -> str:
+        """Start the next step: its line (printed when enabled).
+
+        ``left_s``: the caller's own estimate of the time left (it knows what
+        the remaining steps are, :class:`attnreg.testing.progress.ClaimProgress`),
+        used instead of :meth:`left_s`'s mean; capped by the budget all the same.
+        """
         self.index += 1
-        left = self.left_s()
+        left = self.left_s() if left_s is None else self._capped(left_s)
         tail = "" if left is None else f" (about {format_seconds(left)} left)"
         line = f"[{self.elapsed_s():6.1f}s] {self.index} of {self.total}: {what}{tail}"
         self.note(line)

@@ -19,7 +19,6 @@ recorded against its plugin and the call goes on to the next one.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 import traceback
@@ -56,7 +55,8 @@ class StartupLimits:
 
     Configurable through ``ATTNREG_SLOW_PLUGIN_SECONDS`` (a number of
     seconds) and ``ATTNREG_HEAVY_MODULES`` (comma-separated top-level module
-    names; set but empty = none).  A value that does not parse is ignored.
+    names; set but empty = none).  A value that does not parse is an
+    ``EnvironmentValueError`` (:mod:`attnreg.registry.environment`).
     """
 
     slow_seconds: float = DEFAULT_SLOW_SECONDS
@@ -64,18 +64,18 @@ class StartupLimits:
 
     @classmethod
     def from_env(cls) -> StartupLimits:
-        slow = DEFAULT_SLOW_SECONDS
-        raw = os.environ.get("ATTNREG_SLOW_PLUGIN_SECONDS", "").strip()
-        if raw:
-            try:
-                slow = max(0.0, float(raw))
-            except ValueError:
-                pass
-        heavy = DEFAULT_HEAVY_MODULES
-        listed = os.environ.get("ATTNREG_HEAVY_MODULES")
-        if listed is not None:
-            heavy = tuple(m.strip() for m in listed.split(",") if m.strip())
-        return cls(slow, heavy)
+        """The limits ``ATTNREG_SLOW_PLUGIN_SECONDS`` and ``ATTNREG_HEAVY_MODULES`` set.
+
+        Raises
+        ------
+        EnvironmentValueError
+            A value that does not parse (named, with what is allowed).
+        """
+        from .environment import env_value
+
+        heavy = env_value("ATTNREG_HEAVY_MODULES")
+        return cls(float(env_value("ATTNREG_SLOW_PLUGIN_SECONDS")),
+                   DEFAULT_HEAVY_MODULES if heavy is None else tuple(heavy))
 
 
 @dataclass(frozen=True)

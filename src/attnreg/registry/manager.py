@@ -41,6 +41,7 @@ import pluggy
 
 from . import hookspecs
 from .capabilities import Capabilities, Phase
+from .environment import env_value
 from .errors import (
     BackendUnavailableError,
     DuplicateBackendError,
@@ -129,14 +130,15 @@ class StartupWarning:
 
 
 def _env_list(name: str) -> list[str] | None:
+    """A comma-separated variable of :data:`~attnreg.registry.environment.ENV_VARS`
+    (None when unset)."""
     raw = os.environ.get(name)
-    if raw is None:
-        return None
-    return [p.strip() for p in raw.split(",") if p.strip()]
+    return None if raw is None else list(env_value(name))
 
 
 def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+    """A yes/no variable; a value that is neither is an ``EnvironmentValueError``."""
+    return bool(env_value(name))
 
 
 def _norm(distribution: str) -> str:
@@ -268,7 +270,7 @@ class BackendRegistry:
         if platform is not None:
             plat = Platform.parse(platform)
         elif (str(getattr(config, "device", "")).split(":")[0] == "cpu"
-              and not os.environ.get("ATTNREG_PLATFORM")):
+              and env_value("ATTNREG_PLATFORM") is None):
             plat = Platform.parse("cpu")
         else:
             plat = Platform.detect()

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .environment import env_value
 from .strenum import StrEnum
 
 __all__ = ["KNOWN_DEVICES", "PLATFORM_TRAITS", "DeviceInfo", "Platform", "PlatformTraits",
@@ -55,8 +56,11 @@ class PlatformTraits:
         backends gate kernels on the architecture, so a plan for this vendor
         needs one (``cuda`` alone is refused with the list of archs).
     archs
-        architectures attnreg knows for the vendor (listed in that refusal;
-        any other arch of the right form is accepted).
+        architectures attnreg knows for the vendor (listed in that refusal).
+        ``Platform.parse`` accepts any other arch of the right form (a detected
+        GPU newer than this table is planned from its declarations); the
+        ``attnreg`` commands refuse a *given* (simulated) arch outside this
+        list (docs/policy.md, "Platforms").
     """
 
     vendor: Vendor
@@ -133,7 +137,15 @@ def known_device(text: str | Platform) -> DeviceInfo | None:
     return KNOWN_DEVICES.get(str(text).strip().lower().replace("-", ""))
 
 
-_ARCH_RE = re.compile(r"^(sm|gfx)(\d+)([a-z]?)$")
+#: An arch: ``sm`` or ``gfx``, at most 4 digits (no GPU has more; a 20,000-digit "arch"
+#: is refused here rather than failing later in ``int()``), an optional letter.
+def _clip(text: object) -> str:
+    """``repr(text)``, cut to a readable length (a message stays one short line)."""
+    shown = repr(str(text))
+    return shown if len(shown) <= 40 else f"{shown[:32]}...' ({len(str(text))} characters)"
+
+
+_ARCH_RE = re.compile(r"^(sm|gfx)(\d{1,4})([a-z]?)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -159,7 +171,7 @@ class Platform:
         except ValueError:
             allowed = ", ".join(v.value for v in Vendor)
             raise ValueError(
-                f"unknown platform vendor {vendor_text!r} in {text!r}; expected one of "
+                f"unknown platform vendor {_clip(vendor_text)} in {_clip(text)}; expected one of "
                 f"{allowed}, optionally with an arch, e.g. 'cuda:sm90' or 'rocm:gfx942', "
                 f"or a GPU name ({', '.join(KNOWN_DEVICES)})"
             ) from None
@@ -167,10 +179,10 @@ class Platform:
         if arch.startswith("sm") and arch.endswith("a"):
             arch = arch[:-1]  # sm90a / sm100a: same family for declarations
         if arch and not _ARCH_RE.match(arch):
-            raise ValueError(f"cannot parse architecture {arch!r} in {text!r}; "
-                             "expected e.g. sm90, sm100, gfx942")
+            raise ValueError(f"cannot parse architecture {_clip(arch)}; expected e.g. sm90, "
+                             "sm100, gfx942")
         if vendor is Vendor.CUDA and arch and not arch.startswith("sm"):
-            raise ValueError(f"a cuda platform needs an sm arch, got {arch!r} in {text!r}; "
+            raise ValueError(f"a cuda platform needs an sm arch, got {arch!r} in {_clip(text)}; "
                              "expected e.g. cuda:sm90")
         return cls(vendor, arch)
 
@@ -184,9 +196,9 @@ class Platform:
         imported lazily.  Startup queries therefore never pay for torch on a
         CPU-only machine.
         """
-        override = os.environ.get("ATTNREG_PLATFORM")
-        if override:
-            return cls.parse(override)
+        override = env_value("ATTNREG_PLATFORM")  # EnvironmentValueError when it does not parse
+        if override is not None:
+            return override  # type: ignore[no-any-return]
         if "torch" not in sys.modules and not _has_gpu_device_nodes():
             return cls(Vendor.CPU)
         if "torch" not in sys.modules:
@@ -238,6 +250,12 @@ class Platform:
     def arch_missing(self) -> bool:
         """True when a plan needs an arch (cuda, rocm) and none was given."""
         return self.traits.arch_required and not self.arch
+
+    @property
+    def arch_known(self) -> bool:
+        """Whether attnreg knows the arch (:attr:`PlatformTraits.archs`), or the vendor
+        lists none (npu, xpu, cpu: any arch, or none, is fine)."""
+        return not self.traits.archs or not self.arch or self.arch in self.traits.archs
 
     def known_archs(self) -> tuple[str, ...]:
         """``vendor:arch`` for each arch attnreg knows for the vendor."""

@@ -477,7 +477,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
     report = session.finish()
     verbose = config.getoption("verbose") > 0
     terminalreporter.section("attnreg conformance claims")
-    for line in report.to_text(verbose=verbose).splitlines():
+    listing = bool(config.getoption("collectonly"))
+    for line in report.to_text(verbose=verbose, listing=listing).splitlines():
         terminalreporter.write_line(line)
     if config.getoption("collectonly"):
         for line in _other_platform_lines(session.listed_other):

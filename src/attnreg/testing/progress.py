@@ -8,6 +8,14 @@ use (``[  12.3s] 3 of 14: claim <id> (about 40 s left)``); this module only
 knows claims.  Claims skipped before they run (no CUDA graphs on cpu, declared
 for another platform) are not counted: N is what will run.
 
+The time left is estimated from the measured time of each claim that has
+run, per *class* of claim (backend, kind, graph mode, forward method: a
+captured claim takes several times an eager one): each claim still to run
+counts the mean of its class, or, for a class none of whose claims has run
+yet, the slowest class mean measured so far (the classes not yet seen are
+the later, larger ones: counting them at the mean of the fast early claims
+is what made the estimate low).
+
 The known-slow step is flashinfer's JIT compilation: a backend that requires
 flashinfer builds each kernel variant (paged MLA per q / kv dtype, ragged
 prefill per dtype and head dims) with nvcc the first time it is planned, unless
@@ -19,7 +27,8 @@ module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
@@ -30,7 +39,8 @@ from .plugin import SESSION_KEY, _claim_of
 if TYPE_CHECKING:
     from attnreg.registry import BackendRegistry
 
-__all__ = ["FLASHINFER_IMPORT", "ClaimProgress", "StepLines", "jit_variant"]
+__all__ = ["FLASHINFER_IMPORT", "ClaimProgress", "ClaimTimes", "StepLines", "claim_class",
+           "jit_variant"]
 
 #: The import name of the library whose kernels compile on first use (``Requirement``).
 FLASHINFER_IMPORT = "flashinfer"
@@ -43,7 +53,7 @@ class StepLines(Protocol):
 
     total: int
 
-    def step(self, what: str) -> str: ...
+    def step(self, what: str, *, left_s: float | None = None) -> str: ...
 
     def note(self, line: str) -> None: ...
 
@@ -69,6 +79,41 @@ def _jit_form(combo: Combo) -> str:
     return "paged MLA" if combo.method is ForwardMethod.MLA else "ragged prefill"
 
 
+def claim_class(claim: Claim) -> Hashable:
+    """What claims of similar cost share: backend, kind, graph mode and forward method."""
+    method = claim.combo.method if claim.combo is not None else None
+    return (claim.backend, claim.kind, claim.graph_mode, method)
+
+
+class ClaimTimes:
+    """Measured claim times, and the estimate of what the claims still to run will take.
+
+    Examples
+    --------
+    >>> times = ClaimTimes()
+    >>> times.add("eager", 1.0); times.add("eager", 3.0); times.add("capture", 10.0)
+    >>> times.estimate(["eager", "capture", "new"])  # 2 + 10 + 10 (slowest class so far)
+    22.0
+    >>> ClaimTimes().estimate(["eager"]) is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[Hashable, tuple[float, int]] = {}
+
+    def add(self, key: Hashable, seconds: float) -> None:
+        total, count = self._sums.get(key, (0.0, 0))
+        self._sums[key] = (total + max(0.0, seconds), count + 1)
+
+    def estimate(self, keys: Iterable[Hashable]) -> float | None:
+        """Seconds the claims of ``keys`` will take; None before any claim was measured."""
+        if not self._sums:
+            return None
+        means = {k: total / count for k, (total, count) in self._sums.items()}
+        slowest = max(means.values())
+        return sum(means.get(k, slowest) for k in keys)
+
+
 def _runs(claim: Claim) -> bool:
     """Whether ``claim`` runs kernels (refusals stop before; skipped ones never start)."""
     return not claim.skip_reason and claim.kind in (ClaimKind.EAGER, ClaimKind.CAPTURE) \
@@ -88,10 +133,15 @@ class ClaimProgress:
         its claims are collected).
     """
 
-    def __init__(self, lines: StepLines, registry: BackendRegistry | None = None) -> None:
+    def __init__(self, lines: StepLines, registry: BackendRegistry | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.lines = lines
         self._claim_ids: set[str] = set()  # every claim's node id
         self._running: set[str] = set()  # those that run (a line each)
+        self._order: list[tuple[str, Hashable]] = []  # (node id, class) of those, in order
+        self._times = ClaimTimes()
+        self._clock = clock
+        self._current: tuple[Hashable, float] | None = None  # class and start of the running one
         self._jit_backends: dict[str, bool] = {}
         self._built: set[str] = set()
         self._registry = registry
@@ -106,6 +156,7 @@ class ClaimProgress:
         running = [(nodeid, c) for nodeid, c in claims if c is not None and not c.skip_reason]
         self._claim_ids = {nodeid for nodeid, c in claims if c is not None}
         self._running = {nodeid for nodeid, _ in running}
+        self._order = [(nodeid, claim_class(c)) for nodeid, c in running if c is not None]
         self.lines.total = len(running)
         skipped = sum(1 for _, c in claims if c is not None and c.skip_reason)
         if running:
@@ -129,7 +180,21 @@ class ClaimProgress:
         notice = self.slow_step_notice(claim)
         if notice:
             self.lines.note(notice)
-        self.lines.step(f"claim {claim.id}")
+        self.lines.step(f"claim {claim.id}", left_s=self.left_s(item.nodeid))
+        self._current = (claim_class(claim), self._clock())
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
+        if self._current is not None and nodeid in self._running:
+            key, started = self._current
+            self._times.add(key, self._clock() - started)
+            self._current = None
+
+    def left_s(self, nodeid: str) -> float | None:
+        """Estimated seconds until the last claim ends, ``nodeid`` (starting now) included:
+        :class:`ClaimTimes` over the claims from ``nodeid`` on."""
+        keys = [key for _, key in self._order]
+        start = next((i for i, (n, _) in enumerate(self._order) if n == nodeid), len(keys))
+        return self._times.estimate(keys[start:])
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(self, report: pytest.TestReport,

@@ -24,7 +24,6 @@ torch.
 
 from __future__ import annotations
 
-import json
 import platform as _pyplatform
 import textwrap
 from collections.abc import Iterable
@@ -32,10 +31,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnreg.registry.errors import AttnregError
+from attnreg.registry.jsonfile import (
+    AnyValue,
+    Int,
+    List,
+    Map,
+    Nullable,
+    Num,
+    Obj,
+    Str,
+    problems_text,
+    read_json,
+    write_json,
+)
 from attnreg.registry.spec import installed_version
 from attnreg.registry.strenum import StrEnum
 
-__all__ = ["LIBRARIES", "SCHEMA_VERSION", "ClaimResult", "Report", "Status", "library_versions"]
+__all__ = ["LIBRARIES", "REPORT_SCHEMA_CHECK", "SCHEMA_VERSION", "ClaimResult", "Report",
+           "ReportError", "Status", "library_versions"]
 
 SCHEMA_VERSION = 1
 
@@ -53,6 +67,42 @@ class Status(StrEnum):
     VERIFIED = "verified"
     REFUTED = "refuted"
     SKIPPED = "skipped"
+
+
+class ReportError(AttnregError, ValueError):
+    """A conformance report that cannot be read or merged: names the file and the problem.
+
+    A ``ValueError`` too, as the errors of :meth:`Report.from_dict` and
+    :meth:`Report.merge` were before they had their own type.
+    """
+
+    DEFAULT_HINT = ("give a report written by `attnreg conformance -o FILE` of this attnreg "
+                    "version, or run the claims again")
+
+    def __init__(self, source: str, problem: str, *, hint: str = DEFAULT_HINT) -> None:
+        self.source = source
+        self.problem = problem
+        self.hint = hint
+        super().__init__(f"conformance report {source}: {problem}; {hint}")
+
+
+_NAME = Str(nonempty=True)
+
+#: What :meth:`Report.from_dict` and :meth:`Report.read_json` check (the keys they read);
+#: other keys are kept as they are.
+REPORT_SCHEMA_CHECK = Obj({
+    "schema_version": Int(minimum=SCHEMA_VERSION, maximum=SCHEMA_VERSION),
+    "header": Obj({"backends": List(_NAME), "device": Nullable(Str()),
+                   "platform": Nullable(Str()), "device_name": Nullable(Str()),
+                   "libraries": Map(Nullable(Str())), "unavailable": Map(Str())},
+                  optional=("backends", "device", "platform", "device_name", "libraries",
+                            "unavailable")),
+    "summary": AnyValue(),
+    "claims": List(Obj({"id": _NAME, "backend": _NAME,
+                        "status": Str(choices=tuple(s.value for s in Status)),
+                        "message": Str(), "duration_s": Num(minimum=0.0)},
+                       optional=("message", "duration_s"))),
+}, optional=("header", "summary", "claims"))
 
 
 
@@ -92,6 +142,8 @@ class Report:
 
     header: dict[str, Any] = field(default_factory=dict)
     results: list[ClaimResult] = field(default_factory=list)
+    #: Where it was read from (messages of :meth:`merge`); "" for a report built here.
+    source: str = field(default="", compare=False)
 
     def add(self, result: ClaimResult) -> None:
         """Add or replace (same claim id: a later phase of the same test wins if worse)."""
@@ -134,23 +186,40 @@ class Report:
                 "claims": [r.to_dict() for r in self.results]}
 
     def write_json(self, path: str | Path) -> Path:
-        p = Path(path)
-        if p.parent and not p.parent.exists():
-            p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        """Write the report atomically (a failed write leaves what was there)."""
+        return write_json(path, self.to_dict(), ReportError, what="the report")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Report:
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"conformance report schema_version {data.get('schema_version')!r}"
-                             f" is not {SCHEMA_VERSION}; re-run with this attnreg version")
+    def from_dict(cls, data: Any, *, source: str = "<dict>") -> Report:
+        """Validate ``data`` (:data:`REPORT_SCHEMA_CHECK`) and build the report.
+
+        Raises
+        ------
+        ReportError
+            Naming ``source`` and the first problems found.
+        """
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) \
+                and version != SCHEMA_VERSION and version.bit_length() < 64:
+            raise ReportError(source, f"schema_version {version} is not {SCHEMA_VERSION}",
+                              hint="re-run the claims with this attnreg version")
+        problem = problems_text(REPORT_SCHEMA_CHECK, data)
+        if problem:
+            raise ReportError(source, problem)
         return cls(dict(data.get("header", {})),
-                   [ClaimResult.from_dict(c) for c in data.get("claims", [])])
+                   [ClaimResult.from_dict(c) for c in data.get("claims", [])], source=source)
 
     @classmethod
     def read_json(cls, path: str | Path) -> Report:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The report in ``path`` (:func:`attnreg.registry.jsonfile.read_json`'s limits).
+
+        Raises
+        ------
+        ReportError
+            Naming the file and the problem: missing, a directory, not JSON,
+            too large or too deep, or not a report.
+        """
+        return cls.from_dict(read_json(path, ReportError), source=str(path))
 
     @classmethod
     def merge(cls, reports: Iterable[Report]) -> Report:
@@ -164,15 +233,16 @@ class Report:
 
         Raises
         ------
-        ValueError
-            When the reports come from different platforms, devices or library
+        ReportError
+            When no report is given, or the reports come from different platforms, devices or library
             versions (a library absent from one run and present in another is
             not a difference: the merged header lists its version): such a merge
             would describe a run that never happened.
         """
         reports = list(reports)
         if not reports:
-            raise ValueError("nothing to merge: no conformance reports given")
+            raise ReportError("(none)", "nothing to merge: no conformance reports given",
+                              hint="give one --merge FILE per report")
         first = reports[0].header
         merged = cls(dict(first))
         backends: list[str] = []
@@ -181,19 +251,19 @@ class Report:
         for i, rep in enumerate(reports):
             for key in ("platform", "device", "device_name"):
                 if rep.header.get(key) != first.get(key):
-                    raise ValueError(
-                        f"cannot merge conformance reports: report {i + 1} has {key} "
-                        f"{rep.header.get(key)!r}, report 1 has {first.get(key)!r}; merge only "
-                        "runs of one machine and one set of library versions")
+                    raise ReportError(
+                        rep.source or f"number {i + 1}",
+                        f"cannot merge it: it has {key} {rep.header.get(key)!r}, "
+                        f"{_which(reports[0], 1)} has {first.get(key)!r}", hint=_SAME_RUN)
             # A library one run lacks (None) and another has is the same set: a backend's
             # library installed for its own run (flash-attn-4, say); two versions are not.
             for name, version in (rep.header.get("libraries") or {}).items():
                 known = libraries.get(name)
                 if version and known and version != known:
-                    raise ValueError(
-                        f"cannot merge conformance reports: report {i + 1} has {name} "
-                        f"{version}, an earlier one {known}; merge only runs of one machine "
-                        "and one set of library versions")
+                    raise ReportError(
+                        rep.source or f"number {i + 1}",
+                        f"cannot merge it: it has {name} {version}, an earlier one {known}",
+                        hint=_SAME_RUN)
                 if version or name not in libraries:
                     libraries[name] = version or known
             for name in list(rep.header.get("backends", [])) + rep.backends():
@@ -221,10 +291,12 @@ class Report:
             lines.append(f"not available here: {name}: {reason}")
         return lines
 
-    def to_text(self, *, verbose: bool = False, width: int = 100) -> str:
+    def to_text(self, *, verbose: bool = False, width: int = 100, listing: bool = False) -> str:
         """The claims table: each refuted claim with its message, skips grouped by reason.
 
         Verified claims (and every skipped id) are listed only when ``verbose``.
+        ``listing``: the claims were only listed (``--list``), so the last line
+        says that nothing ran instead of a verdict.
         """
         lines = self.header_lines()
         for backend in self.backends():
@@ -251,11 +323,21 @@ class Report:
                 lines.append(f"  ({c['verified']} verified claims not listed; -v lists them)")
         total = self.counts()
         lines.append("")
+        if listing:
+            lines.append("listed only, nothing ran: drop --list to check these claims")
+            return "\n".join(lines)
         verdict = "REFUTED" if total["refuted"] else ("OK" if total["verified"]
                                                       else "NOTHING VERIFIED")
         lines.append(f"{verdict}: {total['verified']} verified, {total['refuted']} refuted, "
                      f"{total['skipped']} skipped")
         return "\n".join(lines)
+
+
+_SAME_RUN = "merge only runs of one machine and one set of library versions"
+
+
+def _which(report: Report, number: int) -> str:
+    return report.source or f"report {number}"
 
 
 def _wrapped(message: str, width: int) -> list[str]:
