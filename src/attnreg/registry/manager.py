@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from . import hookspecs
-from .capabilities import Capabilities, Phase
+from .capabilities import Capabilities, Phase, Requirement, requires_deprecation
+from .deprecation import recording, warn_deprecated_at
 from .errors import (
     BackendUnavailableError,
     DuplicateBackendError,
@@ -487,6 +488,13 @@ class _Loader:
             distribution=info.distribution if info else "",
             version=info.version if info else ""))
 
+    def note_deprecations(self, plugin: str, messages: Sequence[str]) -> None:
+        """Add deprecated forms ``plugin`` used to its :class:`PluginInfo` (once each)."""
+        info = self.reg.plugin(plugin)
+        if info is not None and messages:
+            self._set(replace(info, deprecations=tuple(dict.fromkeys(
+                info.deprecations + tuple(messages)))))
+
     # -- steps -----------------------------------------------------------------
     def load(self, c: _Candidate) -> None:
         if self.pm.is_blocked(c.name) or (c.distribution and
@@ -495,14 +503,17 @@ class _Loader:
         info = PluginInfo(c.name, c.module, c.distribution, c.version, c.builtin, loaded=False)
         failure: BaseException | None = None
         tb = ""
+        deprecated: list[str] = []
         with measure(self.reg.limits.heavy_modules) as m:
             try:
-                plugin = self._get(c.source)
+                with recording(deprecated):
+                    plugin = self._get(c.source)
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # SystemExit too: a plugin must not stop attnreg
                 failure, tb = exc, traceback.format_exc()
-        info = replace(info, import_seconds=m.seconds, heavy_imports=m.heavy)
+        info = replace(info, import_seconds=m.seconds, heavy_imports=m.heavy,
+                       deprecations=tuple(deprecated))
         self._set(info)
         if failure is not None:
             self.error(c.name, f"importing {c.module} {describe_exception(failure)}",
@@ -575,6 +586,8 @@ class _Loader:
                                   heavy_imports=tuple(dict.fromkeys(info.heavy_imports
                                                                     + seen.heavy)),
                                   call_order=order.index(name)))
+        for name, messages in self.session.deprecations.items():
+            self.note_deprecations(name, messages)
 
     def apply_registrations(self) -> None:
         """Validate, stamp and store every registered spec, in loading order."""
@@ -602,12 +615,27 @@ class _Loader:
                 spec.name, first.plugin, plugin, first_origin=_origin(first),
                 distribution=stamped.distribution, version=stamped.distribution_version))
             return
-        for plat in VALIDATION_PLATFORMS:
-            try:
-                _evaluate(stamped, Platform.parse(plat), None)
-            except PluginError as exc:
-                self.reg.errors.append(exc)
-                return
+        deprecated: list[str] = []
+        legacy: list[Requirement] = []
+        with recording(deprecated):
+            for plat in VALIDATION_PLATFORMS:
+                try:
+                    caps = _evaluate(stamped, Platform.parse(plat), None)
+                except PluginError as exc:
+                    self.reg.errors.append(exc)
+                    self.note_deprecations(plugin, deprecated)
+                    return
+                legacy.extend(caps.requires)
+        if legacy:
+            # attnreg 0.1.0 read requirements from Capabilities(requires=...): merge them
+            # into the spec's, the one place they are read now (deprecated in 0.2.0).
+            stamped = replace(stamped, requires=tuple(dict.fromkeys(stamped.requires
+                                                                    + tuple(legacy))))
+            with recording(deprecated):
+                warn_deprecated_at(requires_deprecation(spec.name), spec.capabilities)
+        deprecated.extend(text for req in stamped.requires
+                          if (text := getattr(req, "_deprecation", None)))
+        self.note_deprecations(plugin, deprecated)
         self.reg.specs[spec.name] = stamped
 
     def validate_fallbacks(self) -> None:
