@@ -51,30 +51,23 @@ from .selection import BackendChoice
 from .sync import PACKED_WIDTH, Agreed, BatchFacts, SyncError, pack, sync, unpack
 from .vote import vote
 
+# The stable surface (docs/api.md): changed only through a deprecation.  The other
+# names imported above stay importable from here for compatibility, but are not
+# promised: import them from their module if you must.
 __all__ = [
-    "DEFAULT_CAPTURE_BUDGET_FRACTION",
-    "DEFAULT_MAX_SEQ_LEN",
-    "FEATURE_RULES",
-    "GATE_RULES",
     "MODEL_PRESETS",
-    "PACKED_WIDTH",
     "RULES",
     "Agreed",
     "AttentionKind",
-    "BackendChoice",
     "BatchFacts",
-    "BreakHandler",
     "CaptureBudget",
-    "CapturedShapes",
     "CostProfile",
     "CostProfileError",
     "Decision",
     "EngineFacts",
     "FallbackInEffect",
-    "FeatureRule",
     "GraphConfig",
     "GraphPlan",
-    "HiddenCapture",
     "ModelFacts",
     "PhasePlan",
     "ReplayBatch",
@@ -86,19 +79,14 @@ __all__ = [
     "Source",
     "SpecModePlan",
     "SyncError",
-    "break_handler",
     "capturing",
     "current_capture",
-    "default_mode",
     "dispose_tensor",
     "eager_break",
-    "in_eager_break",
     "is_capturing",
     "load_profile",
-    "pack",
     "preset",
     "resolve",
     "sync",
-    "unpack",
     "vote",
 ]

@@ -59,7 +59,7 @@ from .loading import (
 )
 from .platform import Platform
 from .resolution import RuntimeCheck, check_runtime
-from .spec import BackendSpec, DeclarationContext, installed_version
+from .spec import BackendSpec, DeclarationContext
 from .validation import validate_capabilities, validate_fallback_targets, validate_spec
 
 if TYPE_CHECKING:  # annotations only: the registry imports no torch at run time
@@ -375,7 +375,11 @@ def _make_pm() -> pluggy.PluginManager:
 
 
 def _own_version() -> str:
-    return installed_version("attnreg") or "0+unknown"
+    """attnreg.__version__, the one place the version is written (the installed
+    metadata can lag behind a source tree on PYTHONPATH)."""
+    import attnreg  # at call time: attnreg's __init__ imports this package first
+
+    return attnreg.__version__
 
 
 def _entry_points() -> Iterable[importlib.metadata.EntryPoint]:

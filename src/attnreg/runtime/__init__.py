@@ -52,22 +52,19 @@ from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
 from .pool import PADDING_PAGE, MLAKVLayer, MLAKVPool
 
+# The stable surface (docs/api.md): changed only through a deprecation.  The other
+# names imported above stay importable from here for compatibility, but are not
+# promised: import them from their module if you must.
 __all__ = [
-    "ATTENTION_CAPTURE_MODES",
-    "CAPTURE_ERROR_MODES",
-    "DEFAULT_CAPTURE_MODE",
-    "FP8_E4M3_MAX",
     "PADDING_PAGE",
     "SPECULATIVE_MODES",
     "AttentionBackend",
     "CaptureStats",
     "CapturedGraph",
-    "CudaGraphRecorder",
     "EagerStep",
     "ForwardBatch",
     "ForwardMetadata",
     "GraphCaptureError",
-    "GraphRecorder",
     "GraphRunner",
     "GraphState",
     "KernelErrors",
@@ -75,18 +72,12 @@ __all__ = [
     "MLAKVLayer",
     "MLAKVPool",
     "PrefixChunk",
-    "PrefixDecompress",
     "UnreplayableBreakError",
     "decode_batch",
-    "device_num_sms",
-    "device_sm",
     "draft_extend_batch",
     "dtype_from_torch",
     "extend_batch",
     "merge_attention_states",
-    "phase_of",
-    "resolve_device",
-    "tensor_bytes",
     "torch_dtype",
     "verify_batch",
 ]
