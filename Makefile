@@ -15,7 +15,7 @@ ATTNREG := $(VENV)/bin/attnreg
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip "setuptools>=77"
 
 # Stamps re-run an install only when pyproject.toml changes.
 $(VENV)/.demo-installed: pyproject.toml | $(PY)
@@ -23,13 +23,15 @@ $(VENV)/.demo-installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e ".[torch]"
 	touch $@
 
+# setuptools>=77 in the venv: the example and plugin packages declare an SPDX license
+# (PEP 639), and the docs tests build the example with --no-build-isolation.
 # The FlashMLA plugin without its kernel library (--no-deps): sgl-flash-mla needs
 # CUDA and does not install here; the plugin's CPU tests run without it.
 FLASHMLA_PLUGIN := plugins/attnreg-flashmla
 
 $(VENV)/.test-installed: pyproject.toml $(FLASHMLA_PLUGIN)/pyproject.toml | $(PY)
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,bench]" ruff
+	$(PIP) install -q -e ".[test,bench]" ruff "setuptools>=77"
 	$(PIP) install -q --no-deps -e $(FLASHMLA_PLUGIN)
 	touch $@ $(VENV)/.demo-installed
 
@@ -40,10 +42,20 @@ install-test: $(VENV)/.test-installed
 demo: $(VENV)/.demo-installed
 	$(PY) -m attnreg demo
 
+# Three phases, each ending in pytest's one summary line (`-r fE`: failures and errors
+# are listed, skips only counted; `pytest -ra` lists every skip reason).  The main suite
+# runs on TEST_WORKERS pytest-xdist workers (docs/benchmarks.md#the-test-suite);
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -r fE
+
 test: $(VENV)/.test-installed
-	$(PY) -m pytest -q
-	$(PY) -m pytest -q $(FLASHMLA_PLUGIN)/tests
-	$(MAKE) test-sglang
+	@echo "== attnreg test 1/3: main suite (tests/, $(TEST_WORKERS) workers) =="
+	@$(PYTEST) -n $(TEST_WORKERS)
+	@echo "== attnreg test 2/3: FlashMLA plugin suite ($(FLASHMLA_PLUGIN)/tests) =="
+	@$(PYTEST) $(FLASHMLA_PLUGIN)/tests
+	@echo "== attnreg test 3/3: sglang bridge suite (tests/integrations/sglang, $(SGLANG_VENV)) =="
+	@$(MAKE) --no-print-directory test-sglang
 
 # sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
 # sglang 0.5.23 and a pinned CPU set, installed without the resolver.
@@ -60,7 +72,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_LOCK)
 	touch $@
 
 test-sglang: $(SGLANG_VENV)/.installed
-	$(SGLANG_PY) -m pytest -q tests/integrations/sglang
+	@$(SGLANG_PY) -m pytest -q -r fE tests/integrations/sglang
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check src tests $(FLASHMLA_PLUGIN)

@@ -79,9 +79,29 @@ def run_python_blocks(page: Path, text: str | None = None) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("page", _python_pages(), ids=_name)
-def test_python_examples_run_and_print_what_the_page_shows(page, tmp_path, monkeypatch):
+#: Pages run only with autoload off: runtime.md names every backend it creates or plans
+#: (triton, reference), so installed plugins cannot change what it prints, and its
+#: examples are the slowest of the docs (minutes of Triton interpreter).
+_AUTOLOAD_OFF_ONLY = frozenset({"runtime.md"})
+
+
+def _python_cases() -> list[object]:
+    return [pytest.param(page, autoload, id=f"{_name(page)}-{autoload}")
+            for page in _python_pages() for autoload in ("autoload_off", "autoload_on")
+            if autoload == "autoload_off" or page.name not in _AUTOLOAD_OFF_ONLY]
+
+
+@pytest.mark.parametrize("page,autoload", _python_cases())
+def test_python_examples_run_and_print_what_the_page_shows(page, autoload, tmp_path,
+                                                          monkeypatch):
+    """Also with plugin autoload on (tests/conftest.py turns it off): a reader's
+    environment has whatever `make test` installed (the FlashMLA plugin), and an example
+    whose output depends on installed plugins must say so and pin its registry."""
     monkeypatch.chdir(tmp_path)  # an example that writes a file writes it here
+    if autoload == "autoload_on":
+        monkeypatch.delenv("ATTNREG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+        monkeypatch.delenv("ATTNREG_PLUGINS", raising=False)
+        monkeypatch.delenv("ATTNREG_DISABLE", raising=False)
     failures = run_python_blocks(page)
     assert failures == [], "".join(failures)
 

@@ -72,9 +72,6 @@ def test_a_plugin_that_fails_to_import_is_still_listed_with_its_distribution(fak
      "on npu: kernel torch.float32: page size 3 is not a positive power of two"),
     ("fallback_pins_mha", "invalid declaration",
      "on cpu: prefill/breakable pins mha but no mha kernel serves prefill"),
-    ("legacy_requires", "invalid declaration",
-     "on cpu: Capabilities.requires is no longer read: declare requirements once, in "
-     "BackendSpec(requires=...), and drop requires= from the capability function"),
     ("fallback_ghost", "invalid declaration",
      "on cpu: prefill/breakable falls back to 'flashinfer_mlaa', which no loaded plugin "
      "registers; name a registered backend, or install the plugin that provides it"),
@@ -128,5 +125,19 @@ def test_a_fallback_to_a_disabled_backend_is_not_the_plugins_fault(fake_site):
 def test_each_refused_backend_carries_its_own_error(fake_site):
     reg = _load("quirks")
     refused = {e.backend for e in reg.errors if e.plugin == "quirks"}
-    assert refused == {"rocm_arch_bug", "npu_page_bug", "fallback_pins_mha", "legacy_requires",
+    assert refused == {"rocm_arch_bug", "npu_page_bug", "fallback_pins_mha",
                        "fallback_ghost", "fallback_chain"}
+
+
+def test_capabilities_requires_is_deprecated_not_refused(fake_site):
+    # attnreg 0.1.0's Capabilities(requires=...): it loads, merged into the spec, and
+    # the plugin is listed (doctor) as using a deprecated form.
+    with pytest.warns(DeprecationWarning, match=r"Capabilities\(requires=\.\.\.\) of backend "
+                      "'legacy_requires' is deprecated since attnreg 0.2.0"):
+        reg = _load("quirks")
+    assert "legacy_requires" in reg.names()
+    assert [r.distribution for r in reg.get("legacy_requires").requires] == ["torch"]
+    info = reg.plugin("quirks")
+    assert info is not None and len(info.deprecations) == 1
+    assert info.deprecations[0].startswith("Capabilities(requires=...) of backend "
+                                           "'legacy_requires'")

@@ -23,9 +23,22 @@ def test_install_hint_names_the_distribution_unless_it_is_an_attnreg_extra(req, 
     assert req.install_hint() == hint
 
 
-def test_the_old_positional_signature_is_refused_with_the_new_one():
+@pytest.mark.parametrize("args,meant", [
+    (("torch", "torch", "torch", "2.4"), ("2.4", "torch")),
+    (("acme", "acme", "flashinfer"), (None, "flashinfer")),
+])
+def test_the_old_positional_extra_warns_and_means_what_it_meant(args, meant):
+    # attnreg 0.1.0: Requirement(import_name, distribution, extra, min_version=None)
+    with pytest.warns(DeprecationWarning, match="uses attnreg 0.1.0's positional extra") as w:
+        req = Requirement(*args)
+    assert (req.min_version, req.extra) == meant
+    assert req == Requirement(args[0], args[1], meant[0], extra=meant[1])
+    assert w[0].filename == __file__  # points at the plugin's line, not at attnreg
+
+
+def test_a_name_in_both_version_places_is_refused_with_the_signature():
     with pytest.raises(ValueError) as exc:
-        Requirement("torch", "torch", "torch", "2.4")  # (import, dist, extra, min) before
+        Requirement("torch", "torch", "torch", "latest")
     assert str(exc.value) == (
         "Requirement('torch', 'torch', ...): min_version 'torch' is not a version such as "
         "'1.2'; the signature is Requirement(import_name, distribution, min_version=None, "

@@ -2,7 +2,8 @@
 
 Every plugin attnreg tried to load is listed, also one that failed to
 import, with its distribution and version, what its import and hook call
-cost, and the heavy libraries it pulled in.  Every backend is listed with
+cost, and the heavy libraries it pulled in; a plugin that used a deprecated
+attnreg form is listed with the form and its replacement.  Every backend is listed with
 its plugin, distribution and whether its runtime dotted path resolves
 (checked without importing it).  Each plugin error comes with the line that
 silences the plugin.
@@ -143,6 +144,7 @@ def render(data: dict[str, Any], *, traceback: bool = False, width: int | None =
         lines += ["", f"warnings and notes: {len(data['warnings'])}"]
         for w in data["warnings"]:
             lines += wrap(f"  - {w['message']}", width, "    ")
+    lines += _deprecations(data["plugins"], width)
     lines += ["", f"plugin errors: {len(data['errors'])}"]
     for err in data["errors"]:
         who = f"{err['plugin']} ({_dist(err) if err['distribution'] else 'no distribution found'})"
@@ -154,6 +156,19 @@ def render(data: dict[str, Any], *, traceback: bool = False, width: int | None =
             # as Python wrote it: wrapping a traceback would garble it
             lines.append("    " + err["traceback"].rstrip().replace("\n", "\n    "))
     return "\n".join(lines)
+
+
+def _deprecations(plugins: list[dict[str, Any]], width: int | None) -> list[str]:
+    """Plugins that load only through a deprecated form, with the form's replacement."""
+    users = [p for p in plugins if p["deprecations"]]
+    if not users:
+        return []
+    lines = ["", *wrap(f"plugins using deprecated forms: {len(users)} (they load today; "
+                       "see docs/api.md#deprecations)", width, "  ")]
+    for p in users:
+        for message in p["deprecations"]:
+            lines += wrap(f"  - {p['name']} ({_dist(p)}): {message}", width, "    ")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from .deprecation import warn_deprecated
 from .platform import Platform, Vendor
 from .strenum import StrEnum
 
@@ -530,14 +531,33 @@ class Requirement:
     install: str | None = None
 
     def __post_init__(self) -> None:
-        # Before attnreg 0.2 the third positional argument was the extra; a
-        # name there now would silently become a "version".  Say so instead.
-        if self.min_version is not None and not _VERSION_RE.match(self.min_version):
+        if self.min_version is None or _VERSION_RE.match(self.min_version):
+            return
+        # attnreg 0.1.0's signature was Requirement(import_name, distribution, extra,
+        # min_version=None): a name in the third place is that extra, and the fourth
+        # (now ``extra``) the version.  Deprecated in 0.2.0, removed in 0.3.0.
+        old_extra, old_version = self.min_version, self.extra
+        if old_version is not None and not _VERSION_RE.match(old_version):
             raise ValueError(
                 f"Requirement({self.import_name!r}, {self.distribution!r}, ...): min_version "
                 f"{self.min_version!r} is not a version such as '1.2'; the signature is "
                 "Requirement(import_name, distribution, min_version=None, extra=None, "
                 "install=None) (attnreg extras go in extra=)")
+        object.__setattr__(self, "extra", old_extra)
+        object.__setattr__(self, "min_version", old_version)
+        new_form = ", ".join([repr(self.import_name), repr(self.distribution)]
+                             + ([repr(old_version)] if old_version else [])
+                             + [f"extra={old_extra!r}"])
+        message = (
+            f"Requirement({self.import_name!r}, {self.distribution!r}, {old_extra!r}"
+            + (f", {old_version!r}" if old_version else "") + ") uses attnreg 0.1.0's "
+            "positional extra, deprecated since 0.2.0 and removed in 0.3.0: write "
+            f"Requirement({new_form}) (the signature is Requirement(import_name, "
+            "distribution, min_version=None, extra=None, install=None))")
+        # Kept on the instance (not a field: equality is unchanged) so the registry can
+        # attribute it to its plugin on every load, not only the one that imported it.
+        object.__setattr__(self, "_deprecation", message)
+        warn_deprecated(message, stacklevel=3)
 
     def install_hint(self) -> str:
         """What to run to install it: the custom hint, the attnreg extra, or pip."""
@@ -558,6 +578,14 @@ class Requirement:
                 "install": self.install, "install_hint": self.install_hint()}
 
 
+def requires_deprecation(backend: str) -> str:
+    """The deprecation message of ``Capabilities(requires=...)`` for ``backend``."""
+    return (f"Capabilities(requires=...) of backend {backend!r} is deprecated since attnreg "
+            "0.2.0 and removed in 0.3.0: declare requirements once, in "
+            "BackendSpec(requires=...), and drop requires= from the capability function "
+            "(until then attnreg merges them into the BackendSpec)")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """A backend's whole declaration on one platform.
@@ -568,9 +596,13 @@ class Capabilities:
     backend has elsewhere but not here, so reports can say why.
     ``platform_reason`` is non-empty when nothing of the backend runs here.
 
-    ``requires`` is deprecated and must stay empty: requirements are declared
-    once, in ``BackendSpec(requires=...)`` (a non-empty value is refused at
-    registration as an invalid declaration saying so).
+    ``requires`` is deprecated since 0.2.0 (removed in 0.3.0): requirements
+    are declared once, in ``BackendSpec(requires=...)``.  When a registered
+    declaration has a non-empty value, the registry merges it into the
+    backend's ``BackendSpec.requires`` and emits an
+    :class:`~attnreg.registry.deprecation.AttnregDeprecationWarning` pointing
+    at the capability function (at registration, not here: attnreg itself
+    copies declarations with ``dataclasses.replace``).
     ``eager_forward_modes`` lists the forward modes the backend serves
     eagerly, with the largest query tokens per sequence; empty means the
     plain ones (DECODE, one token; EXTEND, ragged).

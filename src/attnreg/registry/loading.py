@@ -29,6 +29,7 @@ from typing import Any
 
 import pluggy
 
+from .deprecation import recording
 from .errors import origin_label
 
 __all__ = [
@@ -88,6 +89,9 @@ class PluginInfo:
     libraries (see :class:`StartupLimits`) that were first imported during
     either.  ``call_order`` is the position of its ``attnreg_register_backends``
     in pluggy's call (0 = called first), None when it was not called.
+    ``deprecations`` holds the message of every deprecated attnreg form it
+    used while it was imported, called and its declarations evaluated
+    (:mod:`attnreg.registry.deprecation`); ``attnreg doctor`` lists them.
     """
 
     name: str
@@ -101,6 +105,7 @@ class PluginInfo:
     hook_seconds: float = 0.0
     heavy_imports: tuple[str, ...] = ()
     call_order: int | None = None
+    deprecations: tuple[str, ...] = ()
 
     @property
     def origin(self) -> str:
@@ -116,7 +121,8 @@ class PluginInfo:
                 "version": self.version, "builtin": self.builtin, "loaded": self.loaded,
                 "hooks": list(self.hooks), "import_seconds": round(self.import_seconds, 6),
                 "hook_seconds": round(self.hook_seconds, 6),
-                "heavy_imports": list(self.heavy_imports), "call_order": self.call_order}
+                "heavy_imports": list(self.heavy_imports), "call_order": self.call_order,
+                "deprecations": list(self.deprecations)}
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -168,6 +174,7 @@ class HookSession:
         self.call_order: list[str] = []
         self.figures: dict[str, Measured] = {}
         self.failures: dict[str, tuple[str, str]] = {}  # name -> (cause, traceback)
+        self.deprecations: dict[str, list[str]] = {}  # name -> deprecated forms it used
 
     def register(self, spec: Any) -> None:
         """The ``register`` callback handed to every plugin."""
@@ -181,7 +188,8 @@ class HookSession:
             self.call_order.append(plugin_name)
             outer, self.current = self.current, plugin_name
             try:
-                with measure(self.limits.heavy_modules) as m:
+                with measure(self.limits.heavy_modules) as m, \
+                        recording(self.deprecations.setdefault(plugin_name, [])):
                     return function(*args, **kwargs)
             except KeyboardInterrupt:
                 raise

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from . import hookspecs
-from .capabilities import Capabilities, Phase
+from .capabilities import Capabilities, Phase, Requirement, requires_deprecation
+from .deprecation import recording, warn_deprecated_at
 from .environment import env_value
 from .errors import (
     BackendUnavailableError,
@@ -59,7 +60,7 @@ from .loading import (
 )
 from .platform import Platform
 from .resolution import RuntimeCheck, check_runtime
-from .spec import BackendSpec, DeclarationContext, installed_version
+from .spec import BackendSpec, DeclarationContext
 from .validation import validate_capabilities, validate_fallback_targets, validate_spec
 
 if TYPE_CHECKING:  # annotations only: the registry imports no torch at run time
@@ -376,7 +377,11 @@ def _make_pm() -> pluggy.PluginManager:
 
 
 def _own_version() -> str:
-    return installed_version("attnreg") or "0+unknown"
+    """attnreg.__version__, the one place the version is written (the installed
+    metadata can lag behind a source tree on PYTHONPATH)."""
+    import attnreg  # at call time: attnreg's __init__ imports this package first
+
+    return attnreg.__version__
 
 
 def _entry_points() -> Iterable[importlib.metadata.EntryPoint]:
@@ -489,6 +494,13 @@ class _Loader:
             distribution=info.distribution if info else "",
             version=info.version if info else ""))
 
+    def note_deprecations(self, plugin: str, messages: Sequence[str]) -> None:
+        """Add deprecated forms ``plugin`` used to its :class:`PluginInfo` (once each)."""
+        info = self.reg.plugin(plugin)
+        if info is not None and messages:
+            self._set(replace(info, deprecations=tuple(dict.fromkeys(
+                info.deprecations + tuple(messages)))))
+
     # -- steps -----------------------------------------------------------------
     def load(self, c: _Candidate) -> None:
         if self.pm.is_blocked(c.name) or (c.distribution and
@@ -497,14 +509,17 @@ class _Loader:
         info = PluginInfo(c.name, c.module, c.distribution, c.version, c.builtin, loaded=False)
         failure: BaseException | None = None
         tb = ""
+        deprecated: list[str] = []
         with measure(self.reg.limits.heavy_modules) as m:
             try:
-                plugin = self._get(c.source)
+                with recording(deprecated):
+                    plugin = self._get(c.source)
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # SystemExit too: a plugin must not stop attnreg
                 failure, tb = exc, traceback.format_exc()
-        info = replace(info, import_seconds=m.seconds, heavy_imports=m.heavy)
+        info = replace(info, import_seconds=m.seconds, heavy_imports=m.heavy,
+                       deprecations=tuple(deprecated))
         self._set(info)
         if failure is not None:
             self.error(c.name, f"importing {c.module} {describe_exception(failure)}",
@@ -577,6 +592,8 @@ class _Loader:
                                   heavy_imports=tuple(dict.fromkeys(info.heavy_imports
                                                                     + seen.heavy)),
                                   call_order=order.index(name)))
+        for name, messages in self.session.deprecations.items():
+            self.note_deprecations(name, messages)
 
     def apply_registrations(self) -> None:
         """Validate, stamp and store every registered spec, in loading order."""
@@ -604,12 +621,27 @@ class _Loader:
                 spec.name, first.plugin, plugin, first_origin=_origin(first),
                 distribution=stamped.distribution, version=stamped.distribution_version))
             return
-        for plat in VALIDATION_PLATFORMS:
-            try:
-                _evaluate(stamped, Platform.parse(plat), None)
-            except PluginError as exc:
-                self.reg.errors.append(exc)
-                return
+        deprecated: list[str] = []
+        legacy: list[Requirement] = []
+        with recording(deprecated):
+            for plat in VALIDATION_PLATFORMS:
+                try:
+                    caps = _evaluate(stamped, Platform.parse(plat), None)
+                except PluginError as exc:
+                    self.reg.errors.append(exc)
+                    self.note_deprecations(plugin, deprecated)
+                    return
+                legacy.extend(caps.requires)
+        if legacy:
+            # attnreg 0.1.0 read requirements from Capabilities(requires=...): merge them
+            # into the spec's, the one place they are read now (deprecated in 0.2.0).
+            stamped = replace(stamped, requires=tuple(dict.fromkeys(stamped.requires
+                                                                    + tuple(legacy))))
+            with recording(deprecated):
+                warn_deprecated_at(requires_deprecation(spec.name), spec.capabilities)
+        deprecated.extend(text for req in stamped.requires
+                          if (text := getattr(req, "_deprecation", None)))
+        self.note_deprecations(plugin, deprecated)
         self.reg.specs[spec.name] = stamped
 
     def validate_fallbacks(self) -> None:

@@ -120,10 +120,8 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
     if not isinstance(caps, Capabilities):
         return [f"capability function must return Capabilities, got {type(caps).__name__}"]
     reasons: list[str] = []
-    if caps.requires:
-        reasons.append("Capabilities.requires is no longer read: declare requirements once, in "
-                       "BackendSpec(requires=...), and drop requires= from the capability "
-                       "function")
+    # caps.requires (deprecated in 0.2.0) is valid: it warns and the registry merges
+    # it into BackendSpec.requires.
     if expected_name is not None and caps.backend != expected_name:
         reasons.append(f"declaration names backend {caps.backend!r}, spec says {expected_name!r}")
     if not caps.kernels and not caps.platform_reason:

@@ -67,11 +67,10 @@ from .session_types import (
     replay_batch,
 )
 
+# The stable surface (docs/api.md): changed only through a deprecation.  The other
+# names imported above stay importable from here for compatibility, but are not
+# promised: import them from their module if you must.
 __all__ = [
-    "ATTENTION_CAPTURE_MODES",
-    "CAPTURE_ERROR_MODES",
-    "DEFAULT_CAPTURE_MODE",
-    "FP8_E4M3_MAX",
     "PADDING_PAGE",
     "SPECULATIVE_MODES",
     "SYNC_EAGER",
@@ -80,12 +79,10 @@ __all__ = [
     "BucketKey",
     "CaptureStats",
     "CapturedGraph",
-    "CudaGraphRecorder",
     "EagerStep",
     "ForwardBatch",
     "ForwardMetadata",
     "GraphCaptureError",
-    "GraphRecorder",
     "GraphRunner",
     "GraphSession",
     "GraphState",
@@ -94,25 +91,17 @@ __all__ = [
     "MLAKVLayer",
     "MLAKVPool",
     "PrefixChunk",
-    "PrefixDecompress",
     "SessionCounts",
     "SessionError",
-    "SessionStep",
-    "StaticBuffers",
     "StepInputs",
     "StepResult",
     "UnreplayableBreakError",
     "decode_batch",
-    "device_num_sms",
-    "device_sm",
     "draft_extend_batch",
     "dtype_from_torch",
     "extend_batch",
     "merge_attention_states",
-    "phase_of",
     "replay_batch",
-    "resolve_device",
-    "tensor_bytes",
     "torch_dtype",
     "verify_batch",
 ]
