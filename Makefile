@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ATTNREG := $(VENV)/bin/attnreg
 
-.PHONY: demo test test-sglang venv install-demo install-test lint clean
+.PHONY: demo test test-sglang test-vllm venv install-demo install-test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,7 @@ test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q $(FLASHMLA_PLUGIN)/tests
 	$(MAKE) test-sglang
+	$(MAKE) test-vllm
 
 # sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
 # sglang 0.5.23 and a pinned CPU set, installed without the resolver.
@@ -61,6 +62,24 @@ $(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_LOCK)
 
 test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_PY) -m pytest -q tests/integrations/sglang
+
+# vLLM bridge tests in their own venv (docs/integrations/vllm.md): vLLM 0.33.0
+# and a pinned CPU set, installed without the resolver; the FlashMLA plugin
+# too, so vLLM's FLASHMLA maps to its declaration.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_LOCK := tests/integrations/vllm/requirements-cpu.txt
+
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK) $(FLASHMLA_PLUGIN)/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_LOCK)
+	$(VLLM_PY) -m pip install -q --no-deps -e . -e $(FLASHMLA_PLUGIN)
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q tests/integrations/vllm
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check src tests $(FLASHMLA_PLUGIN)
