@@ -159,6 +159,11 @@ def test_the_lock_record_travels_with_the_config() -> None:
     hooks.record_lock(default)
     assert hooks._locked(pickle.loads(pickle.dumps(explicit)))
     assert not hooks._locked(pickle.loads(pickle.dumps(default)))
+    # vLLM wraps a filled-in config in a new VllmConfig (dataclasses.replace): the
+    # default it filled in stays vLLM's, not the user's.
+    default.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    hooks.record_lock(default)
+    assert not hooks._locked(default)
 
 
 def test_install_wraps_and_uninstall_restores() -> None:

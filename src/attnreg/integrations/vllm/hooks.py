@@ -47,7 +47,14 @@ _ORIGINAL_SUPPORT = AttentionMetadataBuilder.__dict__["get_cudagraph_support"]
 
 def record_lock(compilation_config: Any) -> None:
     """Record on ``compilation_config`` whether the user set ``cudagraph_mode``
-    (call before vLLM applies its defaults)."""
+    (call before vLLM applies its defaults).
+
+    The first record stands: vLLM builds further ``VllmConfig`` objects around
+    a config whose defaults are already filled in (``dataclasses.replace``),
+    and those must not turn vLLM's default into the user's choice.
+    """
+    if hasattr(compilation_config, _USER_ATTR):
+        return
     mode = compilation_config.cudagraph_mode
     setattr(compilation_config, _USER_ATTR, mode.name if mode is not None else "")
 
