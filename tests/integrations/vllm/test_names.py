@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -12,7 +13,13 @@ import pytest
 from attnreg.graph_policy import EngineFacts, GraphConfig, ModelFacts, ServerFeatures, resolve
 from attnreg.integrations.vllm import names, plugin, vocabulary
 from attnreg.registry import get_registry
-from attnreg.registry.capabilities import DType, GraphMode
+from attnreg.registry.capabilities import (
+    DType,
+    ForwardMode,
+    ForwardModeSupport,
+    GraphMode,
+    Phase,
+)
 
 
 def test_mapped_backends_are_declared() -> None:
@@ -50,6 +57,17 @@ def test_modes_round_trip() -> None:
 def test_support_from_declarations(backend: str, draft: int, want: str) -> None:
     decl = get_registry().declaration(backend, "cuda:sm100")
     assert vocabulary.cg_support(decl, draft) == want
+
+
+def test_full_graphs_of_any_query_length_are_always() -> None:
+    # No built-in declares it: a declaration whose decode full graphs serve ragged
+    # extend batches (mixed prefill and decode) is vLLM's ALWAYS.
+    decl = get_registry().declaration("triton", "cuda:sm90")
+    mixed = ForwardModeSupport(ForwardMode.EXTEND, None, False)
+    modes = tuple(dataclasses.replace(g, forward_modes=(*g.forward_modes, mixed))
+                  if (g.phase, g.mode) == (Phase.DECODE, GraphMode.FULL) else g
+                  for g in decl.graph_modes)
+    assert vocabulary.cg_support(dataclasses.replace(decl, graph_modes=modes), 3) == "ALWAYS"
 
 
 def test_decode_disabled_by_the_plan_is_not_captured() -> None:
