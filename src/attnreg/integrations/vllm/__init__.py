@@ -15,6 +15,7 @@ without vLLM):
   ``CUDAGraphMode`` / ``AttentionCGSupport``;
 * :mod:`.facts`: a ``VllmConfig`` (and the KV-cache spec) -> :class:`~.facts.VllmFacts`;
 * :mod:`.adapter`: the one call into :func:`attnreg.graph_policy.resolve`;
+* :mod:`.decision`: one engine's outcome in vLLM's words, logged on ``vllm.attnreg``;
 * :mod:`.hooks`: the two vLLM functions the bridge wraps;
 * :mod:`.plugin`: the entry point, the switch and the release check.
 """
