@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ATTNREG := $(VENV)/bin/attnreg
 
-.PHONY: demo test test-sglang venv install-demo install-test lint clean
+.PHONY: demo test test-sglang test-vllm venv install-demo install-test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,7 @@ install-test: $(VENV)/.test-installed
 demo: $(VENV)/.demo-installed
 	$(PY) -m attnreg demo
 
-# Three phases, each ending in pytest's one summary line (`-r fE`: failures and errors
+# Four phases, each ending in pytest's one summary line (`-r fE`: failures and errors
 # are listed, skips only counted; `pytest -ra` lists every skip reason).  The main suite
 # runs on TEST_WORKERS pytest-xdist workers (docs/benchmarks.md#the-test-suite);
 # TEST_WORKERS=0 runs it in one process.
@@ -50,12 +50,14 @@ TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -r fE
 
 test: $(VENV)/.test-installed
-	@echo "== attnreg test 1/3: main suite (tests/, $(TEST_WORKERS) workers) =="
+	@echo "== attnreg test 1/4: main suite (tests/, $(TEST_WORKERS) workers) =="
 	@$(PYTEST) -n $(TEST_WORKERS)
-	@echo "== attnreg test 2/3: FlashMLA plugin suite ($(FLASHMLA_PLUGIN)/tests) =="
+	@echo "== attnreg test 2/4: FlashMLA plugin suite ($(FLASHMLA_PLUGIN)/tests) =="
 	@$(PYTEST) $(FLASHMLA_PLUGIN)/tests
-	@echo "== attnreg test 3/3: sglang bridge suite (tests/integrations/sglang, $(SGLANG_VENV)) =="
+	@echo "== attnreg test 3/4: sglang bridge suite (tests/integrations/sglang, $(SGLANG_VENV)) =="
 	@$(MAKE) --no-print-directory test-sglang
+	@echo "== attnreg test 4/4: vLLM bridge suite (tests/integrations/vllm, $(VLLM_VENV)) =="
+	@$(MAKE) --no-print-directory test-vllm
 
 # sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
 # sglang 0.5.23 and a pinned CPU set, installed without the resolver.
@@ -73,6 +75,24 @@ $(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_LOCK)
 
 test-sglang: $(SGLANG_VENV)/.installed
 	@$(SGLANG_PY) -m pytest -q -r fE tests/integrations/sglang
+
+# vLLM bridge tests in their own venv (docs/integrations/vllm.md): vLLM 0.33.0
+# and a pinned CPU set, installed without the resolver; the FlashMLA plugin
+# too, so vLLM's FLASHMLA maps to its declaration.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_LOCK := tests/integrations/vllm/requirements-cpu.txt
+
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK) $(FLASHMLA_PLUGIN)/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_LOCK)
+	$(VLLM_PY) -m pip install -q --no-deps -e . -e $(FLASHMLA_PLUGIN)
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	@$(VLLM_PY) -m pytest -q -r fE tests/integrations/vllm
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check src tests $(FLASHMLA_PLUGIN)
