@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from attnreg.graph_policy.config import DEFAULT_DECODE_BATCH_SIZES
 from attnreg.registry.capabilities import ForwardMethod, ForwardMode, Phase
 
+#: Sequences of the cuda ``wide_decode`` batch: a default decode capture bucket.
+WIDE_DECODE_CUDA = 64
+assert WIDE_DECODE_CUDA in DEFAULT_DECODE_BATCH_SIZES
+
 __all__ = ["CAPTURE_REPLAY_SPECS", "CHUNKED_PREFIX_SPECS", "QUICK_SPECS", "SPECS",
            "SPECULATIVE_EAGER_SPECS", "SPECULATIVE_PREFIXES", "SPECULATIVE_REPLAY_SPECS", "BatchSpec", "batch_names",
            "batch_spec", "chunk_tokens", "eager_specs", "quick_specs", "replay_specs"]
@@ -134,11 +138,14 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
                                   "short extends over long cached prefixes"),
         "short_extend": _extend("short_extend", ((300, 3), (0, 2)),
                                 "few new tokens over short histories"),
-        # the largest declared decode capture bucket, every sequence real
+        # many sequences, every one real.  Not the largest default bucket (256): the
+        # suite builds each sequence and its float64 oracle on the host, about 17 s per
+        # claim at 256 on the H200 (2026-12-01), which the device budget cannot hold for
+        # every claim; 64 is a default bucket (docs/conformance.md, "still not checked")
         "wide_decode": _decode("wide_decode",
-                               tuple((37 * i) % 700 for i in range(DEFAULT_DECODE_BATCH_SIZES[-1])),
-                               f"{DEFAULT_DECODE_BATCH_SIZES[-1]} requests: the largest "
-                               "default decode capture bucket"),
+                               tuple((37 * i) % 700 for i in range(WIDE_DECODE_CUDA)),
+                               f"{WIDE_DECODE_CUDA} requests: a default decode capture "
+                               "bucket, every sequence real"),
         "odd_extend": _extend("odd_extend", tuple(((61 * i) % 400, 1 + (7 * i) % 23)
                                                   for i in range(13)),
                               "thirteen prompts (not a power of two)"),
