@@ -140,6 +140,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("ATTNREG_TRITON_DIRECT_LAUNCH", "let Triton kernels bypass Triton's JIT launch "
            "path where checked (0 turns it off)", parse_bool, default=True),
     EnvVar("ATTNREG_SGLANG", "switch the sglang bridge on (1/0)", parse_bool, default=False),
+    EnvVar("ATTNREG_VLLM", "switch the vLLM bridge on (1/0)", parse_bool, default=False),
+    EnvVar("ATTNREG_CLAIM_TIME_LIMIT", "conformance: refute a claim that runs longer (seconds; "
+           "0 = no limit; default 600 on cpu, 300 on cuda)", parse_seconds,
+           flag="--time-limit", empty_is_unset=True),
     EnvVar("TRITON_INTERPRET", "run Triton kernels in the interpreter (CPU)", owner="triton"),
     EnvVar("CUDA_VISIBLE_DEVICES", "which GPUs torch sees", owner="CUDA"),
     EnvVar("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "pytest loads no plugin by itself; `attnreg "

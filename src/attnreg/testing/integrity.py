@@ -267,7 +267,10 @@ def _tensors(obj: object, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
         if isinstance(value, torch.Tensor):
             yield f"{prefix}{f.name}", value
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            yield from _tensors(value, f"{prefix}{f.name}.")
+            # the batch's BatchIndices are named as the batch's own fields (batch.seq_lens),
+            # the names engines and backends read them by
+            inner = prefix if f.name == "indices" else f"{prefix}{f.name}."
+            yield from _tensors(value, inner)
 
 
 class InputGuard:

@@ -2,8 +2,9 @@
 
 Seed 000: a backend that forgets to pin MLA gets its MHA companion captured and
 prefix batches replayed wrongly.  Here the declaration says "pinned", but the
-backend's capture check drops the pinned-method part, so forward_extend(method=MHA)
-runs under breakable capture.
+backend's refusal check of the graph mode (its ``RequestChecker``, where every refusal
+is checked) drops the pinned-method part, so forward_extend(method=MHA) runs under
+breakable capture.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import attnreg
 from attnreg.backends.triton_mla import TritonMLABackend
 from attnreg.registry import DeclarationContext
+from attnreg.runtime.refusals import Refusal, RequestChecker
 
 from ._common import spec, triton_like
 
@@ -23,10 +25,16 @@ def capabilities(ctx: DeclarationContext) -> attnreg.Capabilities:
     return triton_like(NAME, ctx)
 
 
-class Backend(TritonMLABackend):
-    def check_graph_mode(self, phase: Any, mode: Any, method: Any = None) -> None:
+class _ForgetsThePin(RequestChecker):
+    def graph_mode(self, phase: Any, mode: Any, method: Any = None) -> list[Refusal]:
         # THE DEFECT: checks the mode, forgets the pinned method
-        super().check_graph_mode(phase, mode, None)
+        return super().graph_mode(phase, mode, None)
+
+
+class Backend(TritonMLABackend):
+    def __init__(self, config: Any, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.refusals = _ForgetsThePin(self.name, self.capabilities, self.config, self.device)
 
 
 @attnreg.hookimpl
