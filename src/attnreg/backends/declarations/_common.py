@@ -23,11 +23,18 @@ MAX_DRAFT_TOKENS = 8
 #: implements speculative decoding serves: one-token decode, target-verify batches
 #: of up to MAX_DRAFT_TOKENS tokens per sequence (uniform: every sequence verifies
 #: the same number), draft-extend batches of 1..MAX_DRAFT_TOKENS accepted tokens.
-SPECULATIVE_DECODE_MODES = (
-    ForwardModeSupport(ForwardMode.DECODE, 1, True),
-    ForwardModeSupport(ForwardMode.TARGET_VERIFY, MAX_DRAFT_TOKENS, True),
-    ForwardModeSupport(ForwardMode.DRAFT_EXTEND, MAX_DRAFT_TOKENS, False),
-)
-#: The eager forward modes of such a backend: the above and ragged extend.
-SPECULATIVE_EAGER_MODES = SPECULATIVE_DECODE_MODES + (
-    ForwardModeSupport(ForwardMode.EXTEND, None, False),)
+def speculative_modes(max_draft_tokens: int
+                      ) -> tuple[tuple[ForwardModeSupport, ...], tuple[ForwardModeSupport, ...]]:
+    """(decode-phase graph modes, eager modes) of a backend serving up to
+    ``max_draft_tokens`` drafts: see SPECULATIVE_DECODE_MODES / SPECULATIVE_EAGER_MODES."""
+    decode = (
+        ForwardModeSupport(ForwardMode.DECODE, 1, True),
+        ForwardModeSupport(ForwardMode.TARGET_VERIFY, max_draft_tokens, True),
+        ForwardModeSupport(ForwardMode.DRAFT_EXTEND, max_draft_tokens, False),
+    )
+    return decode, decode + (ForwardModeSupport(ForwardMode.EXTEND, None, False),)
+
+
+#: ...and SPECULATIVE_EAGER_MODES, the eager forward modes of such a backend: the
+#: above and ragged extend.
+SPECULATIVE_DECODE_MODES, SPECULATIVE_EAGER_MODES = speculative_modes(MAX_DRAFT_TOKENS)

@@ -45,8 +45,6 @@ from attnreg.registry import (
     DeclarationContext,
     DType,
     ForwardMethod,
-    ForwardMode,
-    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -60,6 +58,7 @@ from ._common import (
     HALF,
     MHA_DIMS,
     MLA_DIMS,
+    speculative_modes,
 )
 
 MIN_SM = 80
@@ -67,13 +66,7 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: Draft tokens per sequence of verify / draft-extend batches (module doc: inside the
 #: 1..17 query tokens per request flashinfer's own MLA tests run).
 MAX_DRAFT_TOKENS = 16
-SPECULATIVE_DECODE_MODES = (
-    ForwardModeSupport(ForwardMode.DECODE, 1, True),
-    ForwardModeSupport(ForwardMode.TARGET_VERIFY, MAX_DRAFT_TOKENS, True),
-    ForwardModeSupport(ForwardMode.DRAFT_EXTEND, MAX_DRAFT_TOKENS, False),
-)
-SPECULATIVE_EAGER_MODES = SPECULATIVE_DECODE_MODES + (
-    ForwardModeSupport(ForwardMode.EXTEND, None, False),)
+SPECULATIVE_DECODE_MODES, SPECULATIVE_EAGER_MODES = speculative_modes(MAX_DRAFT_TOKENS)
 #: First flashinfer release line after 0.6.13 (which lacks it) that carries the
 #: SM90 FP8-KV MLA path (PR #3694: ``run(..., ckv_scale=, kpe_scale=)``).
 FP8_MLA_MIN_VERSION = "0.7.0"

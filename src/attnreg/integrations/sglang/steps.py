@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,7 @@ from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 from sglang.srt.model_executor.cuda_graph_config import with_phase
 
 from attnreg.graph_policy import Decision, GraphPlan
+from attnreg.integrations._policy_log import policy_log_silenced
 from attnreg.registry.capabilities import GraphMode, Phase
 
 from .adapter import DeclarationGap, check_host_locks, plan_for
@@ -117,21 +116,6 @@ def _log_policy(decision: Decision) -> None:
     logger.log(level, "attnreg: %s", decision.describe())
 
 
-class _Silence(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-@contextmanager
-def _one_voice() -> Iterator[None]:
-    """resolve() logs its trace itself; in sglang the bridge logs it once, on its logger."""
-    policy_logger = logging.getLogger("attnreg.graph_policy")
-    silence = _Silence()
-    policy_logger.addFilter(silence)
-    try:
-        yield
-    finally:
-        policy_logger.removeFilter(silence)
 
 
 def _current_modes(server_args: Any) -> dict[Phase, GraphMode]:
@@ -214,7 +198,7 @@ def _plan_phases(facts: SglangFacts) -> tuple[GraphPlan | None, frozenset[Phase]
     phases = facts.decidable_phases
     while phases:
         try:
-            with _one_voice():
+            with policy_log_silenced():
                 return plan_for(facts, phases), phases, gaps
         except DeclarationGap as gap:
             gaps.extend(f"attnreg's declaration cannot serve it: {r}" for r in gap.reasons)

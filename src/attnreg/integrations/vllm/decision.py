@@ -11,12 +11,11 @@ a declaration that cannot serve the engine) leaves vLLM's answer as it is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from attnreg.graph_policy import GraphPlan
+from attnreg.integrations._policy_log import policy_log_silenced
 from attnreg.registry import get_registry
 from attnreg.registry.capabilities import GraphMode
 
@@ -58,21 +57,6 @@ class VllmOutcome:
                 "plan": self.plan.to_dict() if self.plan is not None else None}
 
 
-class _Silence(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-@contextmanager
-def _one_voice() -> Iterator[None]:
-    """resolve() logs its trace itself; inside vLLM the bridge logs it once, on vLLM's logger."""
-    policy_logger = logging.getLogger("attnreg.graph_policy")
-    silence = _Silence()
-    policy_logger.addFilter(silence)
-    try:
-        yield
-    finally:
-        policy_logger.removeFilter(silence)
 
 
 def decide(vllm_config: Any, backend_name: str, kv_cache_spec: Any, *, requested: str,
@@ -90,7 +74,7 @@ def decide(vllm_config: Any, backend_name: str, kv_cache_spec: Any, *, requested
     plan = None
     if facts.decidable:
         try:
-            with _one_voice():
+            with policy_log_silenced():
                 plan = plan_for(facts)
         except DeclarationGap as gap:
             gaps = [f"attnreg's declaration cannot serve it: {r}" for r in gap.reasons]
