@@ -42,7 +42,12 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     b, t = len(seq), sum(ext)
     want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
                   "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
-    for name, tensor in batch.indices.items():
+    packed = batch.packed
+    # A batch packed by IndexLayout.pack has int32 tensors of these shapes by construction
+    # (views of one buffer): only that buffer's device is left to check, once per step.
+    checked = (() if packed is not None and packed.serves(batch.indices)
+               and packed.flat.device == device else batch.indices.items())
+    for name, tensor in checked:
         if tensor.dtype != torch.int32:
             problems.append(f"{name} is {tensor.dtype}; index tensors must be int32 "
                             "(convert once with .to(torch.int32) outside the hot path)")
