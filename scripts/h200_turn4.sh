@@ -55,6 +55,8 @@ case $step in
     echo "rc=$?" >>"$OUT/peers.log"
     ;;
 esac
+# the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
+[ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
 for f in "$OUT"/*.log; do
   echo "===== $(basename "$f")"; grep -E "verified|refuted|passed|failed|rc=|error|session .* (host|decode|verify)|median" "$f" | tail -8
 done
