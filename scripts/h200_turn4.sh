@@ -57,6 +57,8 @@ case $step in
 esac
 # the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
 [ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
+# one archive of every result (a device call brings back only a few files)
+tar czf "$OUT/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
 for f in "$OUT"/*.log; do
   echo "===== $(basename "$f")"; grep -E "verified|refuted|passed|failed|rc=|error|session .* (host|decode|verify)|median" "$f" | tail -8
 done

@@ -40,33 +40,37 @@ def main() -> int:
     packed = decode_batch(pool, [seq] * b, pages=pages[:b], layout=ses.index_layout)
     plain = decode_batch(pool, [seq] * b, pages=pages[:b])
     out = io.StringIO()
-    for name, batch in (("packed", packed), ("plain", plain)):
+    steps = (("replay metadata", "packed", lambda: ses._replay_metadata(key, packed)),
+             ("replay metadata", "plain", lambda: ses._replay_metadata(key, plain)),
+             ("gate (decide)", "packed", lambda: ses.decide(packed)),
+             ("step (run)", "packed", lambda: ses.run(packed)))
+    for what, name, fn in steps:
         for _ in range(20):
-            ses._replay_metadata(key, batch)
+            fn()
         torch.cuda.synchronize()
         xs = []
         for _ in range(200):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            ses._replay_metadata(key, batch)
+            fn()
             xs.append((time.perf_counter() - t0) * 1e6)
         xs.sort()
-        out.write(f"== {args.backend} {name} batch B={b}: replay metadata median "
+        out.write(f"== {args.backend} {name} batch B={b}: {what} median "
                   f"{xs[len(xs) // 2]:.1f} us (min {xs[0]:.1f})\n")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):
-            ses._replay_metadata(key, batch)
+            fn()
         prof.disable()
         torch.cuda.synchronize()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
     text = out.getvalue()
     if args.out == "-":
         sys.stdout.write(text)
     else:
         with open(args.out, "w") as f:
             f.write(text)
-        print(text.split("\n")[0])
+        print("\n".join(line for line in text.split("\n") if line.startswith("==")))
     return 0
 
 

@@ -161,3 +161,20 @@ def test_a_session_replays_a_packed_batch_with_one_copy_and_the_same_outputs():
     assert v_packed.replayed and torch.equal(v_packed.output, v_plain)
     fills = be.graph_state.fills
     assert fills["packed"] - before["packed"] == 2 and fills["padded"] - before["padded"] == 2
+
+
+def test_a_packed_batch_is_checked_per_tensor_again_once_its_lengths_or_tensors_change():
+    cfg = _cfg()
+    pool = cfg.make_pool(64)
+    layout = _state(4, 4).layout
+    packed = decode_batch(pool, [20, 9], layout=layout)
+    cpu = torch.device("cpu")
+    assert packed.packed.serves(packed) and batch_problems(packed, cpu, PS) == []
+    assert batch_problems(packed, cpu, 64) == [
+        "the batch was packed for pages of 16, the backend's are 64"]
+    lied = dataclasses.replace(packed, seq_lens_cpu=(20, 10))
+    assert not packed.packed.serves(lied)
+    assert any("host lengths disagree" in p for p in batch_problems(lied, cpu, PS))
+    wrong = dataclasses.replace(packed, seq_lens=packed.seq_lens.long())
+    assert not packed.packed.serves(wrong)
+    assert any("seq_lens is torch.int64" in p for p in batch_problems(wrong, cpu, PS))

@@ -243,6 +243,7 @@ class ForwardBatch(IndexFields):
                              f"token), got shape {loc_shape}")
         if layout is not None:
             packed = layout.pack(seq, prefix, extend, page_table, loc, dev)
+            seq, prefix, extend = packed.host_lens  # the very tuples packed.serves() checks
             return cls(forward_mode=mode, indices=packed.indices, seq_lens_cpu=seq,
                        prefix_lens_cpu=prefix, extend_lens_cpu=extend, packed=packed)
         if isinstance(loc, list):

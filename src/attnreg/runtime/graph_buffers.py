@@ -192,7 +192,7 @@ class GraphState(Generic[BuffersT]):
         """
         packed = batch.packed
         if (packed is not None and self.flat is not None and packed.layout == self.layout
-                and packed.serves(batch.indices)):
+                and packed.serves(batch)):
             self.flat.copy_(packed.flat)
             self.fills["packed"] += 1
         else:

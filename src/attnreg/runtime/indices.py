@@ -243,7 +243,8 @@ class IndexLayout:
         cols = min(page_table.shape[1], self.max_pages)
         if b:
             table[:b, :cols].copy_(page_table[:, :cols])
-        return PackedIndices(self, flat, full.view(b, t))
+        return PackedIndices(self, flat, full.view(b, t),
+                             (tuple(seq_lens), tuple(prefix_lens), tuple(extend_lens)))
 
 
 @dataclass(frozen=True)
@@ -260,11 +261,18 @@ class PackedIndices:
     layout: IndexLayout
     flat: torch.Tensor
     indices: BatchIndices
+    #: the host lengths packed (seq, prefix, extend), the very tuples the batch carries
+    host_lens: tuple[tuple[int, ...], ...] = ()
 
-    def serves(self, indices: BatchIndices) -> bool:
-        """Whether ``indices`` are still this packing's views (a batch whose tensors were
-        replaced since it was built no longer packs them)."""
-        return indices is self.indices
+    def serves(self, batch: Any) -> bool:
+        """Whether ``batch`` (a ForwardBatch) still holds what was packed: these very index
+        tensors and host lengths.  A batch whose tensors or lengths were replaced since it
+        was built (``dataclasses.replace``) is not served, and is copied and checked per
+        tensor.  Identity checks only: constant time."""
+        lens = self.host_lens
+        return (batch.indices is self.indices and len(lens) == 3
+                and batch.seq_lens_cpu is lens[0] and batch.prefix_lens_cpu is lens[1]
+                and batch.extend_lens_cpu is lens[2])
 
 
 class IndexFields:

@@ -43,11 +43,19 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
                   "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
     packed = batch.packed
-    # A batch packed by IndexLayout.pack has int32 tensors of these shapes by construction
-    # (views of one buffer): only that buffer's device is left to check, once per step.
-    checked = (() if packed is not None and packed.serves(batch.indices)
-               and packed.flat.device == device else batch.indices.items())
-    for name, tensor in checked:
+    if packed is not None and packed.serves(batch):
+        # Built by ForwardBatch.build into an IndexLayout and unchanged since: int32 views of
+        # one buffer, of these shapes, seq = prefix + extend, the table wide enough for the
+        # longest sequence (IndexLayout.pack refused otherwise).  What is left to check, once
+        # per step, is the buffer's device and the layout's page size.
+        if packed.flat.device != device:
+            problems.append(f"the batch's index tensors are on {packed.flat.device}, the "
+                            f"backend on {device}")
+        if packed.layout.page_size != page_size:
+            problems.append(f"the batch was packed for pages of {packed.layout.page_size}, the "
+                            f"backend's are {page_size}")
+        return problems
+    for name, tensor in batch.indices.items():
         if tensor.dtype != torch.int32:
             problems.append(f"{name} is {tensor.dtype}; index tensors must be int32 "
                             "(convert once with .to(torch.int32) outside the hot path)")
