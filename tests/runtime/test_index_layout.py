@@ -178,3 +178,21 @@ def test_a_packed_batch_is_checked_per_tensor_again_once_its_lengths_or_tensors_
     wrong = dataclasses.replace(packed, seq_lens=packed.seq_lens.long())
     assert not packed.packed.serves(wrong)
     assert any("seq_lens is torch.int64" in p for p in batch_problems(wrong, cpu, PS))
+
+
+def test_the_gate_facts_of_a_packed_batch_equal_the_checked_constructor_s():
+    from attnreg.graph_policy import ReplayBatch
+    from attnreg.runtime import replay_batch
+
+    cfg = _cfg()
+    pool = cfg.make_pool(200)
+    layout = _state(4, 12).layout
+    for fm, _, plain, packed in _batches(pool, layout, random.Random(11)):
+        fast = replay_batch(packed)
+        slow = ReplayBatch(forward_mode=fm, batch_size=plain.batch_size,
+                           num_tokens=plain.num_tokens, prefix_lens=plain.prefix_lens_cpu,
+                           extend_lens=plain.extend_lens_cpu, seq_lens=plain.seq_lens_cpu)
+        assert fast == slow and replay_batch(plain) == slow, fm
+        assert fast.max_seq_len == slow.max_seq_len and fast.query_lens == slow.query_lens
+    with_facts = replay_batch(packed, lora=True)
+    assert with_facts.lora is True and with_facts.seq_lens == packed.seq_lens_cpu

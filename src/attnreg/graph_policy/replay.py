@@ -207,6 +207,33 @@ class ReplayBatch:
             raise ValueError("inconsistent ReplayBatch: " + "; ".join(problems)
                              + " (give one length per request; they must agree)")
 
+    @classmethod
+    def checked(cls, forward_mode: ForwardMode, batch_size: int, num_tokens: int,
+                prefix_lens: tuple[int, ...], extend_lens: tuple[int, ...],
+                seq_lens: tuple[int, ...]) -> ReplayBatch:
+        """A batch's facts whose lengths were already checked where they were made.
+
+        For the runtime's own conversion of a batch that ``ForwardBatch.build``
+        checked and that has not changed since (``attnreg.runtime.replay_batch``):
+        tuples of plain ints, one per request, ``seq = prefix + extend``, one
+        token per decode request, the same draft tokens in every verify request,
+        no engine flags.  It skips the per-length checks of the constructor,
+        which this per-step question would otherwise repeat for every request.
+        Anything else: call ``ReplayBatch(...)``.
+        """
+        obj = object.__new__(cls)
+        for name, value in (("forward_mode", forward_mode), ("batch_size", batch_size),
+                            ("num_tokens", num_tokens), ("prefix_lens", prefix_lens or None),
+                            ("lora", False), ("has_input_embeds", False),
+                            ("has_replace_embeds", False), ("capture_hidden", HiddenCapture.NULL),
+                            ("return_logprob", False), ("extend_lens", extend_lens or None),
+                            ("seq_lens", seq_lens or None)):
+            object.__setattr__(obj, name, value)
+        if batch_size == 0:  # what the constructor reads an empty batch as
+            for name in _LENGTHS:
+                object.__setattr__(obj, name, ())
+        return obj
+
     @property
     def has_prefix(self) -> bool | None:
         """Whether a request has cached tokens; None when ``prefix_lens`` is not known."""

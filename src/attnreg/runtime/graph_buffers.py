@@ -168,7 +168,10 @@ class GraphState(Generic[BuffersT]):
             problems.append(f"batch has {batch.batch_size} sequences / {batch.num_tokens} "
                             f"tokens, the graph {bs} / {nt}")
         q = md.max_extend_len
-        lens = set(batch.extend_lens_cpu)
+        # decode and extend graphs need no per-request lengths here (one pass over them less
+        # on every replay)
+        lens = (set(batch.extend_lens_cpu) if md.forward_mode in (
+            ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) else set())
         if md.forward_mode is ForwardMode.TARGET_VERIFY and lens and lens != {q}:
             problems.append(f"the verify graph was captured for {q} draft tokens per "
                             f"sequence, the batch has {sorted(lens)}")

@@ -198,6 +198,7 @@ class GraphSession:
         self.statics: StaticBuffers | None = (
             self._allocate(max_kv_rows or 0) if static_inputs else None)
         self._graphs: dict[BucketKey, CapturedGraph] = {}
+        self._outs_by_rows: dict[int, list[torch.Tensor]] = {}
         self._state_ready = False
         #: TC_PIECEWISE: the batch the eager attention plans at the next (re)run
         self._piecewise_batch: ForwardBatch | None = None
@@ -605,7 +606,17 @@ class GraphSession:
         graph.replay()
         if self.statics is None:
             return []
-        return [o[:rows] for o in self.statics.outs]
+        return self._out_views(rows)
+
+    def _out_views(self, rows: int) -> list[torch.Tensor]:
+        """The first ``rows`` rows of every static output, made once per row count: the
+        static outputs never move, so the views stay valid (and each replay skips a slice
+        per layer)."""
+        views = self._outs_by_rows.get(rows)
+        if views is None:
+            assert self.statics is not None
+            views = self._outs_by_rows[rows] = [o[:rows] for o in self.statics.outs]
+        return list(views)
 
     def _replay_metadata(self, key: BucketKey, batch: ForwardBatch) -> None:
         """The one place a replay's metadata is prepared: the backend's
