@@ -357,3 +357,32 @@ def test_verify_is_refused_off_blackwell(reg, monkeypatch) -> None:
     with pytest.raises(UnsupportedError, match="Blackwell"):
         trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
     assert calls.trtllm_decode == [] and calls.mla_runs == []
+
+
+@pytest.mark.parametrize("check", ["eager", "replay", "padded_rows"])
+def test_verify_claims_hold_through_the_conformance_harness(reg, monkeypatch,
+                                                           check: str) -> None:
+    """The sm100 declaration's bf16 verify claims, checked by the conformance suite's own
+    harness (float64 oracle, whole-KV integrity, padded graph rows) on the CPU profile,
+    with the trtllm kernel faked and the device reported as sm100."""
+    import attnreg.backends.trtllm_mla as trt_module
+    from attnreg.registry import Platform
+    from attnreg.testing.claims import expand_claims
+    from attnreg.testing.harness import Harness
+
+    calls = install_fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(trt_module, "device_sm", lambda device: 100)
+    platform = Platform.parse("cuda:sm100")
+    caps = reg.declaration("trtllm_mla", platform)
+
+    class FakedHarness(Harness):
+        def create(self, claim, config):  # the registry would refuse: no flashinfer here
+            return trt_module.TRTLLMMLABackend(config, capabilities=caps)
+
+    [claim] = [c for c in expand_claims(caps, "cpu")
+               if c.forward_mode is VERIFY and "bf16-bf16" in c.id
+               and (c.id.startswith("trtllm_mla/eager/") if check == "eager"
+                    else f"/target_verify/{check}/" in c.id)]
+    FakedHarness(reg, "cpu", platform).check(claim)
+    assert calls.trtllm_decode and {c["query"][1] for c in calls.trtllm_decode} == {2}
+    assert calls.mla_runs == []  # served by the trtllm kernel, not the fallback
