@@ -26,8 +26,11 @@ no-op and lets the backend refuse what it cannot capture).
   captured pieces (``after_attention`` is a captured piece), re-planned with
   ``init_forward_metadata`` for the real batch at every replay.
 
-Every replay prepares its metadata in one method (``_replay_metadata``): the
-place where device-side replay metadata will go.
+Every replay prepares its metadata in one method (``_replay_metadata``).  A
+batch built in the session's :attr:`GraphSession.index_layout` is copied into
+the graph buffers with one device copy (no host work per index tensor); a
+backend whose replay needs host planning (flashinfer's ``plan``) adds it in
+its ``_init_replay_impl``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .backend import AttentionBackend
 from .batch import SPECULATIVE_MODES, ForwardBatch
 from .dtypes import torch_dtype
 from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
+from .indices import IndexLayout
 from .pool import MLAKVPool
 from .session_types import (
     SYNC_EAGER,
@@ -242,6 +246,19 @@ class GraphSession:
         """Every captured bucket, largest first (the capture order)."""
         return sorted(self._shapes, key=lambda k: (self._shapes[k][1], self._shapes[k][0]),
                       reverse=True)
+
+    @property
+    def index_layout(self) -> IndexLayout | None:
+        """The layout of the graph buffers' index tensors: build each step's batch in it
+        (``decode_batch(pool, lens, layout=session.index_layout)``) and every replay
+        copies the batch's metadata with one device copy (:meth:`GraphState.fill`).
+
+        Allocates the backend's graph state if :meth:`capture` has not yet; None
+        under TC_PIECEWISE (attention runs eagerly: no graph buffers).
+        """
+        self.init_graph_state()
+        state = self.backend.graph_state
+        return None if self.mode is GraphMode.TC_PIECEWISE or state is None else state.layout
 
     def graph(self, key: BucketKey) -> CapturedGraph:
         """The captured graph of ``key``."""
@@ -591,7 +608,9 @@ class GraphSession:
         return [o[:rows] for o in self.statics.outs]
 
     def _replay_metadata(self, key: BucketKey, batch: ForwardBatch) -> None:
-        """The one place a replay's metadata is prepared (host today; device-side later)."""
+        """The one place a replay's metadata is prepared: the backend's
+        ``init_forward_metadata_replay`` (one device copy for a batch in
+        :attr:`index_layout`, plus whatever host planning the backend needs)."""
         if self.mode is GraphMode.TC_PIECEWISE:
             self._piecewise_batch = batch  # the eager attention plans it when it runs
             return
