@@ -44,19 +44,22 @@ CASES: dict[Engine, tuple[str, str, str, tuple[str, ...]]] = {
         "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("TRITON_MLA", 90, explicit="FULL_DECODE_ONLY"): (
         "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "UNIFORM_BATCH", ()),
-    # FLASHINFER_MLA is trtllm-gen decode: attnreg's trtllm_mla declares single-token
-    # decode graphs, where vLLM states ALWAYS.
+    # FLASHINFER_MLA is trtllm-gen decode: attnreg's trtllm_mla declares decode and
+    # uniform target-verify graphs (up to 2 tokens per sequence), where vLLM states ALWAYS.
     Engine("FLASHINFER_MLA", 100): (
-        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ()),
+        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
     # The seed-002 cost rule: piecewise prefill falls back at HIGH cost for an FP8 pool.
     Engine("FLASHINFER_MLA", 100, "fp8"): (
-        "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "UNIFORM_SINGLE_TOKEN_DECODE",
+        "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "UNIFORM_BATCH",
         ("backend.high_cost_fallback",)),
     # ... an explicit mode is a lock: the soft rule yields.
     Engine("FLASHINFER_MLA", 100, "fp8", explicit="FULL_AND_PIECEWISE"): (
-        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ()),
-    # trtllm_mla declares no target-verify graphs.
+        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
+    # trtllm_mla's full graphs serve verify batches of up to 2 tokens per sequence...
     Engine("FLASHINFER_MLA", 100, draft=1): (
+        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
+    # ... and no more, so longer verify batches run eagerly.
+    Engine("FLASHINFER_MLA", 100, draft=3): (
         "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("FLASHMLA", 90, draft=2): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),

@@ -51,8 +51,8 @@ def test_modes_round_trip() -> None:
 
 @pytest.mark.parametrize(("backend", "draft", "want"), [
     ("triton", 0, "UNIFORM_BATCH"), ("triton", 8, "UNIFORM_BATCH"),
-    ("triton", 9, "UNIFORM_SINGLE_TOKEN_DECODE"), ("trtllm_mla", 0,
-                                                   "UNIFORM_SINGLE_TOKEN_DECODE"),
+    ("triton", 9, "UNIFORM_SINGLE_TOKEN_DECODE"), ("trtllm_mla", 0, "UNIFORM_BATCH"),
+    ("trtllm_mla", 2, "UNIFORM_BATCH"), ("trtllm_mla", 3, "UNIFORM_SINGLE_TOKEN_DECODE"),
     ("reference", 0, "NEVER")])
 def test_support_from_declarations(backend: str, draft: int, want: str) -> None:
     decl = get_registry().declaration(backend, "cuda:sm100")
