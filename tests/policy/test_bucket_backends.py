@@ -123,6 +123,13 @@ def test_otherwise_one_backend_captures_every_bucket_and_the_plan_says_why(chang
     assert d.rule == "decode.bucket_backends_off" and why in d.message, d.message
 
 
+def test_a_profile_without_the_phase_backend_compares_nothing():
+    profile = DecodeProfile.from_dict(_data([_entry("triton", 1, 1.0)]))
+    plan = _plan(profile)
+    assert plan.decode.bucket_backends == ()
+    assert "no time of flashinfer_mla, the phase's backend" in _decision(plan).message
+
+
 def test_a_backend_that_cannot_read_the_pool_is_no_candidate():
     # fp8 KV, page 64: flashinfer_mla's fa3 kernel reads no fp8 pool; flashmla is not a
     # built-in here (plugins are not autoloaded in tests): unknown names are reasons too

@@ -150,6 +150,9 @@ def choose_bucket_backends(profile: DecodeProfile, ctx: RuleContext, mode: Graph
         return _off(f"{where} not used: no measured backend besides {default} can capture "
                     f"decode buckets over this pool{excluded_note}")
     sizes = shapes[0].batch_sizes
+    if default not in profile.backends:
+        return _off(f"{where} not used: it has no time of {default}, the phase's backend, to "
+                    f"compare the others with (measure it too: --backend {default},...)")
     chosen: list[BucketBackend] = []
     for bucket in sizes:
         if profile.entry(default, bucket) is None:
