@@ -14,8 +14,8 @@ as the phase's backend:
 * the same KV row format.  No declaration names a row format other than the
   pool's ``[num_pages, page_size, 576]`` rows today, so this holds for every
   backend that accepts the page size and KV dtype; a backend that owns its row
-  format (FlashMLA's FP8 format, DSA's sparse format) must be excluded here
-  once it declares one.
+  format (a kernel library's own FP8 layout, a sparse DSA format) must be
+  excluded here once it declares one.
 
 and it must capture full decode graphs with no hard or soft rule against them,
 serving every captured forward mode (verify / draft-extend graphs with their
@@ -51,17 +51,17 @@ class BucketChoice:
     """What :func:`choose_bucket_backends` decided: per bucket its backend (empty: one
     backend serves every bucket), the candidates' declarations by name, the extra
     capture memory of the other backends, and the summary for the decision trace
-    (``rule`` ``decode.bucket_backends`` or ``decode.bucket_backends_off``)."""
+    (``decode.bucket_backends`` when ``buckets`` is not empty, else
+    ``decode.bucket_backends_off``)."""
 
     buckets: tuple[BucketBackend, ...]
     declarations: Mapping[str, Capabilities]
     extra_capture_bytes: int
-    rule: str
     message: str
 
 
 def _off(message: str) -> BucketChoice:
-    return BucketChoice((), {}, 0, "decode.bucket_backends_off", message)
+    return BucketChoice((), {}, 0, message)
 
 
 def _candidate_problem(name: str, ctx: RuleContext, registry: BackendRegistry | None,
@@ -97,7 +97,7 @@ def _candidate_problem(name: str, ctx: RuleContext, registry: BackendRegistry | 
 
 
 def _spans(buckets: Sequence[BucketBackend]) -> str:
-    """``"1..8 triton, 16..256 flashmla"``: runs of consecutive buckets on one backend."""
+    """``"1..8 a, 16..256 b"``: runs of consecutive buckets on one backend."""
     runs: list[tuple[int, int, str]] = []
     for b in buckets:
         if runs and runs[-1][2] == b.backend:
@@ -190,5 +190,4 @@ def choose_bucket_backends(profile: DecodeProfile, ctx: RuleContext, mode: Graph
     message = (f"decode buckets by backend from {where}: {_spans(chosen)}; every one declares "
                f"page size {profile.page_size}, {profile.kv_dtype} KV and the pool's rows"
                f"{excluded_note}")
-    return BucketChoice(tuple(chosen), {n: candidates[n] for n in sorted(used)}, extra,
-                        "decode.bucket_backends", message)
+    return BucketChoice(tuple(chosen), {n: candidates[n] for n in sorted(used)}, extra, message)

@@ -1,8 +1,8 @@
 """Decode profiles: measured decode times per backend and per capture bucket.
 
-No single decode kernel is fastest everywhere (issue 31: a Triton kernel at
-page 64 beat FlashMLA 1.65x at one sequence of 32k tokens on 16 heads, while
-FlashMLA led at 64-128 heads).  A decode graph is captured per batch-size
+No single decode kernel is fastest everywhere (issue 31 measured one backend
+1.65x faster than another at one long sequence on few heads, and the other
+ahead at 64-128 heads).  A decode graph is captured per batch-size
 bucket, so a plan may give each bucket its own backend, provided every one of
 them reads the same KV pool.  A :class:`DecodeProfile` holds what that choice
 is made from: for one pool layout (platform, heads per rank, KV dtype, page

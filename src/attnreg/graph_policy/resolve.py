@@ -462,16 +462,17 @@ def _with_bucket_backends(profile_arg: DecodeProfile | str | os.PathLike[str],
                                     registry=registry, assume_installed=assume_installed,
                                     versions=versions, capture_bytes=capture_bytes)
     pp = plans[Phase.DECODE]
-    rule, message = choice.rule, choice.message
+    message = choice.message
     total = sum(p.capture_memory_bytes for p in plans.values()) + choice.extra_capture_bytes
     if choice.buckets and budget.bytes is not None and total > budget.bytes:
-        rule = "decode.bucket_backends_off"
         message = (f"per-bucket decode backends not used: their graph state needs "
                    f"{_fmt_bytes(choice.extra_capture_bytes)} more, and the captured phases "
                    f"would need about {_fmt_bytes(total)}, over the capture budget of "
                    f"{_fmt_bytes(budget.bytes)} ({budget.note}); would have been: {message}")
         choice = replace(choice, buckets=(), extra_capture_bytes=0)
-    trace.add(Decision(rule, Severity.INFO, Source.BACKEND, Phase.DECODE, mode, mode, message))
+    trace.add(Decision("decode.bucket_backends" if choice.buckets else
+                       "decode.bucket_backends_off", Severity.INFO, Source.BACKEND,
+                       Phase.DECODE, mode, mode, message))
     if not choice.buckets:
         return pp
     return replace(pp, bucket_backends=choice.buckets,
