@@ -167,6 +167,19 @@ _PLAN_RULES = (
           "`gate.cost_model` with a cost profile) or run eagerly (`gate.mha_companion_prefix`)"),
     _rule("backend.split_kv_single", PLAN, _I, Source.BACKEND, "`split_kv == single`",
           "split-KV forced to one split under capture (correct, slower on long KV)"),
+    _rule("decode.bucket_backends", PLAN, _I, (Source.BACKEND, Source.ENGINE),
+          "the decode profile (`resolve(decode_profile=...)`), each measured backend's "
+          "declaration (page size, KV dtype, heads, full decode capture, verify graphs)",
+          "each decode capture bucket is captured with the backend the decode profile "
+          "measured more than 2% faster there than the phase's backend, among backends that "
+          "declare the same pool layout; `PhasePlan.bucket_backends` gives the reason per "
+          "bucket"),
+    _rule("decode.bucket_backends_off", PLAN, _I, (Source.BACKEND, Source.USER, Source.ENGINE),
+          "the decode profile, the user's decode backend, `EngineFacts.page_size`, the "
+          "capture budget",
+          "a decode profile was given but one backend still captures every bucket, and why "
+          "(decode graphs off, the user named the backend, another pool, no candidate, no "
+          "faster one, over the capture budget)"),
 )
 
 _ERROR_RULES = (
