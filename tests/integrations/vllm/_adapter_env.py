@@ -1,0 +1,184 @@
+"""One tiny vLLM 0.33 engine on CPU for attnreg's backends behind vLLM's MLA interface.
+
+Real vLLM: the backend class vLLM's registry resolves for ``ATTNREG_<NAME>``
+(``AttentionBackendEnum[...].get_class()``), its metadata builder and impl
+(subclasses of vLLM's ``MLACommonMetadataBuilder`` / ``MLACommonImpl``, whose
+constructors and ``build`` run as they are), ``CacheConfig``,
+``ParallelConfig``, ``SchedulerConfig``, ``AttentionConfig``,
+``CompilationConfig``, ``MLAAttentionSpec``, ``CommonAttentionMetadata`` and
+vLLM's CPU MLA prefill backend (``CPUSDPAMLAPrefillBackend``, which the base
+builder clones and prepares).
+
+Stood in, because they cannot be built on this machine or need a whole model:
+
+* the model config (a real ``ModelConfig`` / ``VllmConfig`` cannot infer a
+  device here; as in :mod:`._vllm_env`): the fields the builder reads;
+* the ``MLAAttention`` layer in ``static_forward_context``: its MLA dims, scale,
+  ``_k_scale`` and prefill backend (what the builder and impl read);
+* ``kv_b_proj``: a bias-free linear returning ``(out, None)`` as vLLM's
+  ``ColumnParallelLinear`` does (the real one needs tensor-parallel groups);
+* the layer's cache write (vLLM's ``concat_and_cache_mla`` custom op is not
+  built for CPU): rows go to ``cache.view(-1, 576)[slot_mapping]``, the layout
+  that op writes;
+* the layer's ``W_UK`` absorption before ``forward_mqa`` and ``W_UV`` after it:
+  the tests hand ``forward_mqa`` an absorbed query, as the layer would;
+* every vLLM module's ``PIN_MEMORY`` is False during ``build`` (what vLLM's CPU platform
+  reports; without a platform plugin vLLM's ``UnspecifiedPlatform`` says True here,
+  and a pinned host tensor then fails without an accelerator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import torch
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    set_current_vllm_config,
+)
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+from attnreg.integrations.vllm.registration import register_backends, vllm_name
+
+HEADS, LATENT, ROPE, NOPE, VDIM = 2, 512, 64, 128, 128
+ROW = LATENT + ROPE
+SCALE = 1.0 / math.sqrt(NOPE + ROPE)
+BLOCK = 16
+LAYER = "model.layers.0.self_attn.attn"
+BF16 = torch.bfloat16
+
+
+class KVBProj(torch.nn.Module):
+    """``kv_b_proj`` of one layer: latent ``[n, 512]`` -> ``[n, H * (nope + v)]``, returned
+    as ``(out, None)`` like vLLM's ``ColumnParallelLinear``."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        weight = torch.randn(HEADS * (NOPE + VDIM), LATENT, generator=gen) / math.sqrt(LATENT)
+        self.weight = torch.nn.Parameter(weight.to(BF16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+@dataclass
+class Step:
+    """One vLLM step: requests in vLLM's order (decodes first), their rows, the metadata."""
+
+    context: list[int]
+    query: list[int]
+    rows: list[torch.Tensor]          # per request, [seq_len, 576] as stored (bf16)
+    common: CommonAttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query)
+
+
+class TinyEngine:
+    """vLLM's builder and impl of ``ATTNREG_<NAME>`` for one MLA layer, and its cache."""
+
+    def __init__(self, name: str, *, draft: int = 0, num_blocks: int = 16,
+                 seed: int = 0) -> None:
+        register_backends([name])
+        self.backend_cls = AttentionBackendEnum[vllm_name(name)].get_class()
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        model = SimpleNamespace(
+            dtype=BF16, max_model_len=512, use_mla=True, is_multimodal_model=False,
+            hf_text_config=SimpleNamespace(model_type="deepseek_v3"),
+            get_num_attention_heads=lambda parallel_config: HEADS,
+            get_head_size=lambda: ROW)
+        spec_config = (SimpleNamespace(num_speculative_tokens=draft, parallel_drafting=False,
+                                       method="mtp") if draft else None)
+        self.vllm_config = SimpleNamespace(
+            model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto"),
+            parallel_config=ParallelConfig(),
+            scheduler_config=SchedulerConfig(max_model_len=512, is_encoder_decoder=False),
+            attention_config=AttentionConfig(), compilation_config=CompilationConfig(),
+            speculative_config=spec_config, use_v2_model_runner=False)
+        self.kv_b_proj = KVBProj(self.gen)
+        prefill = CPUSDPAMLAPrefillBackend(
+            num_heads=HEADS, scale=SCALE, kv_lora_rank=LATENT, qk_nope_head_dim=NOPE,
+            qk_rope_head_dim=ROPE, v_head_dim=VDIM, vllm_config=self.vllm_config)
+        self.layer = SimpleNamespace(
+            q_lora_rank=None, kv_lora_rank=LATENT, qk_nope_head_dim=NOPE,
+            qk_rope_head_dim=ROPE, v_head_dim=VDIM, scale=SCALE, prefill_backend=prefill,
+            non_causal_multi_token_decode=False, _k_scale=torch.tensor(1.0))
+        self.vllm_config.compilation_config.static_forward_context[LAYER] = self.layer
+        kv_spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=ROW, dtype=BF16)
+        with set_current_vllm_config(self.vllm_config):
+            self.builder = self.backend_cls.get_builder_cls()(
+                kv_spec, [LAYER], self.vllm_config, torch.device("cpu"))
+            self.impl = self.backend_cls.get_impl_cls()(
+                num_heads=HEADS, head_size=ROW, scale=SCALE, num_kv_heads=1,
+                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+                logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=LATENT,
+                qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE,
+                v_head_dim=VDIM, kv_b_proj=self.kv_b_proj)
+        #: vLLM's cache of this layer: [num_blocks, block_size, 576]; block 0 is vLLM's
+        #: null block, never a request's
+        self.kv_cache = torch.zeros(num_blocks, BLOCK, ROW, dtype=BF16)
+        self._free = list(range(1, num_blocks))
+        self.rng.shuffle(self._free)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(BF16)
+
+    def step(self, context: list[int], query: list[int]) -> Step:
+        """A step of requests with ``context`` cached and ``query`` new tokens each; every
+        row (cached and new) is written to the cache first, as the layer would."""
+        seq = [c + q for c, q in zip(context, query)]
+        width = max(-(-n // BLOCK) for n in seq)
+        table = torch.zeros(len(seq), width, dtype=torch.int32)
+        rows, slots = [], []
+        cache = self.kv_cache.view(-1, ROW)
+        for i, (n, c) in enumerate(zip(seq, context)):
+            blocks = [self._free.pop() for _ in range(-(-n // BLOCK))]
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            seq_slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)])
+            r = self.randn(n, ROW)
+            cache[seq_slots] = r
+            rows.append(r)
+            slots.append(seq_slots[c:])
+        qsl = torch.tensor([0] + [sum(query[:i + 1]) for i in range(len(query))],
+                           dtype=torch.int32)
+        seq_t = torch.tensor(seq, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_t,
+            num_reqs=len(seq), num_actual_tokens=sum(query), max_query_len=max(query),
+            max_seq_len=max(seq), block_table_tensor=table,
+            slot_mapping=torch.cat(slots).to(torch.int64),
+            seq_lens_cpu_upper_bound=seq_t.clone())
+        return Step(list(context), list(query), rows, common)
+
+    def build(self, step: Step) -> Any:
+        with set_current_vllm_config(self.vllm_config), _no_pinned_memory():
+            return self.builder.build(0, step.common)
+
+
+@contextlib.contextmanager
+def _no_pinned_memory() -> Iterator[None]:
+    """vLLM's modules read ``PIN_MEMORY`` from the platform at import: False, as vLLM's
+    CPU platform says, for the duration."""
+    with contextlib.ExitStack() as stack:
+        for name, module in list(sys.modules.items()):
+            if name.startswith("vllm") and getattr(module, "PIN_MEMORY", None) is True:
+                stack.enter_context(mock.patch.object(module, "PIN_MEMORY", False))
+        yield

@@ -1,0 +1,185 @@
+"""attnreg backends as vLLM 0.33 MLA attention backends (``ATTNREG_<NAME>``), on CPU.
+
+Each step runs through vLLM's real metadata builder (``MLACommonMetadataBuilder.build``:
+vLLM's own decode / prefill split) and impl (``forward_mqa`` for the decode part,
+``forward_mha`` for the prefill part) over vLLM's paged MLA cache, and is
+compared with attnreg's float64 oracle.  What is stood in, and why, is in
+:mod:`._adapter_env`.  The reference backend and the Triton kernels (under
+``TRITON_INTERPRET=1``, tiny shapes) run every case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import HAS_VLLM, SKIP_REASON
+
+if not HAS_VLLM:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from attnreg.integrations.vllm import plugin
+from attnreg.integrations.vllm.registration import registered, unregister_backends
+from attnreg.registry import DType, ForwardMode, Phase, UnsupportedError
+from attnreg.testing.batches import BatchSpec
+from attnreg.testing.workload import compare, oracle_attention
+
+from ._adapter_env import HEADS, LATENT, NOPE, ROPE, SCALE, VDIM, Step, TinyEngine
+
+#: step name -> (context lens, query lens), requests in vLLM's order (decodes first)
+STEPS = {
+    # cached prefixes ending mid-block, across blocks, and a first token
+    "decode": ([6, 20, 0], [1, 1, 1]),
+    # a fresh prompt and a chunked prefill over a cached prefix
+    "prefill": ([0, 21], [7, 5]),
+    # what vLLM runs most: decodes and a prefill chunk in one step
+    "mixed": ([13, 30, 4], [1, 1, 6]),
+}
+BACKENDS = ["reference", "triton"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_vllm_registry() -> None:
+    unregister_backends()
+
+
+def _spec(step: Step, reqs: range, mode: ForwardMode) -> BatchSpec:
+    phase = Phase.DECODE if mode is not ForwardMode.EXTEND else Phase.PREFILL
+    return BatchSpec("vllm", phase, tuple((step.context[i], step.query[i]) for i in reqs),
+                     "a vLLM step", mode)
+
+
+def _decode_part(engine: TinyEngine, step: Step, md: object, reqs: range,
+                 mode: ForwardMode) -> None:
+    """forward_mqa of the decode requests (absorbed q) against the float64 oracle."""
+    tokens = sum(step.query[i] for i in reqs)
+    q_nope, q_pe = engine.randn(tokens, HEADS, LATENT), engine.randn(tokens, HEADS, ROPE)
+    out, lse = engine.impl.forward_mqa((q_nope, q_pe), engine.kv_cache, md, engine.layer)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    expected, expected_lse, start = [], [], 0
+    for i in reqs:
+        kv = step.rows[i][:, None, :]
+        o, row_lse = oracle_attention(q[start:start + step.query[i]], kv, kv[:, :, :LATENT],
+                                      SCALE)
+        expected.append(o)
+        expected_lse.append(row_lse)
+        start += step.query[i]
+    spec = _spec(step, reqs, mode)
+    assert out.shape == (tokens, HEADS, LATENT) and out.dtype == torch.bfloat16
+    assert compare(out, torch.cat(expected), DType.BF16, spec) is None
+    assert lse is not None  # both backends declare the log-sum-exp
+    assert torch.allclose(lse.float(), torch.cat(expected_lse), atol=2e-3, rtol=2e-4)
+
+
+def _prefill_part(engine: TinyEngine, step: Step, md: object, reqs: range) -> None:
+    """forward_mha of the prefill requests against float64 MHA over the layer's
+    kv_b_proj-decompressed rows (prefix from the cache, new tokens as given)."""
+    tokens = sum(step.query[i] for i in reqs)
+    first = sum(step.query[:reqs.start])
+    q = engine.randn(tokens, HEADS, NOPE + ROPE)
+    new_rows = torch.cat([step.rows[i][step.context[i]:] for i in reqs])
+    kv_c, k_pe = new_rows[:, :LATENT], new_rows[:, None, LATENT:]
+    output = torch.full((tokens, HEADS * VDIM), float("nan"), dtype=torch.bfloat16)
+    engine.impl.forward_mha(q, kv_c, k_pe, engine.kv_cache, md, engine.layer._k_scale, output)
+    expected, start = [], 0
+    for i in reqs:
+        k, v = engine.impl._decompress(step.rows[i][:, :LATENT], step.rows[i][:, LATENT:])
+        n = step.query[i]
+        o, _ = oracle_attention(q[start:start + n], k, v, SCALE)
+        expected.append(o)
+        start += n
+    assert first == step.num_tokens - tokens
+    spec = _spec(step, reqs, ForwardMode.EXTEND)
+    assert compare(output.view(tokens, HEADS, VDIM), torch.cat(expected), DType.BF16,
+                   spec) is None
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("case", list(STEPS))
+def test_a_vllm_step_through_vllms_builder_and_impl(name: str, case: str) -> None:
+    engine = TinyEngine(name)
+    step = engine.step(*STEPS[case])
+    md = engine.build(step)
+    decodes = sum(1 for n in step.query if n == 1)
+    # vLLM's own split, which the adapter's batches follow
+    assert (md.num_decodes, md.num_prefills) == (decodes, len(step.query) - decodes)
+    if decodes:
+        assert md.attnreg_decode.batch.forward_mode is ForwardMode.DECODE
+        _decode_part(engine, step, md, range(decodes), ForwardMode.DECODE)
+    else:
+        assert md.attnreg_decode is None
+    if md.num_prefills:
+        assert md.attnreg_prefill.batch.prefix_lens_cpu == tuple(step.context[decodes:])
+        _prefill_part(engine, step, md, range(decodes, len(step.query)))
+    else:
+        assert md.attnreg_prefill is None
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_speculative_verify_runs_as_attnregs_target_verify(name: str) -> None:
+    engine = TinyEngine(name, draft=2)
+    # 1 + 2 draft tokens per request: vLLM's decode part under UNIFORM query lengths
+    step = engine.step([5, 18], [3, 3])
+    md = engine.build(step)
+    assert engine.builder.reorder_batch_threshold == 3
+    assert (md.num_decodes, md.num_decode_tokens) == (2, 6)
+    assert md.attnreg_decode.batch.forward_mode is ForwardMode.TARGET_VERIFY
+    _decode_part(engine, step, md, range(2), ForwardMode.TARGET_VERIFY)
+
+
+def test_the_cache_is_viewed_without_a_copy() -> None:
+    engine = TinyEngine("reference")
+    step = engine.step([3], [1])
+    md = engine.build(step)
+    engine.impl.forward_mqa(engine.randn(1, HEADS, LATENT + ROPE), engine.kv_cache, md,
+                            engine.layer)
+    pool = engine.impl._pool
+    assert pool is not None and pool.buffer.data_ptr() == engine.kv_cache.data_ptr()
+    assert pool.buffer.shape == engine.kv_cache.shape
+
+
+def test_a_block_size_outside_the_declaration_is_refused_when_vllm_builds_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from . import _adapter_env
+
+    monkeypatch.setattr(_adapter_env, "BLOCK", 8)  # reference declares 1, 16, 32, 64
+    with pytest.raises(UnsupportedError, match="page size 8"):
+        TinyEngine("reference")
+
+
+def test_a_padded_cache_layout_is_refused() -> None:
+    engine = TinyEngine("reference")
+    step = engine.step([3], [1])
+    md = engine.build(step)
+    padded = torch.zeros(16, 16, 640, dtype=torch.bfloat16)[..., :576]
+    with pytest.raises(UnsupportedError, match="without a copy"):
+        engine.impl.forward_mqa(engine.randn(1, HEADS, LATENT + ROPE), padded, md,
+                                engine.layer)
+
+
+def test_bridge_off_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.delenv("ATTNREG_VLLM", raising=False)
+    plugin.register()
+    assert registered() == []
+    with pytest.raises(ValueError, match="Unknown attention backend"):
+        AttentionBackendEnum["ATTNREG_REFERENCE"]
+
+
+def test_bridge_on_registers_every_attnreg_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from attnreg.integrations.vllm import hooks
+    from attnreg.registry import get_registry
+
+    monkeypatch.setenv("ATTNREG_VLLM", "1")
+    try:
+        plugin.register()
+        names = registered()
+        assert names == sorted("ATTNREG_" + n.upper() for n in get_registry().names())
+        cls = AttentionBackendEnum["ATTNREG_TRITON"].get_class()
+        assert cls.get_name() == "ATTNREG_TRITON" and cls.is_mla()
+        assert cls.get_builder_cls().vllm_backend_name == "ATTNREG_TRITON"
+    finally:
+        hooks.uninstall()
