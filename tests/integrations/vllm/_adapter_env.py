@@ -78,11 +78,17 @@ class KVBProj(torch.nn.Module):
 
 @dataclass
 class Step:
-    """One vLLM step: requests in vLLM's order (decodes first), their rows, the metadata."""
+    """One vLLM step: requests in vLLM's order (decodes first), their rows, the metadata.
+
+    ``written``: per request the ``[seq_len, 576]`` bf16 rows the model computed (the new
+    tokens' are what the layer hands ``forward_mha``); ``rows``: the same as the cache
+    reads them back (float32; dequantised with the layer's scale for an fp8 cache).
+    """
 
     context: list[int]
     query: list[int]
-    rows: list[torch.Tensor]          # per request, [seq_len, 576] as stored (bf16)
+    written: list[torch.Tensor]
+    rows: list[torch.Tensor]
     common: CommonAttentionMetadata
 
     @property
@@ -94,7 +100,7 @@ class TinyEngine:
     """vLLM's builder and impl of ``ATTNREG_<NAME>`` for one MLA layer, and its cache."""
 
     def __init__(self, name: str, *, draft: int = 0, num_blocks: int = 16,
-                 seed: int = 0) -> None:
+                 kv: str = "auto", k_scale: float = 1.0, seed: int = 0) -> None:
         register_backends([name])
         self.backend_cls = AttentionBackendEnum[vllm_name(name)].get_class()
         self.gen = torch.Generator().manual_seed(seed)
@@ -107,7 +113,7 @@ class TinyEngine:
         spec_config = (SimpleNamespace(num_speculative_tokens=draft, parallel_drafting=False,
                                        method="mtp") if draft else None)
         self.vllm_config = SimpleNamespace(
-            model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto"),
+            model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=kv),
             parallel_config=ParallelConfig(),
             scheduler_config=SchedulerConfig(max_model_len=512, is_encoder_decoder=False),
             attention_config=AttentionConfig(), compilation_config=CompilationConfig(),
@@ -119,22 +125,28 @@ class TinyEngine:
         self.layer = SimpleNamespace(
             q_lora_rank=None, kv_lora_rank=LATENT, qk_nope_head_dim=NOPE,
             qk_rope_head_dim=ROPE, v_head_dim=VDIM, scale=SCALE, prefill_backend=prefill,
-            non_causal_multi_token_decode=False, _k_scale=torch.tensor(1.0))
+            non_causal_multi_token_decode=False, _k_scale=torch.tensor(k_scale))
         self.vllm_config.compilation_config.static_forward_context[LAYER] = self.layer
-        kv_spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=ROW, dtype=BF16)
+        self.fp8 = kv == "fp8"
+        self.k_scale = k_scale
+        # vLLM keeps an fp8 cache as uint8 storage; its layer views it as float8_e4m3fn
+        # before it calls the impl (MLAAttention.forward_impl)
+        kv_spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=ROW,
+                                   dtype=torch.uint8 if self.fp8 else BF16)
         with set_current_vllm_config(self.vllm_config):
             self.builder = self.backend_cls.get_builder_cls()(
                 kv_spec, [LAYER], self.vllm_config, torch.device("cpu"))
             self.impl = self.backend_cls.get_impl_cls()(
                 num_heads=HEADS, head_size=ROW, scale=SCALE, num_kv_heads=1,
-                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+                alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv,
                 logits_soft_cap=None, attn_type=AttentionType.DECODER,
                 kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=LATENT,
                 qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE,
                 v_head_dim=VDIM, kv_b_proj=self.kv_b_proj)
         #: vLLM's cache of this layer: [num_blocks, block_size, 576]; block 0 is vLLM's
         #: null block, never a request's
-        self.kv_cache = torch.zeros(num_blocks, BLOCK, ROW, dtype=BF16)
+        self.kv_cache = torch.zeros(num_blocks, BLOCK, ROW,
+                                    dtype=torch.float8_e4m3fn if self.fp8 else BF16)
         self._free = list(range(1, num_blocks))
         self.rng.shuffle(self._free)
 
@@ -147,15 +159,18 @@ class TinyEngine:
         seq = [c + q for c, q in zip(context, query)]
         width = max(-(-n // BLOCK) for n in seq)
         table = torch.zeros(len(seq), width, dtype=torch.int32)
-        rows, slots = [], []
+        written, rows, slots = [], [], []
         cache = self.kv_cache.view(-1, ROW)
         for i, (n, c) in enumerate(zip(seq, context)):
             blocks = [self._free.pop() for _ in range(-(-n // BLOCK))]
             table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             seq_slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)])
             r = self.randn(n, ROW)
-            cache[seq_slots] = r
-            rows.append(r)
+            # concat_and_cache_mla's layout: one row per slot; fp8 stores value / k_scale
+            cache[seq_slots] = (r.float() / self.k_scale).to(cache.dtype) if self.fp8 else r
+            stored = cache[seq_slots].float()
+            written.append(r)
+            rows.append(stored * self.k_scale if self.fp8 else stored)
             slots.append(seq_slots[c:])
         qsl = torch.tensor([0] + [sum(query[:i + 1]) for i in range(len(query))],
                            dtype=torch.int32)
@@ -166,7 +181,7 @@ class TinyEngine:
             max_seq_len=max(seq), block_table_tensor=table,
             slot_mapping=torch.cat(slots).to(torch.int64),
             seq_lens_cpu_upper_bound=seq_t.clone())
-        return Step(list(context), list(query), rows, common)
+        return Step(list(context), list(query), written, rows, common)
 
     def build(self, step: Step) -> Any:
         with set_current_vllm_config(self.vllm_config), _no_pinned_memory():

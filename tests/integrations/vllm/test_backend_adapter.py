@@ -77,13 +77,17 @@ def _prefill_part(engine: TinyEngine, step: Step, md: object, reqs: range) -> No
     tokens = sum(step.query[i] for i in reqs)
     first = sum(step.query[:reqs.start])
     q = engine.randn(tokens, HEADS, NOPE + ROPE)
-    new_rows = torch.cat([step.rows[i][step.context[i]:] for i in reqs])
+    # the layer hands forward_mha the new tokens' rows as the model computed them
+    new_rows = torch.cat([step.written[i][step.context[i]:] for i in reqs])
     kv_c, k_pe = new_rows[:, :LATENT], new_rows[:, None, LATENT:]
     output = torch.full((tokens, HEADS * VDIM), float("nan"), dtype=torch.bfloat16)
     engine.impl.forward_mha(q, kv_c, k_pe, engine.kv_cache, md, engine.layer._k_scale, output)
     expected, start = [], 0
     for i in reqs:
-        k, v = engine.impl._decompress(step.rows[i][:, :LATENT], step.rows[i][:, LATENT:])
+        # the cached prefix as the cache holds it, the new tokens as computed
+        c = step.context[i]
+        rows = torch.cat([step.rows[i][:c].to(torch.bfloat16), step.written[i][c:]])
+        k, v = engine.impl._decompress(rows[:, :LATENT], rows[:, LATENT:])
         n = step.query[i]
         o, _ = oracle_attention(q[start:start + n], k, v, SCALE)
         expected.append(o)
@@ -94,10 +98,15 @@ def _prefill_part(engine: TinyEngine, step: Step, md: object, reqs: range) -> No
                    spec) is None
 
 
+#: vLLM cache_dtype -> the layer's k_scale
+KV = {"auto": 1.0, "fp8": 0.5}
+
+
 @pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("kv", list(KV))
 @pytest.mark.parametrize("case", list(STEPS))
-def test_a_vllm_step_through_vllms_builder_and_impl(name: str, case: str) -> None:
-    engine = TinyEngine(name)
+def test_a_vllm_step_through_vllms_builder_and_impl(name: str, kv: str, case: str) -> None:
+    engine = TinyEngine(name, kv=kv, k_scale=KV[kv])
     step = engine.step(*STEPS[case])
     md = engine.build(step)
     decodes = sum(1 for n in step.query if n == 1)
@@ -145,6 +154,29 @@ def test_a_block_size_outside_the_declaration_is_refused_when_vllm_builds_it(
     monkeypatch.setattr(_adapter_env, "BLOCK", 8)  # reference declares 1, 16, 32, 64
     with pytest.raises(UnsupportedError, match="page size 8"):
         TinyEngine("reference")
+
+
+def test_fp8_cache_is_viewed_with_the_layers_scale() -> None:
+    engine = TinyEngine("reference", kv="fp8", k_scale=0.5)
+    step = engine.step([3], [1])
+    md = engine.build(step)
+    engine.impl.forward_mqa(engine.randn(1, HEADS, LATENT + ROPE), engine.kv_cache, md,
+                            engine.layer)
+    pool = engine.impl._pool
+    assert pool is not None and pool.kv_dtype is DType.FP8_E4M3 and pool.scale == 0.5
+    assert pool.buffer.data_ptr() == engine.kv_cache.data_ptr()
+
+
+def test_prefill_without_an_attnreg_kernel_runs_vllms_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a backend with no chunked-prefix MHA kernel for the model: the builder plans no
+    # attnreg prefill, and forward_mha is vLLM's own (here its CPU SDPA prefill backend)
+    engine = TinyEngine("reference")
+    engine.builder.attnreg_prefill = None
+    step = engine.step([0], [5])  # no cached context: vLLM's path needs no CUDA op
+    md = engine.build(step)
+    assert md.attnreg_prefill is None and md.prefill.prefill_backend is not None
+    _prefill_part(engine, step, md, range(1))
 
 
 def test_a_padded_cache_layout_is_refused() -> None:
