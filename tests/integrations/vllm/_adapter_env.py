@@ -1,27 +1,31 @@
 """One tiny vLLM 0.33 engine on CPU for attnreg's backends behind vLLM's MLA interface.
 
 Real vLLM: the backend class vLLM's registry resolves for ``ATTNREG_<NAME>``
-(``AttentionBackendEnum[...].get_class()``), its metadata builder and impl
-(subclasses of vLLM's ``MLACommonMetadataBuilder`` / ``MLACommonImpl``, whose
-constructors and ``build`` run as they are), ``CacheConfig``,
-``ParallelConfig``, ``SchedulerConfig``, ``AttentionConfig``,
-``CompilationConfig``, ``MLAAttentionSpec``, ``CommonAttentionMetadata`` and
-vLLM's CPU MLA prefill backend (``CPUSDPAMLAPrefillBackend``, which the base
-builder clones and prepares).
+(``AttentionBackendEnum[...].get_class()``); vLLM's ``MLAAttention`` layer
+built with it (its constructor builds the impl, registers the layer in
+``static_forward_context``, sets up ``_k_scale``; ``process_weights_after_loading``
+splits ``kv_b_proj`` into ``W_UK`` / ``W_UV``; ``forward_impl`` splits the
+step, absorbs ``W_UK``, calls ``forward_mqa`` / ``forward_mha`` and applies
+``W_UV``); the metadata builder and impl (subclasses of vLLM's
+``MLACommonMetadataBuilder`` / ``MLACommonImpl``, whose constructors and
+``build`` run as they are); ``CacheConfig``, ``ParallelConfig``,
+``SchedulerConfig``, ``AttentionConfig``, ``CompilationConfig``,
+``KernelConfig``, ``MLAAttentionSpec``, ``CommonAttentionMetadata`` and vLLM's
+CPU MLA prefill backend (``CPUSDPAMLAPrefillBackend``, which the layer builds
+and the base builder clones and prepares).
 
 Stood in, because they cannot be built on this machine or need a whole model:
 
 * the model config (a real ``ModelConfig`` / ``VllmConfig`` cannot infer a
   device here; as in :mod:`._vllm_env`): the fields the builder reads;
-* the ``MLAAttention`` layer in ``static_forward_context``: its MLA dims, scale,
-  ``_k_scale`` and prefill backend (what the builder and impl read);
+* ``compilation_config.custom_ops`` is ``["none"]`` (what ``VllmConfig.__post_init__``
+  fills in, which does not run on the stand-in config);
 * ``kv_b_proj``: a bias-free linear returning ``(out, None)`` as vLLM's
   ``ColumnParallelLinear`` does (the real one needs tensor-parallel groups);
-* the layer's cache write (vLLM's ``concat_and_cache_mla`` custom op is not
-  built for CPU): rows go to ``cache.view(-1, 576)[slot_mapping]``, the layout
-  that op writes;
-* the layer's ``W_UK`` absorption before ``forward_mqa`` and ``W_UV`` after it:
-  the tests hand ``forward_mqa`` an absorbed query, as the layer would;
+* the layer's cache write (``MLAAttention.forward`` calls vLLM's
+  ``concat_and_cache_mla``, a custom op not built for CPU, so the tests call
+  ``forward_impl``, the part after the write): rows go to
+  ``cache.view(-1, 576)[slot_mapping]``, the layout that op writes;
 * every vLLM module's ``PIN_MEMORY`` is False during ``build`` (what vLLM's CPU platform
   reports; without a platform plugin vLLM's ``UnspecifiedPlatform`` says True here,
   and a pinned host tensor then fails without an accelerator).
@@ -44,11 +48,13 @@ from vllm.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
+    KernelConfig,
     ParallelConfig,
     SchedulerConfig,
     set_current_vllm_config,
 )
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -66,6 +72,9 @@ BF16 = torch.bfloat16
 class KVBProj(torch.nn.Module):
     """``kv_b_proj`` of one layer: latent ``[n, 512]`` -> ``[n, H * (nope + v)]``, returned
     as ``(out, None)`` like vLLM's ``ColumnParallelLinear``."""
+
+    #: unquantised (what vLLM's ``get_and_maybe_dequant_weights`` asks)
+    quant_method = None
 
     def __init__(self, gen: torch.Generator) -> None:
         super().__init__()
@@ -116,17 +125,11 @@ class TinyEngine:
             model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=kv),
             parallel_config=ParallelConfig(),
             scheduler_config=SchedulerConfig(max_model_len=512, is_encoder_decoder=False),
-            attention_config=AttentionConfig(), compilation_config=CompilationConfig(),
-            speculative_config=spec_config, use_v2_model_runner=False)
+            attention_config=AttentionConfig(),
+            compilation_config=CompilationConfig(custom_ops=["none"]),
+            kernel_config=KernelConfig(), speculative_config=spec_config,
+            use_v2_model_runner=False)
         self.kv_b_proj = KVBProj(self.gen)
-        prefill = CPUSDPAMLAPrefillBackend(
-            num_heads=HEADS, scale=SCALE, kv_lora_rank=LATENT, qk_nope_head_dim=NOPE,
-            qk_rope_head_dim=ROPE, v_head_dim=VDIM, vllm_config=self.vllm_config)
-        self.layer = SimpleNamespace(
-            q_lora_rank=None, kv_lora_rank=LATENT, qk_nope_head_dim=NOPE,
-            qk_rope_head_dim=ROPE, v_head_dim=VDIM, scale=SCALE, prefill_backend=prefill,
-            non_causal_multi_token_decode=False, _k_scale=torch.tensor(k_scale))
-        self.vllm_config.compilation_config.static_forward_context[LAYER] = self.layer
         self.fp8 = kv == "fp8"
         self.k_scale = k_scale
         # vLLM keeps an fp8 cache as uint8 storage; its layer views it as float8_e4m3fn
@@ -134,15 +137,19 @@ class TinyEngine:
         kv_spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=ROW,
                                    dtype=torch.uint8 if self.fp8 else BF16)
         with set_current_vllm_config(self.vllm_config):
+            self.layer = MLAAttention(
+                num_heads=HEADS, scale=SCALE, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+                v_head_dim=VDIM, q_lora_rank=None, kv_lora_rank=LATENT,
+                kv_b_proj=self.kv_b_proj, cache_config=self.vllm_config.cache_config,
+                prefix=LAYER, attn_backend=self.backend_cls,
+                prefill_backend_cls=CPUSDPAMLAPrefillBackend)
+            self.layer.process_weights_after_loading(BF16)
+            # what a checkpoint's k_scale sets (vLLM loads weights before the cache)
+            self.layer._k_scale.fill_(k_scale)
+            self.layer._k_scale_float = k_scale
+            self.impl = self.layer.impl
             self.builder = self.backend_cls.get_builder_cls()(
                 kv_spec, [LAYER], self.vllm_config, torch.device("cpu"))
-            self.impl = self.backend_cls.get_impl_cls()(
-                num_heads=HEADS, head_size=ROW, scale=SCALE, num_kv_heads=1,
-                alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv,
-                logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=LATENT,
-                qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE,
-                v_head_dim=VDIM, kv_b_proj=self.kv_b_proj)
         #: vLLM's cache of this layer: [num_blocks, block_size, 576]; block 0 is vLLM's
         #: null block, never a request's
         self.kv_cache = torch.zeros(num_blocks, BLOCK, ROW,

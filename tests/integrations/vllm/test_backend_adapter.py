@@ -2,8 +2,10 @@
 
 Each step runs through vLLM's real metadata builder (``MLACommonMetadataBuilder.build``:
 vLLM's own decode / prefill split) and impl (``forward_mqa`` for the decode part,
-``forward_mha`` for the prefill part) over vLLM's paged MLA cache, and is
-compared with attnreg's float64 oracle.  What is stood in, and why, is in
+``forward_mha`` for the prefill part) over vLLM's paged MLA cache, one part at a
+time and through vLLM's real ``MLAAttention.forward_impl`` (which absorbs
+``W_UK`` and applies ``W_UV`` itself), and is compared with attnreg's float64
+oracle.  What is stood in, and why, is in
 :mod:`._adapter_env`.  The reference backend and the Triton kernels (under
 ``TRITON_INTERPRET=1``, tiny shapes) run every case.
 """
@@ -122,6 +124,43 @@ def test_a_vllm_step_through_vllms_builder_and_impl(name: str, kv: str, case: st
         _prefill_part(engine, step, md, range(decodes, len(step.query)))
     else:
         assert md.attnreg_prefill is None
+
+
+def _mha_oracle(engine: TinyEngine, step: Step, q: torch.Tensor, decodes: int
+                ) -> torch.Tensor:
+    """float64 MHA of every request over its kv_b_proj-decompressed rows: decode requests
+    read all their rows from the cache, prefill requests the new ones as computed."""
+    expected, start = [], 0
+    for i, (c, n) in enumerate(zip(step.context, step.query)):
+        cached = step.rows[i] if i < decodes else step.rows[i][:c]
+        rows = torch.cat([cached.to(torch.bfloat16), step.written[i][cached.shape[0]:]])
+        k, v = engine.impl._decompress(rows[:, :LATENT], rows[:, LATENT:])
+        o, _ = oracle_attention(q[start:start + n], k, v, SCALE)
+        expected.append(o)
+        start += n
+    return torch.cat(expected)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("kv", list(KV))
+def test_vllms_mla_layer_runs_a_mixed_step_through_the_adapter(name: str, kv: str) -> None:
+    # MLAAttention.forward_impl: vLLM's split, its W_UK absorption before forward_mqa,
+    # its W_UV after it, forward_mha for the prefill; the cache as vLLM keeps it (uint8
+    # storage for fp8, which the layer views as float8_e4m3fn)
+    engine = TinyEngine(name, kv=kv, k_scale=KV[kv])
+    step = engine.step([13, 30, 4], [1, 1, 6])
+    md = engine.build(step)
+    tokens = step.num_tokens
+    q = engine.randn(tokens, HEADS, NOPE + ROPE)
+    new = torch.cat([w[c:] for w, c in zip(step.written, step.context)])
+    cache = engine.kv_cache.view(torch.uint8) if engine.fp8 else engine.kv_cache
+    output = torch.full((tokens, HEADS * VDIM), float("nan"), dtype=torch.bfloat16)
+    engine.layer.forward_impl(q, new[:, :LATENT], new[:, None, LATENT:], cache, md,
+                              output=output)
+    spec = BatchSpec("vllm", Phase.PREFILL, tuple(zip(step.context, step.query)),
+                     "a mixed vLLM step", ForwardMode.EXTEND)
+    assert compare(output.view(tokens, HEADS, VDIM), _mha_oracle(engine, step, q, 2),
+                   DType.BF16, spec) is None
 
 
 @pytest.mark.parametrize("name", BACKENDS)
