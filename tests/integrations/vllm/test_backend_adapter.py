@@ -12,6 +12,8 @@ oracle.  What is stood in, and why, is in
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,7 +23,11 @@ if not HAS_VLLM:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from attnreg.integrations.vllm import plugin
-from attnreg.integrations.vllm.registration import registered, unregister_backends
+from attnreg.integrations.vllm.registration import (
+    register_backends,
+    registered,
+    unregister_backends,
+)
 from attnreg.registry import DType, ForwardMode, Phase, UnsupportedError
 from attnreg.testing.batches import BatchSpec
 from attnreg.testing.workload import compare, oracle_attention
@@ -37,7 +43,11 @@ STEPS = {
     # what vLLM runs most: decodes and a prefill chunk in one step
     "mixed": ([13, 30, 4], [1, 1, 6]),
 }
-BACKENDS = ["reference", "triton"]
+#: The tiny engine runs on the CPU, where Triton runs only under its interpreter (which
+#: the suite turns on only without a GPU).
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on the CPU needs TRITON_INTERPRET=1 (set by the suite without a GPU)"))]
 
 
 @pytest.fixture(autouse=True)
@@ -226,6 +236,35 @@ def test_a_padded_cache_layout_is_refused() -> None:
     with pytest.raises(UnsupportedError, match="without a copy"):
         engine.impl.forward_mqa(engine.randn(1, HEADS, LATENT + ROPE), padded, md,
                                 engine.layer)
+
+
+def _reasons(cls: type, **changes: object) -> list[str]:
+    from vllm.platforms.interface import DeviceCapability
+
+    args: dict[str, object] = dict(
+        head_size=LATENT + ROPE, dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=16,
+        use_mla=True, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=DeviceCapability(9, 0),
+        attn_type="decoder")
+    args.update(changes)
+    return cls.validate_configuration(**args)
+
+
+def test_vllms_selector_checks_read_the_declaration() -> None:
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register_backends(["reference", "triton"])
+    reference = AttentionBackendEnum["ATTNREG_REFERENCE"].get_class()
+    triton = AttentionBackendEnum["ATTNREG_TRITON"].get_class()
+    assert _reasons(reference) == []
+    # reference declares pages of 1, 16, 32, 64 and no fp8_e5m2 cache
+    assert _reasons(reference, block_size=8) == ["block_size not supported"]
+    assert _reasons(reference, kv_cache_dtype="fp8_e5m2") == ["kv_cache_dtype not supported"]
+    assert "sparse not supported" in _reasons(reference, use_sparse=True)
+    # triton declares cuda sm80+
+    assert _reasons(triton, device_capability=DeviceCapability(7, 5)) == [
+        "compute capability not supported"]
 
 
 def test_bridge_off_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
