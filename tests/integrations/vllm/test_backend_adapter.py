@@ -228,6 +228,46 @@ def test_prefill_without_an_attnreg_kernel_runs_vllms_own(
     _prefill_part(engine, step, md, range(1))
 
 
+def _vllm_layer_views(layout_name: str, num_blocks: int = 4) -> list[torch.Tensor]:
+    """Two layers' caches as vLLM's allocator views one backing buffer in ``layout``
+    (``create_kv_cache_views``), bound as ``MLAAttention.bind_kv_cache`` binds them."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, MLAAttentionSpec, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=LATENT + ROPE,
+                            dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    if layout.is_layer_compact:
+        strides = {"layer_stride": page * num_blocks, "block_stride": page}
+    else:
+        strides = {"layer_stride": page, "block_stride": 2 * page}
+    placement = KVCacheTensor(size=2 * page * num_blocks, layers=["l0", "l1"], **strides)
+    raw = torch.zeros(placement.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, layout, placement)
+    return [v.squeeze(1) for v in views]  # MLAAttention.bind_kv_cache
+
+
+def test_the_layouts_the_backend_asks_vllm_for_are_viewed_without_a_copy() -> None:
+    engine = TinyEngine("reference")
+    layouts = engine.backend_cls.supported_kv_cache_layouts()
+    assert layouts and all(layout.is_layer_compact for layout in layouts)
+    for layout in layouts:
+        for view in _vllm_layer_views(layout.name):
+            engine.impl._pool = None
+            pool = engine.impl._pool_for(view, engine.layer._k_scale)
+            assert pool.buffer.data_ptr() == view.data_ptr()
+            assert pool.buffer.shape == view.shape == (4, 16, LATENT + ROPE)
+
+
+def test_a_block_outermost_layout_is_refused() -> None:
+    # what VLLM_KV_CACHE_LAYOUT=BLNHC would force: layers' pages interleaved per block
+    engine = TinyEngine("reference")
+    view = _vllm_layer_views("BLNHC")[1]
+    with pytest.raises(UnsupportedError, match="without a copy"):
+        engine.impl._pool_for(view, engine.layer._k_scale)
+
+
 def test_a_padded_cache_layout_is_refused() -> None:
     engine = TinyEngine("reference")
     step = engine.step([3], [1])

@@ -19,8 +19,11 @@ vLLM's cache of one MLA layer is ``[num_blocks, block_size, 576]`` (latent
 then rope per token; fp8 as ``float8_e4m3fn`` storing ``value / k_scale``);
 block 0 is vLLM's null block, never given to a request.  That is attnreg's
 ``MLAKVPool`` layer exactly (page 0 the padding page), so the impl views it
-without a copy (``MLAKVPool.wrap``).  A cache that is not contiguous (a
-padded page stride, hybrid models) or not 576 wide is refused.
+without a copy (``MLAKVPool.wrap``).  The backend asks vLLM for a
+layer-outermost KV-cache layout (``supported_kv_cache_layouts``: LBNHC,
+LBHNC), where each layer's cache is one contiguous region; a cache that is
+not contiguous anyway (a block-outermost layout forced with
+``VLLM_KV_CACHE_LAYOUT``, a padded page) or not 576 wide is refused.
 
 CUDA graphs: the adapter runs attnreg eagerly (attnreg's host planning per
 step), so its builders state ``AttentionCGSupport.NEVER`` and the bridge's
@@ -48,6 +51,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from attnreg.registry import (
     Capabilities,
@@ -350,6 +354,14 @@ class AttnregMLABackend(MLACommonBackend):
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
         return block_size is None or not cls.block_sizes or block_size in cls.block_sizes
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Layer-outermost layouts: each layer's cache is one contiguous
+        # [num_blocks, block_size, 576] region (H = 1 for MLA), which the impl views
+        # as an MLAKVPool layer without a copy.  Block-outermost layouts interleave
+        # the layers' pages, a stride attnreg's kernels do not take.
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
