@@ -216,6 +216,19 @@ def test_fp8_cache_is_viewed_with_the_layers_scale() -> None:
     assert pool.buffer.data_ptr() == engine.kv_cache.data_ptr()
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_long_prefix_is_decompressed_in_chunks_of_vllms_workspace(name: str) -> None:
+    # vLLM bounds the decompressed context by its chunked-prefill workspace; attnreg's
+    # chunked-prefix MHA reads the prefix in chunks of that many rows
+    engine = TinyEngine(name)
+    engine.builder.chunked_prefill_workspace_size = 16
+    step = engine.step([40, 7], [5, 3])
+    md = engine.build(step)
+    assert md.attnreg_prefill.chunk_tokens == 16
+    assert len(md.attnreg_prefill.batch.prefix_chunks(16, 16)) == 3
+    _prefill_part(engine, step, md, range(2))
+
+
 def test_prefill_without_an_attnreg_kernel_runs_vllms_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # a backend with no chunked-prefix MHA kernel for the model: the builder plans no
