@@ -65,9 +65,15 @@ CASES: dict[Engine, tuple[str, str, str, tuple[str, ...]]] = {
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
     Engine("FLASHMLA", 90, "fp8"): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
-    # attnreg's reference declares no decode graphs (a hard rule; unlocked: a downgrade).
+    # attnreg's reference declares no decode graphs (a hard rule; unlocked: a downgrade),
+    # and behind vLLM's interface the adapter runs every attnreg backend eagerly.
     Engine("ATTNREG_REFERENCE", 90): (
-        "PIECEWISE", "PIECEWISE", "NEVER", ("backend.capture_unsupported",)),
+        "PIECEWISE", "PIECEWISE", "NEVER",
+        ("engine.mode_unsupported", "backend.capture_unsupported")),
+    # attnreg's triton declares full decode graphs, but behind vLLM's interface the
+    # adapter runs it eagerly (its builder states NEVER): no full decode graph.
+    Engine("ATTNREG_TRITON", 90): (
+        "PIECEWISE", "PIECEWISE", "NEVER", ("engine.mode_unsupported",)),
 }
 
 #: Configurations the bridge leaves to vLLM, with why.
@@ -142,6 +148,14 @@ def test_a_lock_breaking_a_hard_rule_fails_startup(bridge_on: None) -> None:
         _resolve(e)
     assert isinstance(info.value, ValueError)
     assert any("backend.capture_unsupported" in r for r in info.value.reasons)
+
+
+def test_a_full_decode_lock_on_the_adapter_fails_startup(bridge_on: None) -> None:
+    # triton declares full decode graphs; the adapter behind vLLM's interface has none
+    with pytest.raises(VllmGraphPolicyError) as info:
+        _resolve(Engine("ATTNREG_TRITON", 90, explicit="FULL_DECODE_ONLY"))
+    assert any("engine.mode_unsupported" in r for r in info.value.reasons)
+    assert not any("backend.capture_unsupported" in r for r in info.value.reasons)
 
 
 def test_asking_twice_gives_the_same_answer(bridge_on: None) -> None:

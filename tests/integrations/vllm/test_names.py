@@ -90,9 +90,20 @@ def test_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_light_modules_import_without_vllm_or_torch() -> None:
     code = ("import sys; import attnreg.integrations.vllm.plugin, "
-            "attnreg.integrations.vllm.names, attnreg.integrations.vllm.vocabulary; "
+            "attnreg.integrations.vllm.names, attnreg.integrations.vllm.vocabulary, "
+            "attnreg.integrations.vllm.registration; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ})
     assert out.stdout.strip() == "[]"
     importlib.import_module("attnreg.integrations.vllm.plugin")
+
+
+def test_vllm_names_of_attnreg_backends_map_back_exactly() -> None:
+    from attnreg.integrations.vllm.registration import backend_class_name, class_path, vllm_name
+
+    for name in get_registry().names():
+        mapping = names.map_backend(vllm_name(name))
+        assert mapping.exact and mapping.attnreg == name
+    assert class_path("flashinfer_mla") == (
+        "attnreg.integrations.vllm.backend." + backend_class_name("flashinfer_mla"))
