@@ -39,7 +39,8 @@ CASES: dict[Engine, tuple[str, str, str, tuple[str, ...]]] = {
     # Verify batches of 4 tokens: within the 8 draft tokens triton's full graphs declare.
     Engine("TRITON_MLA", 90, draft=3): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
-    # 10 draft tokens: more than triton's full graphs declare, so verify runs eagerly.
+    # 10 speculative tokens (verify batches of 11): more than triton's full graphs
+    # declare, so verify runs eagerly.
     Engine("TRITON_MLA", 90, draft=10): (
         "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("TRITON_MLA", 90, explicit="FULL_DECODE_ONLY"): (
@@ -55,10 +56,14 @@ CASES: dict[Engine, tuple[str, str, str, tuple[str, ...]]] = {
     # ... an explicit mode is a lock: the soft rule yields.
     Engine("FLASHINFER_MLA", 100, "fp8", explicit="FULL_AND_PIECEWISE"): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
-    # trtllm_mla's full graphs serve verify batches of up to 2 tokens per sequence...
+    # trtllm_mla's full graphs serve verify batches of up to 2 tokens per sequence
+    # (1 speculative token: the accepted token and one draft)...
     Engine("FLASHINFER_MLA", 100, draft=1): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
-    # ... and no more, so longer verify batches run eagerly.
+    # ... and no more, so longer verify batches run eagerly: 2 speculative tokens are
+    # verify batches of 3 tokens (the accepted one and the drafts).
+    Engine("FLASHINFER_MLA", 100, draft=2): (
+        "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("FLASHINFER_MLA", 100, draft=3): (
         "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("FLASHMLA", 90, draft=2): (

@@ -93,7 +93,11 @@ def read_facts(vllm_config: Any, backend_name: str, kv_cache_spec: Any, *,
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     spec = vllm_config.speculative_config
-    draft = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+    k = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+    # A verify step carries the last accepted token and the k drafts per request (vLLM's
+    # uniform_decode_query_len = 1 + num_speculative_tokens): the query tokens attnreg's
+    # num_draft_tokens counts, as sglang's speculative_num_draft_tokens does.
+    draft = 1 + k if k else 0
     page_size = getattr(kv_cache_spec, "block_size", None) or cache_config.block_size
     engine = EngineFacts(
         page_size=page_size,
