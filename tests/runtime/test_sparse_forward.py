@@ -39,9 +39,8 @@ def setup(phase: Phase, case: SparseCase, seed: int = 1):  # type: ignore[no-unt
 
 def forward(backend, pool, sw, indices, **kw):  # type: ignore[no-untyped-def]
     w = sw.work
-    f = backend.forward_decode if w.batch.forward_mode.value == "decode" else \
-        backend.forward_extend
-    return f(w.q, w.latent_new, w.rope_new, pool, w.batch, topk_indices=indices, **kw)
+    return backend.forward_sparse(w.q, w.latent_new, w.rope_new, pool, w.batch,
+                                  topk_indices=indices, **kw)
 
 
 @pytest.mark.parametrize("phase, case", [(p, c) for p, cs in SPARSE_CASES.items() for c in cs],

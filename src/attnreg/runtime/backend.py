@@ -38,11 +38,12 @@ from .lse import PrefixDecompress
 from .metadata import ATTENTION_CAPTURE_MODES, ForwardMetadata, PlanT, graph_mode_now, phase_of
 from .pool import MLAKVLayer, MLAKVPool
 from .refusals import Refusal, RequestChecker, refusal_error
+from .sparse import SparseForward
 
 __all__ = ["AttentionBackend"]
 
 
-class AttentionBackend(Generic[PlanT, BuffersT]):
+class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
     """Base class of MLA attention backends.
 
     Built by ``BackendRegistry.create`` as ``cls(config, capabilities=caps, **options)``
@@ -51,6 +52,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     on a request ``self.refusals`` accepted.  ``PlanT``: the backend's per-batch plan
     (``md.plan``); ``BuffersT``: its graph buffers (``graph_state.buffers``).  A
     ``config.page_size`` no kernel reading the paged pool declares is refused here.
+    Sparse (DSA) MLA: :meth:`forward_sparse` (:mod:`attnreg.runtime.sparse`).
     """
 
     #: Overridden per instance by ``capabilities.backend``.
@@ -234,23 +236,17 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                        rope_new: torch.Tensor | None, pool: MLAKVPool,
                        batch: ForwardBatch | None = None, *,
                        out: torch.Tensor | None = None, layer_id: int = 0,
-                       return_lse: bool = False, lse: torch.Tensor | None = None,
-                       topk_indices: torch.Tensor | None = None) -> Any:
+                       return_lse: bool = False, lse: torch.Tensor | None = None) -> Any:
         """Write each sequence's new token (latent_new / rope_new ``[B, 512]`` / ``[B, 64]``,
         None: written) at ``batch.out_cache_loc`` of layer ``layer_id``, then attend with q
         ``[B, H, 576]``; returns ``[B, H, 512]`` (``out=``), or with ``return_lse`` / a
         float32 ``lse=[B, H]`` ``(out, lse)`` where the kernel declares ``lse``.
         ``batch``: eager the batch (planned if it was not); under capture the captured
-        one, or None.  See docs/runtime.md, "Shapes" and "Log-sum-exp".  ``topk_indices``
-        (int32 ``[B, top_k]`` pool slots, -1 = none): sparse (DSA) MLA over those tokens
-        only, on a kernel of ``capabilities.sparse_kernels`` (docs/sparse.md)."""
+        one, or None.  See docs/runtime.md, "Shapes" and "Log-sum-exp"."""
         md = self._metadata_for(batch)
         mode = self.active_graph_mode(Phase.DECODE)
         kv = self._layer(pool, layer_id)
         want_lse = return_lse or lse is not None
-        if topk_indices is not None:
-            return self._forward_sparse(q, latent_new, rope_new, kv, md, mode, topk_indices,
-                                        out, lse, want_lse, ForwardMethod.MLA)
         self._refuse(self.refusals.decode(md, mode, q, kv, latent_new, rope_new, out, lse,
                                           want_lse))
         if latent_new is not None and rope_new is not None:
@@ -273,8 +269,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                        out: torch.Tensor | None = None, layer_id: int = 0,
                        return_lse: bool = False, lse: torch.Tensor | None = None,
                        decompress: PrefixDecompress | None = None,
-                       chunk_tokens: int | None = None,
-                       topk_indices: torch.Tensor | None = None) -> Any:
+                       chunk_tokens: int | None = None) -> Any:
         """Write the new tokens (when given) into layer ``layer_id`` of ``pool``, then attend:
         EXTEND and the speculative TARGET_VERIFY / DRAFT_EXTEND (absorbed MLA) batches.
 
@@ -282,25 +277,12 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         ``kv_indptr``) or MHA_CHUNKED_KV (eager; ``k`` / ``v`` of the new tokens, the
         prefix read in chunks of ``chunk_tokens`` and decompressed by ``decompress(latent,
         rope) -> (k, v)``: :mod:`attnreg.runtime.chunked_prefix`).  Other options as for
-        :meth:`forward_decode`; docs/runtime.md, "Shapes".  ``topk_indices`` (int32
-        ``[T, top_k]``, one row per new token): sparse MLA, as in :meth:`forward_decode`."""
+        :meth:`forward_decode`; docs/runtime.md, "Shapes"."""
         method = ForwardMethod.parse(method)
         md = self._metadata_for(batch)
         mode = self.active_graph_mode(md.phase)
         kv = self._layer(pool, layer_id) if pool is not None else None
         want_lse = return_lse or lse is not None
-        if topk_indices is not None:
-            if md.forward_mode is ForwardMode.DECODE:
-                self._refuse([Refusal.of("forward_extend on a decode batch",
-                                         "the metadata is for decode",
-                                         "call forward_decode for decode batches")])
-            if decompress is not None or chunk_tokens is not None or k is not None \
-                    or v is not None:
-                self._refuse([Refusal.of("sparse extend with k / v / decompress / chunk_tokens",
-                                         "sparse MLA reads only the paged pool",
-                                         "pass q, the new rows, the pool and topk_indices")])
-            return self._forward_sparse(q, latent_new, rope_new, kv, md, mode, topk_indices,
-                                        out, lse, want_lse, method)
         self._refuse(self.refusals.extend(md, mode, method, q, kv, k, v, latent_new, rope_new,
                                           out, lse, want_lse, decompress, chunk_tokens))
         if latent_new is not None and rope_new is not None:
@@ -322,27 +304,6 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
                                 attend=self._forward_prefix_chunk_impl, checker=self.refusals)
         self._mask_padded_lse(lse_out, md)
         return (out, lse_out) if want_lse else out
-
-    def _forward_sparse(self, q: torch.Tensor, latent_new: torch.Tensor | None,
-                        rope_new: torch.Tensor | None, kv: MLAKVLayer | None,
-                        md: ForwardMetadata[PlanT], mode: GraphMode, indices: torch.Tensor,
-                        out: torch.Tensor | None, lse: torch.Tensor | None, want_lse: bool,
-                        method: ForwardMethod) -> Any:
-        """Refuse (indices included), write the new rows, attend the indexed tokens."""
-        capturing = mode is not GraphMode.DISABLED and md.is_graph
-        self._refuse(self.refusals.sparse(md, mode, q, kv, indices, latent_new, rope_new, out,
-                                          lse, want_lse, method=method, capturing=capturing))
-        assert kv is not None
-        if latent_new is not None and rope_new is not None:
-            self._write_kv(kv, md, latent_new, rope_new)
-        if out is None:
-            out = q.new_empty((q.shape[0], q.shape[1], self.config.kv_lora_rank))
-        lse_out = self._lse(lse, q) if want_lse else None
-        self._forward_sparse_impl(q, kv, md, out, indices, lse=lse_out)
-        if lse_out is None:
-            return out
-        self._mask_padded_lse(lse_out, md)
-        return out, lse_out
 
     # -- hooks for subclasses ----------------------------------------------------------
     def _init_metadata_impl(self, md: ForwardMetadata[PlanT]) -> None:
@@ -388,16 +349,6 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
         ``lse`` (a row whose sequence has no token in the chunk: 0 and ``-inf``)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement chunked-prefix "
                                   "MHA")
-
-    def _forward_sparse_impl(self, q: torch.Tensor, pool: MLAKVLayer,
-                             md: ForwardMetadata[PlanT], out: torch.Tensor,
-                             indices: torch.Tensor, *, lse: torch.Tensor | None = None) -> None:
-        """Sparse MLA into ``out``: query row ``i`` (a decode sequence or an extend token)
-        attends, without a causal mask, the pool slots ``indices[i]`` (int32, checked:
-        each -1 or a slot of the pool; -1 is no key; a slot listed twice counts twice);
-        a row with no key gets 0 and an LSE of ``-inf``.  Only for the phases of
-        ``capabilities.sparse_kernels``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement sparse MLA")
 
     def kernel_errors(self, what: str) -> KernelErrors:
         """``with self.kernel_errors("decode inputs"): launch(...)``: a library's pre-launch

@@ -414,23 +414,20 @@ class RequestChecker:
     def sparse(self, md: ForwardMetadata[Any], mode: GraphMode, q: torch.Tensor,
                kv: MLAKVLayer | None, indices: torch.Tensor, latent: torch.Tensor | None,
                rope: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
-               want_lse: bool, *, method: ForwardMethod = ForwardMethod.MLA,
-               capturing: bool = False) -> list[Refusal]:
-        """Everything a sparse (``topk_indices=``) forward refuses: a request no sparse
-        kernel declares, a graph mode its sparse declaration does not support, and an
-        index tensor of the wrong dtype or shape or holding a value that is neither -1 nor
-        a pool slot (read unless ``capturing``)."""
+               want_lse: bool) -> list[Refusal]:
+        """Everything ``forward_sparse`` refuses: a request no sparse kernel declares, a
+        graph mode its sparse declaration does not support, and an index tensor of the
+        wrong dtype or shape or holding a value that is neither -1 nor a pool slot (read
+        unless the forward is being captured)."""
         phase, cfg = md.phase, self.config
+        is_decode = md.forward_mode is ForwardMode.DECODE
+        capturing = mode is not GraphMode.DISABLED and md.is_graph
         if q.dim() != 3:
             return self.query_form(ForwardMethod.MLA, phase, q)
         if kv is None:
             return [Refusal.of(f"sparse {phase} without a KV pool",
                                "sparse MLA attends over the paged pool", "pass the pool")]
         refused: list[Refusal] = []
-        if method is not ForwardMethod.MLA:
-            refused.append(Refusal.of(f"sparse {phase} with method {method}",
-                                      "sparse attention is absorbed MLA over the pool",
-                                      "call forward_extend(..., method=ForwardMethod.MLA)"))
         q_dt = dtype_from_torch(q.dtype)
         top_k = int(indices.shape[-1]) if indices.dim() == 2 else None
         reasons = self.capabilities.check_sparse_request(
@@ -452,7 +449,7 @@ class RequestChecker:
                     support.capture.reason or "declared unsupported",
                     f"run sparse {phase} eagerly or choose a backend whose sparse_graph_modes "
                     f"declare {mode}"))
-        rows = md.batch_size if md.forward_mode is ForwardMode.DECODE else md.num_tokens
+        rows = md.batch_size if is_decode else md.num_tokens
         refused += _if("top-k indices",
                        sparse_index_problems(indices, rows, kv.num_slots, self.device,
                                              check_values=not capturing),

@@ -133,11 +133,8 @@ def _setup(harness: Harness, claim: Claim):  # type: ignore[no-untyped-def]
 
 
 def _forward(backend, work, pool, indices, *, out=None, return_lse=False):  # type: ignore[no-untyped-def]
-    if work.batch.forward_mode is ForwardMode.DECODE:
-        return backend.forward_decode(work.q, work.latent_new, work.rope_new, pool, work.batch,
-                                      out=out, return_lse=return_lse, topk_indices=indices)
-    return backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, work.batch,
-                                  out=out, return_lse=return_lse, topk_indices=indices)
+    return backend.forward_sparse(work.q, work.latent_new, work.rope_new, pool, work.batch,
+                                  topk_indices=indices, out=out, return_lse=return_lse)
 
 
 def _written_problems(pool, work, when: str) -> list[str]:  # type: ignore[no-untyped-def]
@@ -320,14 +317,8 @@ class SparseReplay(ConformanceCheck):
             assert s.inputs is not None
             n = s.inputs.q[0].shape[0]
             out = s.outputs[0] if s.outputs else None
-            if s.forward_mode is ForwardMode.DECODE:
-                backend.forward_decode(s.inputs.q[0], s.inputs.latent_new[0],
-                                       s.inputs.rope_new[0], pool, s.batch, out=out,
-                                       topk_indices=static_idx[:n])
-            else:
-                backend.forward_extend(s.inputs.q[0], s.inputs.latent_new[0],
-                                       s.inputs.rope_new[0], pool, s.batch, out=out,
-                                       topk_indices=static_idx[:n])
+            backend.forward_sparse(s.inputs.q[0], s.inputs.latent_new[0], s.inputs.rope_new[0],
+                                   pool, s.batch, out=out, topk_indices=static_idx[:n])
 
         def load(sw) -> list[str]:  # type: ignore[no-untyped-def]
             # the one index check of a replay: before the copy, as an engine must
