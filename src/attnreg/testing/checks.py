@@ -266,6 +266,8 @@ class Available(ConformanceCheck):
         raise HarnessLimitation(f"nothing to run for a {claim.kind} claim")
 
 
+from . import sparse_checks  # noqa: E402,F401  (registers the sparse checks)
+
 _missing = set(Check) - set(CHECKS)
 if _missing:  # a Check value without its class would be dispatched nowhere
     raise AssertionError(f"checks without a class: {sorted(_missing)}")

@@ -118,6 +118,11 @@ class Check(StrEnum):
     PIECEWISE = "piecewise"
     # availability
     AVAILABLE = "available"
+    # sparse (DSA) MLA: attnreg.testing.sparse_checks
+    SPARSE = "sparse"
+    SPARSE_INDEX = "sparse_index"
+    SPARSE_REFUSES_CAPTURE = "sparse_refuses_capture"
+    SPARSE_REPLAY = "sparse_replay"
 
 
 
@@ -847,6 +852,10 @@ def expand_claims(caps: Capabilities, device: str = "cpu", *,
     claims = (_eager_claims(caps, device, exhaustive, heads)
               + _refusal_claims(caps, device, heads)
               + _capture_claims(caps, device, exhaustive, heads))
+    if caps.sparse_kernels:
+        from .sparse_checks import sparse_claims
+
+        claims += sparse_claims(caps, device, heads)
     if device == "cpu":
         claims = [replace(c, skip_reason="no CUDA graphs on cpu: needs real capture and "
                                          "replay (run with --device cuda)")
