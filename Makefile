@@ -44,14 +44,16 @@ demo: $(VENV)/.demo-installed
 
 # Four phases, each ending in pytest's one summary line (`-r fE`: failures and errors
 # are listed, skips only counted; `pytest -ra` lists every skip reason).  The main suite
-# runs on TEST_WORKERS pytest-xdist workers (docs/benchmarks.md#the-test-suite);
-# TEST_WORKERS=0 runs it in one process.
+# runs on TEST_WORKERS pytest-xdist workers (docs/decisions.md, "make test in minutes");
+# TEST_WORKERS=0 runs it in one process.  --dist loadgroup: the tests of a file that share
+# a module-scoped fixture run on one worker (tests/conftest.py groups them), so the
+# fixture is set up once, not once per worker.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -r fE
 
 test: $(VENV)/.test-installed
 	@echo "== attnreg test 1/4: main suite (tests/, $(TEST_WORKERS) workers) =="
-	@$(PYTEST) -n $(TEST_WORKERS)
+	@$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
 	@echo "== attnreg test 2/4: FlashMLA plugin suite ($(FLASHMLA_PLUGIN)/tests) =="
 	@$(PYTEST) $(FLASHMLA_PLUGIN)/tests
 	@echo "== attnreg test 3/4: sglang bridge suite (tests/integrations/sglang, $(SGLANG_VENV)) =="
