@@ -45,7 +45,7 @@ demo: $(VENV)/.demo-installed
 # Four phases, each ending in pytest's one summary line (`-r fE`: failures and errors
 # are listed, skips only counted; `pytest -ra` lists every skip reason).  The main suite
 # runs on TEST_WORKERS pytest-xdist workers (docs/decisions.md, "make test in minutes");
-# TEST_WORKERS=0 runs it in one process.  --dist loadgroup: the tests of a file that share
+# TEST_WORKERS=0 runs it in one process.  --dist loadfile: the tests of a file that share
 # a module-scoped fixture run on one worker (tests/conftest.py groups them), so the
 # fixture is set up once, not once per worker.
 TEST_WORKERS ?= 2
@@ -53,7 +53,7 @@ PYTEST := $(PY) -m pytest -q -r fE
 
 test: $(VENV)/.test-installed
 	@echo "== attnreg test 1/4: main suite (tests/, $(TEST_WORKERS) workers) =="
-	@$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
+	@$(PYTEST) -n $(TEST_WORKERS) --dist loadfile
 	@$(MAKE) --no-print-directory $(SGLANG_VENV)/.installed $(VLLM_VENV)/.installed
 	@# Phases 2-4 run at once (three processes, three venvs, one pytest each: together they
 	@# keep both cores busy); each one's output is held and printed whole, in phase order.
