@@ -45,9 +45,9 @@ demo: $(VENV)/.demo-installed
 # Four phases, each ending in pytest's one summary line (`-r fE`: failures and errors
 # are listed, skips only counted; `pytest -ra` lists every skip reason).  The main suite
 # runs on TEST_WORKERS pytest-xdist workers (docs/decisions.md, "make test in minutes");
-# TEST_WORKERS=0 runs it in one process.  --dist loadfile: the tests of a file that share
-# a module-scoped fixture run on one worker (tests/conftest.py groups them), so the
-# fixture is set up once, not once per worker.
+# TEST_WORKERS=0 runs it in one process.  --dist loadfile: a file's tests run on one
+# worker, so a module-scoped fixture (test_planted's conformance runs, the gloo ranks of
+# test_sync_faults) is set up once, not once per worker that gets one of its tests.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -r fE
 
