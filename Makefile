@@ -44,20 +44,32 @@ demo: $(VENV)/.demo-installed
 
 # Four phases, each ending in pytest's one summary line (`-r fE`: failures and errors
 # are listed, skips only counted; `pytest -ra` lists every skip reason).  The main suite
-# runs on TEST_WORKERS pytest-xdist workers (docs/benchmarks.md#the-test-suite);
-# TEST_WORKERS=0 runs it in one process.
+# runs on TEST_WORKERS pytest-xdist workers (docs/decisions.md, "make test in minutes");
+# TEST_WORKERS=0 runs it in one process.  --dist loadfile: a file's tests run on one
+# worker, so a module-scoped fixture (test_planted's conformance runs, the gloo ranks of
+# test_sync_faults) is set up once, not once per worker that gets one of its tests.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -r fE
 
 test: $(VENV)/.test-installed
 	@echo "== attnreg test 1/4: main suite (tests/, $(TEST_WORKERS) workers) =="
-	@$(PYTEST) -n $(TEST_WORKERS)
-	@echo "== attnreg test 2/4: FlashMLA plugin suite ($(FLASHMLA_PLUGIN)/tests) =="
-	@$(PYTEST) $(FLASHMLA_PLUGIN)/tests
-	@echo "== attnreg test 3/4: sglang bridge suite (tests/integrations/sglang, $(SGLANG_VENV)) =="
-	@$(MAKE) --no-print-directory test-sglang
-	@echo "== attnreg test 4/4: vLLM bridge suite (tests/integrations/vllm, $(VLLM_VENV)) =="
-	@$(MAKE) --no-print-directory test-vllm
+	@$(PYTEST) -n $(TEST_WORKERS) --dist loadfile
+	@$(MAKE) --no-print-directory $(SGLANG_VENV)/.installed $(VLLM_VENV)/.installed
+	@# Phases 2-4 run at once (three processes, three venvs, one pytest each: together they
+	@# keep both cores busy); each one's output is held and printed whole, in phase order.
+	@logs=$$(mktemp -d); \
+	$(PYTEST) $(FLASHMLA_PLUGIN)/tests > $$logs/2 2>&1 & p2=$$!; \
+	$(MAKE) --no-print-directory test-sglang > $$logs/3 2>&1 & p3=$$!; \
+	$(MAKE) --no-print-directory test-vllm > $$logs/4 2>&1 & p4=$$!; \
+	wait $$p2; r2=$$?; wait $$p3; r3=$$?; wait $$p4; r4=$$?; \
+	echo "== attnreg test 2/4: FlashMLA plugin suite ($(FLASHMLA_PLUGIN)/tests) =="; \
+	cat $$logs/2; \
+	echo "== attnreg test 3/4: sglang bridge suite (tests/integrations/sglang, $(SGLANG_VENV)) =="; \
+	cat $$logs/3; \
+	echo "== attnreg test 4/4: vLLM bridge suite (tests/integrations/vllm, $(VLLM_VENV)) =="; \
+	cat $$logs/4; \
+	rm -rf $$logs; \
+	test $$r2 -eq 0 && test $$r3 -eq 0 && test $$r4 -eq 0
 
 # sglang bridge tests in their own venv (docs/decisions.md: "make test-sglang"):
 # sglang 0.5.23 and a pinned CPU set, installed without the resolver.
