@@ -6,9 +6,11 @@
 # conf:  conformance of the sm90 backends (BACKENDS, default triton flashinfer_mla reference;
 #        the FlashMLA plugin with PLUGIN=1) and the GPU tests of the runtime (TESTS), reports
 #        under $OUT.
-# peers: the raw-kernel peers benchmark (issue 31), when present.
+# final: every sm90 backend's conformance, the plugin's, trtllm_mla's listing and the planted
+#        sparse defects, at once.
+# peers: the raw-kernel peers benchmark (issue 31).
 set -u
-step=${1:?usage: h200_turn4.sh bench|conf|peers}
+step=${1:?usage: h200_turn4.sh bench|conf|final|peers}
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 source .gpu/setup.sh
@@ -47,6 +49,23 @@ case $step in
         --backend flashmla --device cuda --progress -o "$OUT/conf-flashmla.json" \
         >"$OUT/conf-flashmla.log" 2>&1 &
     fi
+    wait
+    ;;
+  final)
+    # every sm90 backend's conformance (dense and sparse claims), the FlashMLA plugin, the
+    # Blackwell-only trtllm_mla listing, and the planted sparse defects under real graphs
+    for b in triton flashinfer_mla reference trtllm_mla; do
+      timeout $(left 560) python3 -m attnreg conformance --backend $b --device cuda --progress \
+        -o "$OUT/conf-$b.json" >"$OUT/conf-$b.log" 2>&1 &
+    done
+    timeout $(left 560) python3 -m attnreg conformance --plugin attnreg_flashmla.plugin \
+      --backend flashmla --device cuda --progress -o "$OUT/conf-flashmla.json" \
+      >"$OUT/conf-flashmla.log" 2>&1 &
+    (cd tests/conformance && timeout $(left 560) python3 -m attnreg conformance \
+      --plugin planted.sparse --device cuda -k sparse --backend dsa_control \
+      --backend planted_dsa_ignores_indices --backend planted_dsa_reads_invalid \
+      -o "$OUT/sparse-planted-cuda.json" >"$OUT/sparse-planted-cuda.log" 2>&1; \
+      echo "rc=$?" >>"$OUT/sparse-planted-cuda.log") &
     wait
     ;;
   peers)
