@@ -153,8 +153,8 @@ def register_check(cls: _C) -> _C:
     if not isinstance(check, str) or not _ID.match(str(check)):
         raise ValueError(f"{cls.__name__}.check must be a snake_case string, got {check!r}")
     if str(check) in CHECKS:
-        raise ValueError(f"two classes for check {check!r}: {type(CHECKS[check]).__name__} "
-                         f"and {cls.__name__}")
+        raise ValueError(f"two classes for check {str(check)!r}: "
+                         f"{type(CHECKS[str(check)]).__name__} and {cls.__name__}")
     if not getattr(cls, "kinds", ()):
         raise ValueError(f"{cls.__name__}.kinds must name the claim kinds it makes")
     CHECKS[str(check)] = cls()
