@@ -18,6 +18,7 @@ from attnreg.testing.claims import Check, ClaimKind, expand_claims
 def registered():
     """Register check classes for one test, then take them out of the table again."""
     added: list[str] = []
+    before = list(CHECKS)
 
     def register(cls):
         register_check(cls)
@@ -27,12 +28,13 @@ def registered():
     yield register
     for check in added:
         CHECKS.pop(check, None)
+    assert list(CHECKS) == before  # nothing else was left registered
 
 
 def test_every_built_in_check_has_exactly_one_class():
-    assert {str(c) for c in Check} <= set(CHECKS)
+    assert set(Check) <= set(CHECKS)
     for check, instance in CHECKS.items():
-        assert str(instance.check) == check and instance.kinds
+        assert instance.check is check and instance.kinds
 
 
 def _caps():

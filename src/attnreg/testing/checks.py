@@ -136,8 +136,9 @@ class ConformanceCheck:
         raise NotImplementedError
 
 
-#: check id -> its class's instance, in registration order.
-CHECKS: dict[str, ConformanceCheck] = {}
+#: check id (as the class gives it: a :class:`Check`, or a string) -> its class's
+#: instance, in registration order.  A string looks up a built-in check too.
+CHECKS: dict[Check | str, ConformanceCheck] = {}
 
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
 _C = TypeVar("_C", bound=type[ConformanceCheck])
@@ -152,12 +153,12 @@ def register_check(cls: _C) -> _C:
     check = getattr(cls, "check", None)
     if not isinstance(check, str) or not _ID.match(str(check)):
         raise ValueError(f"{cls.__name__}.check must be a snake_case string, got {check!r}")
-    if str(check) in CHECKS:
+    if check in CHECKS:
         raise ValueError(f"two classes for check {str(check)!r}: "
-                         f"{type(CHECKS[str(check)]).__name__} and {cls.__name__}")
+                         f"{type(CHECKS[check]).__name__} and {cls.__name__}")
     if not getattr(cls, "kinds", ()):
         raise ValueError(f"{cls.__name__}.kinds must name the claim kinds it makes")
-    CHECKS[str(check)] = cls()
+    CHECKS[check] = cls()
     return cls
 
 
@@ -799,7 +800,7 @@ class Available(ConformanceCheck):
         raise HarnessLimitation(f"nothing to run for a {claim.kind} claim")
 
 
-_missing = {c.value for c in Check} - set(CHECKS)
+_missing = set(Check) - set(CHECKS)
 if _missing:  # a Check value without its class would be dispatched nowhere
     raise AssertionError(f"checks without a class: {sorted(_missing)}")
 
@@ -815,4 +816,4 @@ CPU_RUNNABLE_CAPTURE_CHECKS = frozenset(
 
 def needs_device_graphs(check: Check | str) -> bool:
     """Whether ``check``'s capture claims need a real device graph (skipped on cpu)."""
-    return not CHECKS[str(check)].runs_on_cpu
+    return not CHECKS[check].runs_on_cpu
