@@ -62,7 +62,8 @@ class Section:
     Attributes
     ----------
     id : str
-        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec``, ``session`` or ``pool``.
+        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec``, ``session``, ``peers`` or
+        ``pool``.
     title : str
     module : str
         The module under ``benchmarks`` that holds the three functions below.
@@ -129,6 +130,8 @@ SECTIONS: tuple[Section, ...] = (
             "speculative"),
     Section("session", "8-layer DeepSeek-shaped attention step through GraphSession: decode "
             "and 4-draft verify, graph vs eager, host time of a step", "session_step"),
+    Section("peers", "Decode against the raw kernels in one process: wrapper overhead, FP8 vs "
+            "bf16, per-bucket backends (issue 31)", "decode_peers"),
     Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host",
             results="cpu-startup.json"),
     Section("pool", "MLAKVPool.free: 100,000 pages of a 400,000-page pool", "pool_free",

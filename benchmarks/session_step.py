@@ -162,11 +162,17 @@ class _Steps:
                               [rand(rows, 512) for _ in range(layers)],
                               [rand(rows, 64) for _ in range(layers)])
 
+        # Built in the session's index layout, as an engine following docs/runtime.md does:
+        # each replay then copies the batch's metadata with one device copy.
+        layout = self.session.index_layout
+        self.pool, self.pages, self.seq_len = pool, pages, seq_len
         self.batches = {
-            ("decode", b): decode_batch(pool, [seq_len] * b, pages=pages[:b]) for b in batches}
+            ("decode", b): decode_batch(pool, [seq_len] * b, pages=pages[:b], layout=layout)
+            for b in batches}
         if "target_verify" in modes:
             self.batches.update({("verify", b): verify_batch(pool, [seq_len - DRAFTS] * b,
-                                                             DRAFTS, pages=pages[:b])
+                                                             DRAFTS, pages=pages[:b],
+                                                             layout=layout)
                                  for b in batches})
         self.inputs = {key: inputs(batch.num_tokens) for key, batch in self.batches.items()}
 
@@ -208,8 +214,13 @@ class _Steps:
         key = (batch.forward_mode, b)
         graph = session.graph(key)
         n = ctx.pick(HOST_SAMPLES, HOST_SAMPLES, DRY_HOST_SAMPLES)
+        from attnreg.runtime import decode_batch
+        # the same batch built without the layout: the per-tensor padded copy, for comparison
+        plain = decode_batch(self.pool, [self.seq_len] * b, pages=self.pages[:b])
+        layout = session.index_layout
         parts: dict[str, list[float]] = {"step_us": [], "gate_us": [], "replay_metadata_us": [],
-                                         "replay_launch_us": []}
+                                         "replay_launch_us": [], "replay_metadata_plain_us": [],
+                                         "batch_build_us": [], "batch_build_plain_us": []}
 
         def sample(fn: Any) -> float:
             ctx.sync()  # an empty queue: the launch does not wait for a full one
@@ -226,11 +237,19 @@ class _Steps:
                 per["replay_metadata_us"].append(sample(
                     lambda: session._replay_metadata(key, batch)))
                 per["replay_launch_us"].append(sample(graph.replay))
+                per["replay_metadata_plain_us"].append(sample(
+                    lambda: session._replay_metadata(key, plain)))
+                # the engine's side of a step, outside the session: building the batch
+                per["batch_build_us"].append(sample(lambda: decode_batch(
+                    self.pool, [self.seq_len] * b, pages=self.pages[:b], layout=layout)))
+                per["batch_build_plain_us"].append(sample(lambda: decode_batch(
+                    self.pool, [self.seq_len] * b, pages=self.pages[:b])))
             for k, values in per.items():
                 parts[k].append(statistics.median(values))
         out: dict[str, Any] = {k: statistics.median(v) for k, v in parts.items()}
         out["runs"] = parts
         out["samples_per_run"] = n
+        out["fills"] = dict(self.backend.graph_state.fills)
         out["method"] = ("host wall clock of one call after torch.cuda.synchronize() "
                          "(median of the samples of a run)" if ctx.cuda else
                          "host wall clock, dry run (no device graphs)")
@@ -299,7 +318,10 @@ def render(data: dict[str, Any], page: Page) -> list[str]:
             continue
         host_rows.append([h["variant"], str(h["B"]), f"**{h['step_us']:.1f}**",
                           fmt(h.get("gate_us"), ".1f"), fmt(h.get("replay_metadata_us"), ".1f"),
-                          fmt(h.get("replay_launch_us"), ".1f")])
+                          fmt(h.get("replay_launch_us"), ".1f"),
+                          fmt(h.get("replay_metadata_plain_us"), ".1f"),
+                          f"{fmt(h.get('batch_build_us'), '.1f')} / "
+                          f"{fmt(h.get('batch_build_plain_us'), '.1f')}"])
     intro = (f"{data.get('layers')} pool layers of absorbed MLA ({data.get('heads')} heads, "
              f"kv_lora {data.get('kv_lora')}, rope {data.get('rope')}, bf16, page size "
              f"{data.get('page_size')}), sequences of {data.get('seq_len')} cached tokens, "
@@ -310,4 +332,10 @@ def render(data: dict[str, Any], page: Page) -> list[str]:
             f"Host time of one `GraphSession.run` at B={data.get('host_batch')} (device queue "
             "empty), and its parts, us (median of the runs):", "",
             md_table(["backend", "B", "step", "gate", "replay metadata (incl. padding)",
-                      "replay launch"], host_rows)] + not_run_notes(data, {})
+                      "replay launch", "replay metadata, batch not in the layout",
+                      "batch build (engine side): in the layout / not"], host_rows), "",
+            "The step's batch is built in the session's `index_layout`, so its replay metadata "
+            "is one device copy (plus the backend's own host planning: flashinfer's `plan`); "
+            "the last two columns are the same batch built without the layout (a padded copy "
+            "per index tensor) and the engine-side cost of building the batch either way, "
+            "which is not part of the step."] + not_run_notes(data, {})

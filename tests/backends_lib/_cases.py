@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from attnreg.backends.reference import ReferenceBackend, causal_attention, gather_sequence
-from attnreg.registry import ForwardMethod, get_registry
+from attnreg.registry import ForwardMethod, ForwardMode, get_registry
 from attnreg.runtime import ForwardBatch, MLAConfig, MLAKVPool, decode_batch, extend_batch
 
 #: fp8 pools use this scale, so unit-scale inputs use much of the e4m3 range.
@@ -35,8 +35,9 @@ def make_pool(cfg: MLAConfig, tokens: int) -> MLAKVPool:
 
 def make_case(cfg: MLAConfig, pool: MLAKVPool, prefix_lens: list[int],
               extend_lens: list[int], *, decode: bool = False, mha: bool = False,
-              seed: int = 0) -> Case:
-    """Write random prefixes into ``pool`` and build a batch of new tokens after them.
+              seed: int = 0, forward_mode: ForwardMode = ForwardMode.EXTEND) -> Case:
+    """Write random prefixes into ``pool`` and build a batch of new tokens after them
+    (``forward_mode`` for a non-decode batch: EXTEND, TARGET_VERIFY, DRAFT_EXTEND).
 
     Query dtype is ``cfg.q_dtype``; pages are taken from the pool in shuffled order,
     so a backend that assumes contiguous pages is caught.
@@ -56,7 +57,8 @@ def make_case(cfg: MLAConfig, pool: MLAKVPool, prefix_lens: list[int],
     if decode:
         batch = decode_batch(pool, seq_lens, pages=pages)
     else:
-        batch = extend_batch(pool, prefix_lens, extend_lens, pages=pages)
+        batch = extend_batch(pool, prefix_lens, extend_lens, pages=pages,
+                             forward_mode=forward_mode)
     t, h = batch.num_tokens, cfg.num_heads
     latent, rope = rand(t, cfg.kv_lora_rank), rand(t, cfg.qk_rope_head_dim)
     if mha:

@@ -246,18 +246,29 @@ def _fake_trtllm_decode(calls: Calls) -> Any:
                                               seq_lens: torch.Tensor, out: torch.Tensor,
                                               bmm1_scale: float, bmm2_scale: float,
                                               **kwargs: Any) -> torch.Tensor:
+        # the checks of flashinfer 0.6.13's _check_trtllm_gen_mla_shape and the dispatcher
+        if query.ndim != 4:
+            raise ValueError(f"Expected query.ndim == 4, got {query.ndim}")
         ps = kv_cache.shape[-2]
+        if block_tables.shape[0] != query.shape[0]:
+            raise ValueError(f"Expected batch size {query.shape[0]} for query and "
+                             f"block_table, got {block_tables.shape[0]}")
         if block_tables.shape[-1] % (128 // ps):
             raise ValueError(f"Expected block_num % (128 / block_size) == 0, got "
                              f"{block_tables.shape[-1]=} and {ps=}")
-        if out.dtype != torch.bfloat16:
-            raise ValueError("out must be bf16")
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(query.shape[:-1]) + (512,):
+            raise ValueError(f"out must be bf16 {tuple(query.shape[:-1]) + (512,)}, got "
+                             f"{out.dtype} {tuple(out.shape)}")
         calls.trtllm_decode.append({"query": tuple(query.shape), "dtype": query.dtype,
-                                    "tables": tuple(block_tables.shape), **kwargs})
+                                    "tables": tuple(block_tables.shape),
+                                    "seq_lens": [int(n) for n in seq_lens], **kwargs})
         cache = kv_cache.float() * bmm2_scale
         for b in range(query.shape[0]):
             keys = _paged_rows(cache, block_tables[b], int(seq_lens[b]))
-            o = _attend(query[b].float(), keys, keys[:, :512], bmm1_scale / bmm2_scale, False)
+            # [q_len, H, 576]: token i of q_len sees keys 0 .. seq_len - q_len + i (the
+            # causal bound the kernel takes from seq_lens; flashinfer's test checks it
+            # against its paged MLA planned causal)
+            o = _attend(query[b].float(), keys, keys[:, :512], bmm1_scale / bmm2_scale, True)
             out[b] = o.to(out.dtype)
         return out
 

@@ -3,16 +3,26 @@ platform, and saying what the libraries' sources say (see each declaration's doc
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from attnreg.cli import main
 from attnreg.registry import (
     DType,
     ForwardMethod,
+    ForwardMode,
     GraphMode,
     Phase,
     SplitKV,
     load_registry,
     validate_capabilities,
+)
+from attnreg.testing.claims import (
+    CUDA_PLATFORMS,
+    ClaimKind,
+    expand_claims,
+    other_platform_claims,
 )
 
 NAMES = ["flashinfer_mla", "trtllm_mla", "flash_attn_cute"]
@@ -102,3 +112,47 @@ def test_flash_attn_cute_qv_pages_dtypes_and_single_split(reg) -> None:
     reasons = sm90.check_request("mla", "prefill")
     assert reasons and "Blackwell" in reasons[0]
     assert sm90.check_request("mha", "prefill", head_dims=(192, 128)) == []
+
+
+def test_trtllm_declares_uniform_verify_of_two_drafts_and_no_draft_extend(reg) -> None:
+    """flashinfer 0.6.13 checks the decode kernel's q_len_per_request 1 and 2 against a
+    causal reference, and passes no cum_seq_lens_q (the declaration's docstring)."""
+    caps = reg.declaration("trtllm_mla", "cuda:sm100")
+    for entry in (caps.graph_support("decode", "full").serving(ForwardMode.TARGET_VERIFY),
+                  caps.eager_serving(ForwardMode.TARGET_VERIFY)):
+        assert entry is not None and entry.max_query_len == 2 and entry.uniform
+        assert entry.serves_query_len(2) and not entry.serves_query_len(3)
+    assert caps.eager_serving(ForwardMode.DRAFT_EXTEND) is None
+    assert caps.graph_support("decode", "full").serving(ForwardMode.DRAFT_EXTEND) is None
+    assert caps.eager_serving(ForwardMode.EXTEND) is not None  # ragged prefill stays
+
+
+def test_trtllm_verify_claims_exist_and_are_blackwell_only(reg) -> None:
+    """The conformance suite turns the verify declaration into claims on sm100; on an
+    H200 (sm90) they are listed, skipped, as declared for Blackwell only."""
+    claims = expand_claims(reg.declaration("trtllm_mla", "cuda:sm100"), "cuda")
+    verify = [c for c in claims if c.forward_mode is ForwardMode.TARGET_VERIFY]
+    assert {c.kind for c in verify} == {ClaimKind.EAGER, ClaimKind.CAPTURE}
+    assert all(c.query_len == 2 for c in verify)
+    assert not [c for c in claims if c.forward_mode is ForwardMode.DRAFT_EXTEND]
+    sm90 = reg.declaration("trtllm_mla", "cuda:sm90")
+    assert not sm90.kernels  # nothing of trtllm_mla runs on sm90
+    others = [reg.declaration("trtllm_mla", p) for p in CUDA_PLATFORMS]
+    skipped = {c.id: c for c in other_platform_claims([], others, "cuda:sm90", "cuda")}
+    assert {c.id for c in verify} <= set(skipped)
+    assert {skipped[c.id].skip_reason for c in verify} == {
+        "declared for cuda:sm100, cuda:sm103 only; this is cuda:sm90"}
+
+
+def test_deepseek_on_blackwell_with_two_drafts_captures_verify_batches(capsys) -> None:
+    """`attnreg compat` for the flagship setup: verify batches replay trtllm_mla's full
+    decode graphs; more drafts than declared run another way, saying why."""
+    def spec(drafts: str) -> dict[str, str]:
+        code = main(["compat", "--json", "--platform", "b200", "--model", "deepseek-v3",
+                     "--backend", "trtllm_mla", "--speculative-decoding", drafts])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        return {s["forward_mode"]: s["how"] for s in json.loads(out)["speculative"]}
+
+    assert spec("2") == {"target_verify": "graph", "draft_extend": "unserved"}
+    assert spec("4")["target_verify"] == "unserved"

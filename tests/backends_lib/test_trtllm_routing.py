@@ -16,13 +16,20 @@ import dataclasses
 import pytest
 import torch
 
+from attnreg.backends.reference import attention_with_lse, gather_sequence
 from attnreg.graph_policy.capture import (
     break_handler,
     capturing,
     eager_break,
     recording_served,
 )
-from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, load_registry
+from attnreg.registry import (
+    ForwardMethod,
+    ForwardMode,
+    GraphMode,
+    UnsupportedError,
+    load_registry,
+)
 from attnreg.runtime import MLAConfig
 
 from ._cases import assert_close, expected, make_case, make_pool
@@ -232,3 +239,150 @@ def test_native_kernels_are_refused_off_blackwell(reg, monkeypatch) -> None:
     with capturing(GraphMode.TC_PIECEWISE):
         got = trt.forward_extend(ext.q, ext.latent_new, ext.rope_new, pool, ext.batch)
     assert_close(got, expected(cfg, ext))
+
+
+# -- target verify: the decode kernel with [B, q_len, H, 576] queries -----------------
+
+VERIFY = ForwardMode.TARGET_VERIFY
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_eager_verify_passes_one_query_length_per_request(reg, monkeypatch, kv_dtype: str,
+                                                          page_size: int) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=page_size, kv_dtype=kv_dtype)
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 600)
+    case = make_case(cfg, pool, [0, 70, 200], [2, 2, 2], seed=7, forward_mode=VERIFY)
+    with recording_served() as served:
+        got = trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    if kv_dtype == "fp8_e4m3":
+        case = dataclasses.replace(case, q=case.q.to(torch.float8_e4m3fn).to(case.q.dtype))
+    # causal among the two drafts over the whole prefix (the reference's verify)
+    assert_close(got, expected(cfg, case), what="trtllm verify")
+    [call] = calls.trtllm_decode
+    assert call["query"] == (3, 2, 16, 576)
+    assert call["dtype"] == (torch.bfloat16 if kv_dtype == "bf16" else torch.float8_e4m3fn)
+    assert call["seq_lens"] == [2, 72, 202]  # whole lengths, the drafts included
+    assert call["tables"][0] == 3 and call["tables"][1] % (128 // page_size) == 0
+    assert call["max_seq_len"] == 202
+    assert calls.mla_runs == [] and calls.trtllm_ragged == []  # not the flashinfer fallback
+    assert [s.implementation for s in served] == ["trtllm_mla"]
+
+
+def test_the_fake_kernel_masks_drafts_causally(reg, monkeypatch) -> None:
+    """The oracle above is only as good as the fake: a draft must not see later drafts."""
+    install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32)
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 200)
+    case = make_case(cfg, pool, [5], [2], seed=8, forward_mode=VERIFY)
+    got = trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    keys = gather_sequence(pool, case.batch.page_table[0], 7)[:, None, :]  # 5 + 2 drafts
+    # the first draft sees the prefix and itself (6 keys), not the second draft
+    first = attention_with_lse(case.q[:1], keys[:6], keys[:6, :, :512], cfg.softmax_scale,
+                               causal=False)[0]
+    seeing_all = attention_with_lse(case.q[:1], keys, keys[:, :, :512], cfg.softmax_scale,
+                                    causal=False)[0]
+    assert_close(got[:1], first, what="first draft")
+    assert (got[:1].float() - seeing_all).abs().max().item() > 0.1  # the check can fail
+
+
+def test_captured_verify_replays_with_padded_requests(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32)
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 1200)
+    trt.init_cuda_graph_state(4, 8, max_seq_len=100, graph_modes={"decode": "full"})
+    trt.init_forward_metadata_capture(4, 8, forward_mode=VERIFY)
+    replay = make_case(cfg, pool, [60, 3], [2, 2], seed=9, forward_mode=VERIFY)
+    trt.init_forward_metadata_replay(4, 8, replay.batch)
+    q = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
+    lat = torch.zeros(8, 512, dtype=torch.bfloat16)
+    rope = torch.zeros(8, 64, dtype=torch.bfloat16)
+    q[:4], lat[:4], rope[:4] = replay.q, replay.latent_new, replay.rope_new
+    with capturing(GraphMode.FULL), recording_served() as served:
+        got = trt.forward_extend(q, lat, rope, pool)
+    assert_close(got[:4], expected(cfg, replay), what="captured verify")
+    assert got[4:].abs().max().item() == 0  # the padded requests' rows
+    [call] = calls.trtllm_decode
+    assert call["query"] == (4, 2, 16, 576)
+    # padded requests read q_len padding rows, one per draft token; tables of the
+    # graph's width (100 tokens = 4 pages of 32, aligned to 128 / 32)
+    assert call["seq_lens"] == [62, 5, 2, 2] and call["tables"] == (4, 4)
+    assert [s.implementation for s in served] == ["trtllm_mla"]
+
+
+def test_verify_beyond_the_declared_drafts_is_refused_before_the_kernel(reg,
+                                                                         monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32)
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 400)
+    case = make_case(cfg, pool, [10, 20], [3, 3], seed=10, forward_mode=VERIFY)
+    with pytest.raises(UnsupportedError, match="<= 2 tokens per sequence"):
+        trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    # ragged draft-extend batches are not declared (no cum_seq_lens_q in 0.6.13)
+    ragged = make_case(cfg, pool, [10, 20], [1, 2], seed=11,
+                       forward_mode=ForwardMode.DRAFT_EXTEND)
+    with pytest.raises(UnsupportedError, match="does not declare draft_extend"):
+        trt.forward_extend(ragged.q, ragged.latent_new, ragged.rope_new, pool, ragged.batch)
+    assert calls.trtllm_decode == [] and calls.mla_runs == []
+
+
+def test_uneven_verify_metadata_is_refused_by_the_routing_itself(reg, monkeypatch) -> None:
+    """Below the base class's uniform check: requests of different draft counts never
+    reach the kernel's single ``q_len_per_request``."""
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32)
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 400)
+    case = make_case(cfg, pool, [10, 20], [2, 2], seed=12, forward_mode=VERIFY)
+    trt.init_forward_metadata(case.batch)
+    md = dataclasses.replace(trt.forward_metadata, num_tokens=3, extend_lens_cpu=(1, 2))
+    out = torch.empty(3, 16, 512, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match=r"one query length for every request.*\[1, 2\]"):
+        trt._forward_extend_impl(case.q[:3], pool.layer(0), md, out, method=ForwardMethod.MLA,
+                                 k=None, v=None)
+    assert calls.trtllm_decode == []
+
+
+def test_verify_is_refused_off_blackwell(reg, monkeypatch) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32)
+    trt = backend(reg, cfg, sm=90)
+    pool = make_pool(cfg, 200)
+    case = make_case(cfg, pool, [5], [2], forward_mode=VERIFY)
+    with pytest.raises(UnsupportedError, match="Blackwell"):
+        trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    assert calls.trtllm_decode == [] and calls.mla_runs == []
+
+
+@pytest.mark.parametrize("check", ["eager", "replay", "padded_rows"])
+def test_verify_claims_hold_through_the_conformance_harness(reg, monkeypatch,
+                                                           check: str) -> None:
+    """The sm100 declaration's bf16 verify claims, checked by the conformance suite's own
+    harness (float64 oracle, whole-KV integrity, padded graph rows) on the CPU profile,
+    with the trtllm kernel faked and the device reported as sm100."""
+    import attnreg.backends.trtllm_mla as trt_module
+    from attnreg.registry import Platform
+    from attnreg.testing.claims import expand_claims
+    from attnreg.testing.harness import Harness
+
+    calls = install_fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(trt_module, "device_sm", lambda device: 100)
+    platform = Platform.parse("cuda:sm100")
+    caps = reg.declaration("trtllm_mla", platform)
+
+    class FakedHarness(Harness):
+        def create(self, claim, config):  # the registry would refuse: no flashinfer here
+            return trt_module.TRTLLMMLABackend(config, capabilities=caps)
+
+    [claim] = [c for c in expand_claims(caps, "cpu")
+               if c.forward_mode is VERIFY and "bf16-bf16" in c.id
+               and (c.id.startswith("trtllm_mla/eager/") if check == "eager"
+                    else f"/target_verify/{check}/" in c.id)]
+    FakedHarness(reg, "cpu", platform).check(claim)
+    assert calls.trtllm_decode and {c["query"][1] for c in calls.trtllm_decode} == {2}
+    assert calls.mla_runs == []  # served by the trtllm kernel, not the fallback

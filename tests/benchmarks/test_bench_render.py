@@ -20,6 +20,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an inst
 from benchmarks import (
     cost_gate,
     decode,
+    decode_peers,
     graphs,
     multi_gpu,
     overhead,
@@ -144,6 +145,14 @@ def synthetic_device_doc() -> dict[str, Any]:
                          "replay_metadata_us": 15.0, "replay_launch_us": 6.0,
                          "runs": {"step_us": [24.0, 25.0, 27.0]}}]}
     session["checks"] = [c.to_dict() for c in session_step.checks(session)]
+    peer_rows = [{"B": 1, "L": 32768, "H": 16, "dtype": dt, "results": {
+        label: {"us": us * f, "rel_err": 1e-3, "correct": True}
+        for label, us in (("raw FlashMLA", 50.0), ("flashmla plugin", 51.0),
+                          ("triton p64", 30.0))}} for dt, f in (("bf16", 1.0),
+                                                                ("fp8_e4m3", 0.8))]
+    peers = {"rows": peer_rows, "dtypes": ["bf16", "fp8_e4m3"], "timing": SYNTHETIC,
+             "planned": {}, "raw_skipped": {}, "rows_skipped": {}}
+    peers["checks"] = [c.to_dict() for c in decode_peers.checks(peers)]
 
     def ok(data: dict[str, Any]) -> dict[str, Any]:
         return {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": data}
@@ -151,6 +160,7 @@ def synthetic_device_doc() -> dict[str, Any]:
     return {"schema": SCHEMA, "meta": _meta(), "sections": {
         "ceilings": ok(ceilings), "P1": ok(p1), "P2": ok(p2), "P3": ok(p3), "P4": ok(p4),
         "prefill": ok(pf), "P6": ok(p6), "spec": ok(spec), "session": ok(session),
+        "peers": ok(peers),
         "P5": {"title": SYNTHETIC, "status": "skipped", "reason": "measured on the CPU machine",
                "data": {}}}}
 

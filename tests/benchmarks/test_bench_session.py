@@ -45,7 +45,10 @@ def test_the_session_section_runs_end_to_end_on_tiny_shapes(tmp_path, monkeypatc
     host = data["host"][0]
     assert host["variant"] == "triton" and host["B"] == 1
     assert set(host["runs"]) == {"step_us", "gate_us", "replay_metadata_us",
-                                 "replay_launch_us"}
+                                 "replay_launch_us", "replay_metadata_plain_us",
+                                 "batch_build_us", "batch_build_plain_us"}
+    # the step's batch was built in the session's index layout: its replays took one copy
+    assert host["fills"]["packed"] > 0
     assert all(len(v) == session_step.RUNS for v in host["runs"].values())
     ids = [c["id"] for c in data["checks"]]
     assert ids == ["session triton decode", "session triton verify", "session triton host"]

@@ -224,7 +224,7 @@ def test_full_decode_graphs_claim_each_declared_speculative_mode_at_its_draft_to
         replay = next(c for c in spec if c.check is Check.REPLAY)
         assert replay.batches[0].endswith("_ragged") and f"/full/{mode}/replay/" in replay.id
     # a backend that declares no speculative mode makes no such claim
-    assert not [c for c in _claims("trtllm_mla", "cuda:sm100", "cuda") if c.speculative]
+    assert not [c for c in _claims("flash_attn_cute", "cuda:sm100", "cuda") if c.speculative]
 
 
 def test_reference_claims_speculative_modes_eagerly_only():

@@ -4,6 +4,10 @@ Routing (the seed-000 defect 1 and the engines this is modelled on):
 
 * decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` over the
   576-wide pool (sm100/sm103 only); an FP8 pool gets an FP8 query;
+* target verify: the same kernel with the query ``[B, q_len, H, 576]`` (every
+  request the same ``q_len`` draft tokens; the kernel masks each token causally
+  from ``seq_lens``), eagerly and in the FULL decode graphs; a batch whose
+  requests differ in length is refused before the kernel;
 * MHA extend (eager): ``trtllm_ragged_attention_deepseek`` for batches without
   a cached prefix; batches with a prefix go to flashinfer's ragged wrapper
   (bottom-right causal over prefix + new tokens).  The ragged kernel only takes
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 from attnreg.graph_policy.capture import current_capture, in_eager_break, note_served_by
-from attnreg.registry import ForwardMethod, Phase, UnsupportedError
+from attnreg.registry import ForwardMethod, ForwardMode, Phase, UnsupportedError
 from attnreg.runtime import (
     PADDING_PAGE,
     AttentionBackend,
@@ -163,18 +167,20 @@ class TRTLLMMLABackend(AttentionBackend[TRTLLMPlan, TRTLLMGraphBuffers]):
             md.plan = TRTLLMPlan()
         return md.plan
 
-    def _decode_inputs(self, md: ForwardMetadata[TRTLLMPlan]
+    def _decode_inputs(self, md: ForwardMetadata[TRTLLMPlan], query_len: int = 1
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block tables of an aligned width, seq_lens) for the decode kernel."""
+        """(block tables of an aligned width, seq_lens) for the decode kernel, whose
+        requests bring ``query_len`` tokens each."""
         plan = self._plan_of(md)
         if md.is_graph:
             tables, seq_lens = plan.decode_tables, plan.decode_seq_lens
             assert tables is not None and seq_lens is not None, "bound at capture"
             # Device copies, recorded into the graph: the columns past the graph's
             # page table stay the padding page; padded sequences (length 0 in the
-            # graph buffers) read one padding row instead of none.
+            # graph buffers) read padding rows instead of none -- query_len of them,
+            # so that each query token (masked causally from seq_lens) sees one.
             tables[:, : md.page_table.shape[1]].copy_(md.page_table)
-            torch.clamp(md.seq_lens, min=1, out=seq_lens)
+            torch.clamp(md.seq_lens, min=query_len, out=seq_lens)
             return tables, seq_lens
         if plan.decode_tables is None or plan.decode_seq_lens is None:
             width = md.page_table.shape[1]
@@ -204,11 +210,55 @@ class TRTLLMMLABackend(AttentionBackend[TRTLLMPlan, TRTLLMGraphBuffers]):
         self.zero_padded_rows(out, md)
         note_served_by(self.name, self.name, "trtllm-gen decode")
 
+    def _verify_query_len(self, md: ForwardMetadata[TRTLLMPlan]) -> int:
+        """Draft tokens per request of a target-verify batch; refused unless every
+        request has the same number (the kernel takes one ``q_len_per_request``)."""
+        bs, q_len = md.batch_size, md.max_extend_len
+        lens = md.extend_lens_cpu  # None under graph metadata: the shape is captured
+        if bs * q_len != md.num_tokens or (lens is not None and len(set(lens)) > 1):
+            got = list(lens) if lens is not None else f"{md.num_tokens} tokens for {bs}"
+            raise UnsupportedError(
+                self.name, "target-verify batch with uneven draft tokens",
+                "trtllm_batch_decode_with_kv_cache_mla takes one query length for every "
+                f"request ([B, q_len, H, 576]); this batch has {got}",
+                "verify the same number of draft tokens in every sequence, or run ragged "
+                "verify batches on flashinfer_mla")
+        return q_len
+
+    def _forward_verify(self, q: torch.Tensor, pool: MLAKVPool,
+                        md: ForwardMetadata[TRTLLMPlan], out: torch.Tensor) -> None:
+        """Target verify: the decode kernel with ``q_len`` causal query tokens per request."""
+        q_len = self._verify_query_len(md)
+        self._require_blackwell("trtllm_batch_decode_with_kv_cache_mla")
+        cfg = self.config
+        bs, heads = md.batch_size, q.shape[1]
+        # [B * q_len, H, 576] -> [B, q_len_per_request, H, 576]: token rows are grouped by
+        # request (qo_indptr = arange * q_len), so this is a view
+        query = q.view(bs, q_len, heads, q.shape[-1])
+        if pool.is_fp8:
+            query = query.to(pool.dtype)
+        tables, seq_lens = self._decode_inputs(md, q_len)
+        scale = pool.kv_scale
+        with self.kernel_errors("trtllm target-verify inputs"):
+            self._decode_kernel(
+                query=query, kv_cache=pool.buffer, workspace_buffer=self.workspace,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, kv_lora_rank=cfg.kv_lora_rank,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
+                max_seq_len=md.max_seq_len, out=out.view(bs, q_len, heads, out.shape[-1]),
+                bmm1_scale=cfg.softmax_scale * scale, bmm2_scale=scale)
+        # padded sequences attended over padding rows (the clamp above): zero them
+        self.zero_padded_rows(out, md)
+        note_served_by(self.name, self.name, "trtllm-gen target verify")
+
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVPool | None,
                              md: ForwardMetadata[TRTLLMPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None) -> None:
         if md.num_tokens == 0:
+            return
+        if md.forward_mode is ForwardMode.TARGET_VERIFY:
+            assert pool is not None and method is ForwardMethod.MLA  # checked by the base
+            self._forward_verify(q, pool, md, out)
             return
         mode = None if in_eager_break() else current_capture()
         if method is ForwardMethod.MLA:

@@ -101,6 +101,12 @@ __all__ = [
 #: Absorbed and MHA outputs compute the same function in another order (bf16).
 MAX_REL_DIFF = 5e-2
 
+#: The decode profile's default grid: the P1 batch sizes and KV lengths of issue 31.
+DECODE_BUCKETS = (1, 8, 32, 64, 128)
+DECODE_KV_LENS = (1024, 2048, 4096, 8192, 32768)
+#: 2**20 KV tokens (1.2 GB of bf16 rows): every P1 shape fits.
+DECODE_MAX_TOKENS = 1 << 20
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -350,7 +356,8 @@ def _seconds(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None,
                         help="registry backend to calibrate (required unless --dry-run, whose "
-                             "default is the reference backend)")
+                             "default is the reference backend); with --decode, a "
+                             "comma-separated list")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the pipeline on the CPU with tiny shapes and the reference "
                              "backend: writes a profile marked dry_run, NOT a measurement")
@@ -377,6 +384,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--time-budget-s", type=_seconds, default=85.0,
                       help="stop starting new measurements after this many seconds (the "
                            "rest is recorded as skipped; default 85)")
+    decode = parser.add_argument_group(
+        "decode profile (--decode: per backend and capture bucket, for per-bucket decode "
+        "backends in the plan)")
+    decode.add_argument("--decode", action="store_true",
+                        help="measure decode replays per backend (--backend A,B,...), bucket "
+                             "and KV length through a GraphSession and write a decode profile "
+                             "(default backends: every one given; dry run: triton)")
+    decode.add_argument("--buckets", type=_ints("decode batch buckets", 1), default=None,
+                        metavar="B,...", help="decode capture buckets (default "
+                        f"{','.join(map(str, DECODE_BUCKETS))}; dry run 1,2)")
+    decode.add_argument("--kv-lens", type=_ints("KV tokens per sequence", 1), default=None,
+                        metavar="L,...", help="KV lengths per sequence (default "
+                        f"{','.join(map(str, DECODE_KV_LENS))}; dry run 16,40)")
+    decode.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
+                        help="KV pool dtype of the decode profile (default bf16)")
+    decode.add_argument("--max-kv-tokens", type=_count("KV tokens of one measured batch"),
+                        default=DECODE_MAX_TOKENS, metavar="N",
+                        help="skip (bucket, KV length) points above this many KV tokens "
+                             f"(default {DECODE_MAX_TOKENS})")
     shown = parser.add_argument_group("output")
     shown.add_argument("-o", "--output", default=None, metavar="FILE",
                        help="where to write the profile JSON (default: "
@@ -407,11 +433,16 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.output:
         check_output_path(args.output, "the profile")  # before minutes of measuring
+    if args.decode and args.dry_run:
+        # the triton kernels run in the interpreter on a cpu; set before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         import torch
     except ImportError:
         return _fail("torch is not installed; calibration runs kernels (pip install "
                      "attnreg[torch] plus the backend's extra)")
+    if args.decode:
+        return _calibrate_decode(args, torch)
     if args.dry_run:
         device, grid, shape = "cpu", DRY_GRID, DRY_LAYER
         backend_name = args.backend or "reference"
@@ -536,6 +567,111 @@ def _calibrate(args: argparse.Namespace, torch: Any, device: str, grid: Grid,
               "else, so these timings do not describe it", file=sys.stderr)
         return 1
     return 0
+
+
+def _calibrate_decode(args: argparse.Namespace, torch: Any) -> int:
+    """``--decode``: a decode profile of every backend given, per bucket and KV length."""
+    from attnreg.graph_policy.decode_profile import (
+        DECODE_PROFILE_SCHEMA,
+        DECODE_PROFILE_SCHEMA_VERSION,
+        DecodeProfile,
+        save_decode_profile,
+    )
+    from attnreg.profiling import decode_points, measure_decode
+    from attnreg.registry import AttnregError, Platform
+    from attnreg.runtime import MLAConfig
+
+    from ._common import registry_from
+
+    started = time.perf_counter()
+    if args.dry_run:
+        device, platform = "cpu", Platform.parse("cpu")
+        names = _names(args.backend or "triton")
+        buckets, kv_lens, heads = args.buckets or (1, 2), args.kv_lens or (16, 40), \
+            args.heads or 2
+    else:
+        if not torch.cuda.is_available():
+            return _fail("no CUDA device: a decode profile describes the GPU it was measured "
+                         "on; run it there, or pass --dry-run to check the pipeline on this CPU")
+        if not args.backend:
+            return _fail("pass --backend A,B,... (the backends whose buckets the plan may "
+                         "choose between), e.g. --backend flashmla,triton")
+        device, platform = "cuda", Platform.detect()
+        names = _names(args.backend)
+        buckets, kv_lens, heads = args.buckets or DECODE_BUCKETS, \
+            args.kv_lens or DECODE_KV_LENS, args.heads or 16
+    if not names:
+        return _fail(f"--backend {args.backend!r} names no backend")
+    points = decode_points(buckets, kv_lens, args.max_kv_tokens)
+    if not points:
+        return _fail(f"no (bucket, KV length) point fits --max-kv-tokens {args.max_kv_tokens}")
+    config = MLAConfig(num_heads=heads, page_size=args.page_size, kv_dtype=args.kv_dtype,
+                       device=device, max_context_len=max(kv_lens))
+    reg = registry_from(args)
+    try:
+        backends = {n: reg.create(n, config, platform=platform) for n in names}
+    except AttnregError as exc:
+        return _fail(f"cannot create a backend for this pool ({heads} heads, page size "
+                     f"{args.page_size}, {args.kv_dtype} KV): {str(exc).splitlines()[0]}")
+    tokens = max(b * n for b, n in points)
+    pool = random_pool(torch, config, tokens, seed=7)
+    clock = Clock(torch, device)
+    progress = Progress.for_terminal(len(names) * len(points), quiet=args.quiet,
+                                     force=args.progress, budget_s=float(args.time_budget_s),
+                                     started=started)
+    progress.note(f"decode profile of {', '.join(names)} on {platform} "
+                  f"({_device_name(torch, device)}), {heads} heads, page {args.page_size}, "
+                  f"{args.kv_dtype} KV: {len(points)} points per backend")
+
+    def skip(name: str, bucket: int, kv_len: int) -> str:
+        progress.step(f"{name} at bucket {bucket}, KV {kv_len}")
+        if time.perf_counter() - started > float(args.time_budget_s):
+            return "time budget used up"
+        return ""
+
+    try:
+        entries = measure_decode(torch, backends, pool, points, clock,
+                                 device_graphs=False if device == "cpu" else None, skip=skip,
+                                 log=lambda m: progress.note(f"    {m}"))
+    except AttnregError as exc:
+        return _fail(f"a backend refused a measurement: {str(exc).splitlines()[0]}")
+    if not entries:
+        return _fail(f"nothing measured within the time budget ({args.time_budget_s:g} s)")
+    profile = {
+        "schema": DECODE_PROFILE_SCHEMA, "schema_version": DECODE_PROFILE_SCHEMA_VERSION,
+        "platform": str(platform), "heads": heads, "kv_dtype": args.kv_dtype,
+        "page_size": args.page_size, "device": _device_name(torch, device),
+        "dry_run": bool(args.dry_run),
+        "note": ("DRY RUN on the CPU with tiny shapes: the numbers mean nothing" if args.dry_run
+                 else "measured by `attnreg calibrate --decode`: one layer's decode, the "
+                      "captured graph replayed, L2 flushed before each replay"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": library_versions(),
+        "timing": {"method": clock.method, "wall_s": round(time.perf_counter() - started, 2),
+                   "time_budget_s": args.time_budget_s},
+        "entries": entries,
+    }
+    out = Path(args.output) if args.output else default_profile_path(
+        "decode-" + "+".join(names), str(platform), args.kv_dtype, dry_run=args.dry_run)
+    save_decode_profile(profile, out)
+    loaded = DecodeProfile.from_dict(profile, source=str(out))
+    if args.json:
+        print_json(dict(profile, written_to=str(out)))
+        return 0
+    rows = []
+    for e in loaded.entries:
+        for kv_len, us in e.points:
+            rows.append((e.backend, e.bucket, kv_len, f"{us:.1f}"))
+    print(f"decode profile {loaded.label}\n")
+    print(table(("backend", "bucket", "KV length", "us (median)"), rows, width=width_of(args)))
+    print(f"\nwritten to {out} in {time.perf_counter() - started:.1f} s")
+    if loaded.dry_run:
+        print("DRY RUN: these numbers mean nothing; do not plan with this profile")
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
 
 
 def _device_name(torch: Any, device: str) -> str:

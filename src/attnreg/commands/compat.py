@@ -13,7 +13,9 @@ JSON keys (``schema_version`` 1): ``platform``, ``model``, ``features``,
 ``config``, ``engine``, ``phases.{prefill,decode}.{mode, default_mode, locked,
 backend, backend_choice, pinned_method, fallbacks[{to, cost, reason}],
 split_kv, capture_memory_bytes, captured[{forward_mode, batch_sizes,
-num_tokens, max_requests, query_len, max_seq_len}]}``,
+num_tokens, max_requests, query_len, max_seq_len}], bucket_backends[{bucket,
+backend, rule, reason, ratio}]}`` (``bucket_backends`` is empty unless
+``--decode-profile`` gave decode buckets their own backends),
 ``capture_memory_bytes``, ``capture_budget{bytes, source,
 device_memory_bytes, fraction, note}``, ``speculative[{forward_mode, how,
 backend, query_len, message}]``, ``decisions[{rule, severity, source, phase,
@@ -25,7 +27,8 @@ switches from the absorbed graph to eager MHA; ``points`` is empty when the
 profile is for another backend, platform or KV dtype).
 
 Cost profile: ``--cost-profile PATH``, else the profile shipped with attnreg
-for the prefill backend, platform and KV dtype, if there is one.
+for the prefill backend, platform and KV dtype, if there is one.  Decode
+profile: ``--decode-profile PATH`` only (none is shipped).
 """
 
 from __future__ import annotations
@@ -275,6 +278,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-profile", default=None, metavar="PATH",
                       help="cost profile JSON (from `attnreg calibrate`); default: the "
                            "profile shipped for the prefill backend and platform, if any")
+    cost.add_argument("--decode-profile", default=None, metavar="PATH",
+                      help="decode profile JSON (from `attnreg calibrate --decode`): each "
+                           "decode bucket may then be captured with the backend measured "
+                           "fastest there, among those declaring the same pool (needs "
+                           "--page-size); default: one decode backend")
     add_registry_arguments(parser)
     add_plugin_argument(parser)
     add_output_arguments(parser)
@@ -397,6 +405,12 @@ def render(plan: GraphPlan, header: str, width: int | None = None) -> str:
     lines = [*wrap(header, width, "  "),
              table(("phase", "mode", "backend", "locked", "pinned", "fallbacks", "split-kv",
                     "capture mem"), rows, wrap_columns=("backend", "fallbacks"), width=width)]
+    if plan.decode.bucket_backends:
+        lines += ["", "decode buckets (from the decode profile):",
+                  table(("bucket", "backend", f"time / {plan.decode.backend}", "why"),
+                        [(b.bucket, b.backend, "-" if b.ratio is None else f"{b.ratio:.3f}",
+                          b.reason) for b in plan.decode.bucket_backends],
+                        wrap_columns=("why",), width=width)]
     budget = plan.capture_budget
     if budget is not None:
         limit = "none" if budget.bytes is None else _fmt_bytes(budget.bytes)
@@ -458,7 +472,8 @@ def plan_outcome(args: argparse.Namespace) -> Outcome:
         else platform
     try:
         plan = resolve(target, model, backends, config, features, engine,
-                       registry=registry_from(args), assume_installed=simulated)
+                       registry=registry_from(args), assume_installed=simulated,
+                       decode_profile=getattr(args, "decode_profile", None))
     except GraphPolicyError as exc:
         if args.traceback:
             traceback.print_exc()

@@ -142,4 +142,8 @@ def plan_fingerprint(plan: GraphPlan, *, cost_profile_id: str = "none",
     fields += [("features", ",".join(plan.features.enabled()) or "none"),
                ("cost_profile", cost_profile_id)]
     fields += [(k, str(v)) for k, v in sorted((gate_settings or {}).items())]
+    if plan.decode.bucket_backends:
+        # only with per-bucket decode backends, so every other plan keeps its digest
+        fields.append(("decode.bucket_backends",
+                       ",".join(f"{b.bucket}:{b.backend}" for b in plan.decode.bucket_backends)))
     return PlanFingerprint(tuple(fields))

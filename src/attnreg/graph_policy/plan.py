@@ -21,8 +21,8 @@ from .engine import EngineFacts
 from .features import ServerFeatures
 from .model import ModelFacts
 
-__all__ = ["CaptureBudget", "CapturedShapes", "FallbackInEffect", "GraphPlan", "PhasePlan",
-           "SpecModePlan"]
+__all__ = ["BucketBackend", "CaptureBudget", "CapturedShapes", "FallbackInEffect", "GraphPlan",
+           "PhasePlan", "SpecModePlan"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,29 @@ class FallbackInEffect:
 
 
 @dataclass(frozen=True)
+class BucketBackend:
+    """The backend one decode capture bucket is captured with, and why.
+
+    Present only when a decode profile was given to
+    :func:`~attnreg.graph_policy.resolve` (``decode_profile=``); every bucket
+    of every captured decode-phase forward mode of that batch size uses it.
+    ``ratio`` is the profile's geometric-mean time of ``backend`` over the
+    phase's backend at this bucket (1.0 when it is the phase's backend, None
+    when the profile has no comparison there); ``rule`` is the decision's id.
+    """
+
+    bucket: int
+    backend: str
+    rule: str
+    reason: str
+    ratio: float | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"bucket": self.bucket, "backend": self.backend, "rule": self.rule,
+                "reason": self.reason, "ratio": self.ratio}
+
+
+@dataclass(frozen=True)
 class PhasePlan:
     """The decision for one phase.
 
@@ -128,7 +151,9 @@ class PhasePlan:
     the backend's capture buffers for the largest captured batch plus the
     model's capture pool for this phase (0 when DISABLED).  ``captured``
     lists the graphs captured, one entry per forward mode they serve (empty
-    when DISABLED).
+    when DISABLED).  ``bucket_backends`` (decode, with a decode profile only)
+    gives each captured batch-size bucket its backend; empty: ``backend``
+    serves every bucket.
     """
 
     phase: Phase
@@ -142,6 +167,20 @@ class PhasePlan:
     split_kv: SplitKV | None
     capture_memory_bytes: int
     captured: tuple[CapturedShapes, ...] = ()
+    bucket_backends: tuple[BucketBackend, ...] = ()
+
+    def backend_for(self, bucket: int) -> str:
+        """The backend bucket ``bucket`` is captured with (``backend`` unless a per-bucket
+        choice names another)."""
+        for b in self.bucket_backends:
+            if b.bucket == bucket:
+                return b.backend
+        return self.backend
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Every backend the phase's graphs are captured with, ``backend`` first."""
+        return tuple(dict.fromkeys((self.backend, *(b.backend for b in self.bucket_backends))))
 
     @property
     def is_captured(self) -> bool:
@@ -164,6 +203,7 @@ class PhasePlan:
             "split_kv": self.split_kv.value if self.split_kv else None,
             "capture_memory_bytes": self.capture_memory_bytes,
             "captured": [c.to_dict() for c in self.captured],
+            "bucket_backends": [b.to_dict() for b in self.bucket_backends],
         }
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ class HiddenCapture(enum.IntEnum):
 
 
 _LENGTHS = ("prefix_lens", "extend_lens", "seq_lens")
+_INT = {int}
 #: Facts about a batch's requests; an empty batch has none of them.
 _FLAGS = {"lora": False, "has_input_embeds": False, "has_replace_embeds": False,
           "return_logprob": False}
@@ -104,6 +106,8 @@ _FLAGS = {"lora": False, "has_input_embeds": False, "has_replace_embeds": False,
 
 def _forward_mode(value: ForwardMode | str) -> ForwardMode:
     """A forward mode, or the phase word ``prefill`` (EXTEND); else a ValueError naming both."""
+    if isinstance(value, ForwardMode):  # the per-step case: no parsing
+        return value
     if isinstance(value, str) and value.strip().lower() == "prefill":
         return ForwardMode.EXTEND
     try:
@@ -152,7 +156,12 @@ class ReplayBatch:
         # Host ints only (a device tensor here would sync); a tuple keeps it hashable.
         for name in _LENGTHS:
             values = getattr(self, name)
-            values = () if values is None else tuple(int(n) for n in values)
+            # Once per step at every call site of the gate: a tuple of plain ints (what
+            # ForwardBatch carries) is kept as is; anything else is converted, in C.
+            if values is None:
+                values = ()
+            elif type(values) is not tuple or (values and set(map(type, values)) != _INT):
+                values = tuple(map(int, values))
             object.__setattr__(self, name, values if values or empty else None)
         if empty:  # the flags describe requests, and there are none: nothing is unknown
             for name, value in _FLAGS.items():
@@ -167,7 +176,7 @@ class ReplayBatch:
             values = getattr(self, name)
             if values and len(values) != self.batch_size:
                 problems.append(f"{len(values)} {name} for batch_size {self.batch_size}")
-            if values and any(n < 0 for n in values):
+            if values and min(values) < 0:
                 problems.append(f"negative {name}")
         if self.extend_lens and self.num_tokens is not None \
                 and self.num_tokens != sum(self.extend_lens):
@@ -177,7 +186,7 @@ class ReplayBatch:
             if self.num_tokens is not None and self.num_tokens != self.batch_size:
                 problems.append(f"a decode batch has one token per request: num_tokens "
                                 f"{self.num_tokens} != batch_size {self.batch_size}")
-            if self.extend_lens and any(n != 1 for n in self.extend_lens):
+            if self.extend_lens and (min(self.extend_lens) != 1 or max(self.extend_lens) != 1):
                 problems.append("a decode batch has one new token per request")
         if self.forward_mode is ForwardMode.TARGET_VERIFY and not empty:
             # Uniform by definition (every request verifies the draft tokens), which is
@@ -191,12 +200,39 @@ class ReplayBatch:
                                 f"batch_size {self.batch_size}")
         if not problems and self.seq_lens and self.prefix_lens:
             query = self.query_lens
-            if query is not None and any(s != p + q for s, p, q in
-                                         zip(self.seq_lens, self.prefix_lens, query)):
+            if query is not None and any(
+                    map(operator.ne, self.seq_lens, map(operator.add, self.prefix_lens, query))):
                 problems.append("seq_lens != prefix_lens + new tokens per request")
         if problems:
             raise ValueError("inconsistent ReplayBatch: " + "; ".join(problems)
                              + " (give one length per request; they must agree)")
+
+    @classmethod
+    def checked(cls, forward_mode: ForwardMode, batch_size: int, num_tokens: int,
+                prefix_lens: tuple[int, ...], extend_lens: tuple[int, ...],
+                seq_lens: tuple[int, ...]) -> ReplayBatch:
+        """A batch's facts whose lengths were already checked where they were made.
+
+        For the runtime's own conversion of a batch that ``ForwardBatch.build``
+        checked and that has not changed since (``attnreg.runtime.replay_batch``):
+        tuples of plain ints, one per request, ``seq = prefix + extend``, one
+        token per decode request, the same draft tokens in every verify request,
+        no engine flags.  It skips the per-length checks of the constructor,
+        which this per-step question would otherwise repeat for every request.
+        Anything else: call ``ReplayBatch(...)``.
+        """
+        obj = object.__new__(cls)
+        for name, value in (("forward_mode", forward_mode), ("batch_size", batch_size),
+                            ("num_tokens", num_tokens), ("prefix_lens", prefix_lens or None),
+                            ("lora", False), ("has_input_embeds", False),
+                            ("has_replace_embeds", False), ("capture_hidden", HiddenCapture.NULL),
+                            ("return_logprob", False), ("extend_lens", extend_lens or None),
+                            ("seq_lens", seq_lens or None)):
+            object.__setattr__(obj, name, value)
+        if batch_size == 0:  # what the constructor reads an empty batch as
+            for name in _LENGTHS:
+                object.__setattr__(obj, name, ())
+        return obj
 
     @property
     def has_prefix(self) -> bool | None:

@@ -34,7 +34,9 @@ invents a capture mode the defaults did not ask for, except the upgrade.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from ..registry.capabilities import (
     SPECULATIVE_MODES,
@@ -49,8 +51,10 @@ from ..registry.capabilities import (
 from ..registry.errors import GraphPolicyError
 from ..registry.manager import BackendRegistry, get_registry
 from ..registry.platform import KNOWN_DEVICES, DeviceInfo, Platform, known_device
+from .bucket_backends import choose_bucket_backends
 from .config import GraphConfig, default_mode
 from .decisions import Decision, Severity, Source, Violation
+from .decode_profile import DecodeProfile, load_decode_profile
 from .engine import EngineFacts
 from .features import ServerFeatures
 from .model import ModelFacts
@@ -437,6 +441,44 @@ def _phase_plan(ctx: RuleContext, mode: GraphMode, config: GraphConfig,
     )
 
 
+def _with_bucket_backends(profile_arg: DecodeProfile | str | os.PathLike[str],
+                          plans: dict[Phase, PhasePlan], ctx: RuleContext, mode: GraphMode,
+                          shapes: tuple[CapturedShapes, ...], by_user: bool,
+                          budget: CaptureBudget, trace: _Trace, registry: BackendRegistry,
+                          assume_installed: bool, versions: Mapping[str, str | None] | None
+                          ) -> PhasePlan:
+    """The decode phase plan with its per-bucket backends from the decode profile
+    (:mod:`~attnreg.graph_policy.bucket_backends`), and the decision saying why."""
+    profile = (profile_arg if isinstance(profile_arg, DecodeProfile)
+               else load_decode_profile(profile_arg))
+
+    def capture_bytes(caps: Capabilities, sub: Sequence[CapturedShapes]) -> int:
+        # the backend's own capture buffers; the model's graph pool is shared by all
+        theirs = replace(ctx, caps=caps)
+        return theirs.support(GraphMode.FULL).capture_memory.estimate(
+            capture_shape(theirs, sub))
+
+    choice = choose_bucket_backends(profile, ctx, mode, shapes, by_user=by_user,
+                                    registry=registry, assume_installed=assume_installed,
+                                    versions=versions, capture_bytes=capture_bytes)
+    pp = plans[Phase.DECODE]
+    message = choice.message
+    total = sum(p.capture_memory_bytes for p in plans.values()) + choice.extra_capture_bytes
+    if choice.buckets and budget.bytes is not None and total > budget.bytes:
+        message = (f"per-bucket decode backends not used: their graph state needs "
+                   f"{_fmt_bytes(choice.extra_capture_bytes)} more, and the captured phases "
+                   f"would need about {_fmt_bytes(total)}, over the capture budget of "
+                   f"{_fmt_bytes(budget.bytes)} ({budget.note}); would have been: {message}")
+        choice = replace(choice, buckets=(), extra_capture_bytes=0)
+    trace.add(Decision("decode.bucket_backends" if choice.buckets else
+                       "decode.bucket_backends_off", Severity.INFO, Source.BACKEND,
+                       Phase.DECODE, mode, mode, message))
+    if not choice.buckets:
+        return pp
+    return replace(pp, bucket_backends=choice.buckets,
+                   capture_memory_bytes=pp.capture_memory_bytes + choice.extra_capture_bytes)
+
+
 def _arch_error(plat: Platform) -> GraphPolicyError:
     names = sorted(d.name for d in KNOWN_DEVICES.values() if d.vendor is plat.vendor)
     devices = f", or a GPU name ({', '.join(names)})" if names else ""
@@ -474,7 +516,8 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
             registry: BackendRegistry | None = None,
             assume_installed: bool = False,
             versions: Mapping[str, str | None] | None = None,
-            extra_declarations: Iterable[Capabilities] = ()) -> GraphPlan:
+            extra_declarations: Iterable[Capabilities] = (),
+            decode_profile: DecodeProfile | str | os.PathLike[str] | None = None) -> GraphPlan:
     """Decide each phase's graph mode from declarations, with a reason for every step.
 
     Parameters
@@ -509,6 +552,13 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
     extra_declarations
         declarations consulted by name before the registry when checking
         fallback targets (for declarations built outside the registry).
+    decode_profile
+        measured decode times per backend and capture bucket
+        (:class:`~attnreg.graph_policy.decode_profile.DecodeProfile` or a path
+        to one, from ``attnreg calibrate --decode``): each decode bucket may
+        then be captured with its own backend among those declaring the same
+        pool layout (:mod:`~attnreg.graph_policy.bucket_backends`;
+        ``PhasePlan.bucket_backends``).  None: one decode backend.
 
     Returns
     -------
@@ -613,6 +663,11 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
     shapes = {p: _captured_shapes(ctxs[p], modes[p], cfg, speculative) for p in _PHASES}
     plans = {p: _phase_plan(ctxs[p], modes[p], cfg, selected[p], shapes[p], trace)
              for p in _PHASES}
+    if decode_profile is not None:
+        plans[Phase.DECODE] = _with_bucket_backends(
+            decode_profile, plans, ctxs[Phase.DECODE], modes[Phase.DECODE],
+            shapes[Phase.DECODE], selected[Phase.DECODE].by_user, budget, trace,
+            reg if reg is not None else get_registry(), assume_installed, versions)
     return GraphPlan(platform=plat, model=facts, features=feats, config=cfg,
                      prefill=plans[Phase.PREFILL], decode=plans[Phase.DECODE],
                      decisions=tuple(trace.decisions), engine=eng, speculative=speculative,

@@ -27,12 +27,15 @@ __all__ = ["RULES", "RuleInfo", "RuleKind", "check_rule_id", "rule_info", "tagge
 
 #: What part of the policy emits a rule: a Decision of the plan (startup), a
 #: reason of GraphPolicyError (no plan at all), a feature rule (FEATURE_RULES,
-#: recorded as a Decision too), or a ReplayReason of the gate (per batch).
-RuleKind = Literal["plan", "error", "feature", "gate"]
+#: recorded as a Decision too), a ReplayReason of the gate (per batch), or the
+#: data-parallel agreement overriding the local gate (per step: a count key of the
+#: graph session, ``runtime.SessionCounts``).
+RuleKind = Literal["plan", "error", "feature", "gate", "sync"]
 PLAN: RuleKind = "plan"
 ERROR: RuleKind = "error"
 FEATURE: RuleKind = "feature"
 GATE: RuleKind = "gate"
+SYNC: RuleKind = "sync"
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class RuleInfo:
     id
         the stable id (``"backend.high_cost_fallback"``).
     kind
-        ``"plan"``, ``"error"``, ``"feature"`` or ``"gate"``.
+        ``"plan"``, ``"error"``, ``"feature"``, ``"gate"`` or ``"sync"``.
     severities
         the severities the rule's records carry (first = the usual one); for a
         gate rule: HARD when the graph cannot serve the batch, SOFT when
@@ -164,6 +167,19 @@ _PLAN_RULES = (
           "`gate.cost_model` with a cost profile) or run eagerly (`gate.mha_companion_prefix`)"),
     _rule("backend.split_kv_single", PLAN, _I, Source.BACKEND, "`split_kv == single`",
           "split-KV forced to one split under capture (correct, slower on long KV)"),
+    _rule("decode.bucket_backends", PLAN, _I, (Source.BACKEND, Source.ENGINE),
+          "the decode profile (`resolve(decode_profile=...)`), each measured backend's "
+          "declaration (page size, KV dtype, heads, full decode capture, verify graphs)",
+          "each decode capture bucket is captured with the backend the decode profile "
+          "measured more than 2% faster there than the phase's backend, among backends that "
+          "declare the same pool layout; `PhasePlan.bucket_backends` gives the reason per "
+          "bucket"),
+    _rule("decode.bucket_backends_off", PLAN, _I, (Source.BACKEND, Source.USER, Source.ENGINE),
+          "the decode profile, the user's decode backend, `EngineFacts.page_size`, the "
+          "capture budget",
+          "a decode profile was given but one backend still captures every bucket, and why "
+          "(decode graphs off, the user named the backend, another pool, no candidate, no "
+          "faster one, over the capture budget)"),
 )
 
 _ERROR_RULES = (
@@ -239,6 +255,17 @@ _GATE_RULES = (  # in evaluation order: the first that fails is the reason
 )
 
 
+#: Not gate rules (the gate answers one rank's batch): what the data-parallel agreement
+#: (:func:`attnreg.graph_policy.sync`) decides over the local gate's answer.
+_SYNC_RULES = (
+    _rule("sync.other_rank_eager", SYNC, _H, Source.BATCH,
+          "`Agreed.replay` (every rank's gate row, exchanged by `sync`)",
+          "the local gate would replay the step but another data-parallel rank cannot (or, "
+          "in a prefill step, is idle), so every rank runs it eagerly; the graph session "
+          "counts such a step under this id (`runtime.SYNC_EAGER`)"),
+)
+
+
 def _feature_entries(rules: Iterable[FeatureRule]) -> tuple[RuleInfo, ...]:
     """One entry per feature id; its severities are those of its FEATURE_RULES rows."""
     by_id: dict[str, list[FeatureRule]] = {}
@@ -267,7 +294,8 @@ def _index(entries: Iterable[RuleInfo]) -> Mapping[str, RuleInfo]:
 #: Every rule id the policy can emit -> its :class:`RuleInfo`; insertion order is
 #: the order of the docs tables (gate rules: evaluation order).
 RULES: Mapping[str, RuleInfo] = _index((*_PLAN_RULES, *_ERROR_RULES,
-                                        *_feature_entries(FEATURE_RULES), *_GATE_RULES))
+                                        *_feature_entries(FEATURE_RULES), *_GATE_RULES,
+                                        *_SYNC_RULES))
 
 
 def _unknown(rule_id: str) -> ValueError:

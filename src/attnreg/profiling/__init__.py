@@ -10,6 +10,8 @@ same thing the same way:
   device times) and :func:`spread`;
 * fitting: :func:`fit_term` / :func:`fit_profile_terms` (non-negative least
   squares of the cost profile's terms) and :func:`crossover_extend`;
+* decode per backend and capture bucket through a GraphSession:
+  :func:`measure_decode`, :func:`decode_points` (``attnreg calibrate --decode``);
 * :func:`library_versions`, recorded with every measurement.
 
 Layering (DESIGN.md): profiling sits beside ``testing``, above ``backends``
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     "CROSSOVER_PREFIXES": "crossover", "CrossoverPoint": "crossover",
     "crossover_extend": "crossover",
+    "DecodePoint": "decode", "decode_points": "decode", "measure_decode": "decode",
     "VERSIONED": "environment", "library_versions": "environment", "load_average": "environment",
     "FitResult": "fit", "batch_record": "fit", "fit_profile_terms": "fit", "fit_term": "fit",
     "shape_of_record": "fit",
@@ -42,16 +45,19 @@ __all__ = [
     "VERSIONED",
     "Clock",
     "CrossoverPoint",
+    "DecodePoint",
     "FitResult",
     "LayerShape",
     "MLALayer",
     "batch_record",
     "crossover_extend",
+    "decode_points",
     "fit_profile_terms",
     "fit_term",
     "kv_slots_of",
     "library_versions",
     "load_average",
+    "measure_decode",
     "random_pool",
     "rel_error",
     "shape_of_record",
@@ -60,6 +66,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .crossover import CROSSOVER_PREFIXES, CrossoverPoint, crossover_extend
+    from .decode import DecodePoint, decode_points, measure_decode
     from .environment import VERSIONED, library_versions, load_average
     from .fit import FitResult, batch_record, fit_profile_terms, fit_term, shape_of_record
     from .layer import DRY_LAYER, LayerShape, MLALayer

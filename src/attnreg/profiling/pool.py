@@ -27,6 +27,11 @@ def random_pool(torch: Any, config: Any, tokens: int, seed: int) -> Any:
     """
     pool = config.make_pool(-(-tokens // config.page_size) + 2)
     gen = torch.Generator(device=pool.device).manual_seed(seed)
+    if pool.buffer.dtype.itemsize == 1:
+        # an fp8 buffer has no normal_: draw in float32 and round (values ~N(0, 1))
+        noise = torch.empty(pool.buffer.shape, dtype=torch.float32, device=pool.device)
+        pool.buffer.copy_(noise.normal_(generator=gen).to(pool.buffer.dtype))
+        return pool
     # normal_ with a generator on a bf16 buffer: values ~N(0, 1), never zeros.
     pool.buffer.normal_(generator=gen)
     return pool

@@ -50,6 +50,7 @@ from .graph_runner import (
     GraphRunner,
     UnreplayableBreakError,
 )
+from .indices import BatchIndices, IndexLayout, PackedIndices
 from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
 from .pool import PADDING_PAGE, MLAKVLayer, MLAKVPool
@@ -86,6 +87,7 @@ __all__ = [
     "GraphRunner",
     "GraphSession",
     "GraphState",
+    "IndexLayout",
     "KernelErrors",
     "MLAConfig",
     "MLAKVLayer",

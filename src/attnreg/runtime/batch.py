@@ -33,7 +33,7 @@ import torch
 from attnreg.registry import SPECULATIVE_MODES, ForwardMode  # SPECULATIVE_MODES: re-exported
 
 from .dtypes import resolve_device
-from .indices import BatchIndices, IndexFields, accepts_index_keywords
+from .indices import BatchIndices, IndexFields, IndexLayout, PackedIndices, accepts_index_keywords
 
 if TYPE_CHECKING:
     from .pool import MLAKVPool
@@ -69,6 +69,10 @@ class ForwardBatch(IndexFields):
         Flat pool slots of the new tokens.
     seq_lens_cpu, prefix_lens_cpu, extend_lens_cpu : tuple[int, ...]
         Host copies of the lengths.
+    packed : PackedIndices or None
+        Set when the batch was built in an :class:`~attnreg.runtime.IndexLayout`
+        (``build(..., layout=session.index_layout)``): its index tensors are views
+        of one padded buffer that a session's replay copies in one device copy.
 
     ``ForwardBatch(forward_mode, seq_lens=..., ..., out_cache_loc=..., seq_lens_cpu=...)``
     (the seven tensors as keywords) still builds one
@@ -80,6 +84,7 @@ class ForwardBatch(IndexFields):
     seq_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
     extend_lens_cpu: tuple[int, ...]
+    packed: PackedIndices | None = None
 
     @property
     def batch_size(self) -> int:
@@ -178,7 +183,8 @@ class ForwardBatch(IndexFields):
     def build(cls, forward_mode: ForwardMode | str, prefix_lens: Sequence[int],
               extend_lens: Sequence[int], page_table: torch.Tensor,
               out_cache_loc: Sequence[int] | torch.Tensor,
-              device: str | torch.device | None = None) -> ForwardBatch:
+              device: str | torch.device | None = None,
+              layout: IndexLayout | None = None) -> ForwardBatch:
         """Build a batch from host lengths, a page table and the new tokens' slots.
 
         Parameters
@@ -193,6 +199,11 @@ class ForwardBatch(IndexFields):
             Flat slots of the new tokens, ``sum(extend_lens)`` of them.
         device
             Defaults to the page table's device.
+        layout
+            Pack the index tensors in this layout (a session's
+            :attr:`~attnreg.runtime.GraphSession.index_layout`): one padded buffer,
+            so each replay copies the batch's metadata with one device copy.
+            The page table is then ``layout.max_pages`` wide.
         """
         mode = cast(ForwardMode, ForwardMode.parse(forward_mode))
         prefix = tuple(int(p) for p in prefix_lens)
@@ -220,13 +231,23 @@ class ForwardBatch(IndexFields):
         def ints(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.int32, device=dev)
 
+        loc: torch.Tensor | list[int]
         if isinstance(out_cache_loc, torch.Tensor):
             loc = out_cache_loc.to(device=dev)
-        else:
-            loc = ints(out_cache_loc)
-        if loc.shape != (sum(extend),):
+            loc_shape = tuple(loc.shape)
+        else:  # host slots stay on the host until the one copy that sends them
+            loc = [int(x) for x in out_cache_loc]
+            loc_shape = (len(loc),)
+        if loc_shape != (sum(extend),):
             raise ValueError(f"out_cache_loc must list {sum(extend)} slots (one per new "
-                             f"token), got shape {tuple(loc.shape)}")
+                             f"token), got shape {loc_shape}")
+        if layout is not None:
+            packed = layout.pack(seq, prefix, extend, page_table, loc, dev)
+            seq, prefix, extend = packed.host_lens  # the very tuples packed.serves() checks
+            return cls(forward_mode=mode, indices=packed.indices, seq_lens_cpu=seq,
+                       prefix_lens_cpu=prefix, extend_lens_cpu=extend, packed=packed)
+        if isinstance(loc, list):
+            loc = ints(loc)
         indices = BatchIndices(
             seq_lens=ints(seq), prefix_lens=ints(prefix), extend_lens=ints(extend),
             qo_indptr=ints(_cumsum(extend)), kv_indptr=ints(_cumsum(seq)),
@@ -277,7 +298,8 @@ def _pages_for(pool: MLAKVPool, seq_lens: Sequence[int],
 
 def decode_batch(pool: MLAKVPool, seq_lens: Sequence[int], *,
                  pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
-                 page_table_width: int | None = None) -> ForwardBatch:
+                 page_table_width: int | None = None,
+                 layout: IndexLayout | None = None) -> ForwardBatch:
     """A decode batch: one new token per sequence, at position ``seq_len - 1``.
 
     Parameters
@@ -292,6 +314,9 @@ def decode_batch(pool: MLAKVPool, seq_lens: Sequence[int], *,
         Passed to :meth:`MLAKVPool.allocate` when allocating.
     page_table_width
         Columns of the page table (default: the longest sequence's pages).
+    layout
+        Build the index tensors packed in a session's
+        :attr:`~attnreg.runtime.GraphSession.index_layout` (one-copy replay metadata).
     """
     if any(n < 1 for n in seq_lens):
         raise ValueError(f"decode seq_lens include the new token, so each is >= 1; got "
@@ -300,13 +325,14 @@ def decode_batch(pool: MLAKVPool, seq_lens: Sequence[int], *,
     loc = [pool.slots(p, [n - 1])[0] for p, n in zip(owned, seq_lens)]
     table = pool.page_table(owned, width=page_table_width)
     return ForwardBatch.build(ForwardMode.DECODE, [n - 1 for n in seq_lens],
-                              [1] * len(seq_lens), table, loc)
+                              [1] * len(seq_lens), table, loc, layout=layout)
 
 
 def extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int], extend_lens: Sequence[int],
                  *, pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
                  page_table_width: int | None = None,
-                 forward_mode: ForwardMode | str = ForwardMode.EXTEND) -> ForwardBatch:
+                 forward_mode: ForwardMode | str = ForwardMode.EXTEND,
+                 layout: IndexLayout | None = None) -> ForwardBatch:
     """An extend (prefill) batch: ``extend_lens[b]`` new tokens after ``prefix_lens[b]``.
 
     The prefix tokens must already be in the pool at the positions the page
@@ -319,12 +345,14 @@ def extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int], extend_lens: Seque
     for p, pre, n in zip(owned, prefix_lens, seq_lens):
         loc.extend(pool.slots(p, range(pre, n)))
     table = pool.page_table(owned, width=page_table_width)
-    return ForwardBatch.build(forward_mode, prefix_lens, extend_lens, table, loc)
+    return ForwardBatch.build(forward_mode, prefix_lens, extend_lens, table, loc,
+                              layout=layout)
 
 
 def verify_batch(pool: MLAKVPool, prefix_lens: Sequence[int], num_draft: int, *,
                  pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
-                 page_table_width: int | None = None) -> ForwardBatch:
+                 page_table_width: int | None = None,
+                 layout: IndexLayout | None = None) -> ForwardBatch:
     """A TARGET_VERIFY batch: ``num_draft`` draft tokens after each sequence's prefix.
 
     The draft tokens are causal among themselves and attend the whole prefix
@@ -335,14 +363,15 @@ def verify_batch(pool: MLAKVPool, prefix_lens: Sequence[int], num_draft: int, *,
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     return extend_batch(pool, prefix_lens, [int(num_draft)] * len(prefix_lens), pages=pages,
                         shuffle=shuffle, page_table_width=page_table_width,
-                        forward_mode=ForwardMode.TARGET_VERIFY)
+                        forward_mode=ForwardMode.TARGET_VERIFY, layout=layout)
 
 
 def draft_extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int],
                        extend_lens: Sequence[int], *,
                        pages: Sequence[Sequence[int]] | None = None,
                        shuffle: bool | int = False,
-                       page_table_width: int | None = None) -> ForwardBatch:
+                       page_table_width: int | None = None,
+                       layout: IndexLayout | None = None) -> ForwardBatch:
     """A DRAFT_EXTEND batch: each sequence's accepted tokens (>= 1, ragged) after its prefix.
 
     See :func:`extend_batch`.
@@ -352,4 +381,4 @@ def draft_extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int],
                          f"extend_lens {list(extend_lens)}")
     return extend_batch(pool, prefix_lens, extend_lens, pages=pages, shuffle=shuffle,
                         page_table_width=page_table_width,
-                        forward_mode=ForwardMode.DRAFT_EXTEND)
+                        forward_mode=ForwardMode.DRAFT_EXTEND, layout=layout)

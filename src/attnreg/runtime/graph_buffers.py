@@ -1,11 +1,13 @@
 """The graph state of a backend: :class:`GraphState`.
 
 ``init_cuda_graph_state`` allocates the index buffers once for the largest
-captured shape (one :class:`~attnreg.runtime.BatchIndices`); each captured
+captured shape (one :class:`~attnreg.runtime.BatchIndices`, views of one flat
+buffer in an :class:`~attnreg.runtime.IndexLayout`); each captured
 shape reads views of them (``ForwardMetadata`` with ``graph_mode`` set), kept
 in :attr:`GraphState.captured` per (forward mode, bs, num_tokens), and
 ``init_forward_metadata_replay`` copies a real batch into them outside the
-graph (:meth:`GraphState.fill`).  The backend's own buffers (workspaces,
+graph (:meth:`GraphState.fill`): one device copy for a batch built in the same
+layout, else a padded copy per tensor.  The backend's own buffers (workspaces,
 library index arrays) hang off :attr:`GraphState.buffers`, a dataclass of its
 own; :meth:`GraphState.buffer_bytes` counts them with the captured plans.
 """
@@ -25,7 +27,7 @@ from attnreg.registry import CaptureShape, DType, ForwardMode, GraphMode, Phase
 from .batch import ForwardBatch
 from .config import MLAConfig
 from .dtypes import device_num_sms
-from .indices import BatchIndices
+from .indices import BatchIndices, IndexLayout
 from .metadata import DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import PADDING_PAGE
 
@@ -62,6 +64,13 @@ class GraphState(Generic[BuffersT]):
     pad_mask: torch.Tensor
     buffers: BuffersT | None = None
     captured: dict[ShapeKey, ForwardMetadata[Any]] = field(default_factory=dict)
+    #: where ``indices`` sit in :attr:`flat` (a batch built in it fills them in one copy)
+    layout: IndexLayout | None = None
+    #: the one int32 buffer ``indices`` are views of
+    flat: torch.Tensor | None = None
+    #: replays filled by one copy / by the padded per-tensor copy (what the session benchmark
+    #: and tests read to see which path ran)
+    fills: dict[str, int] = field(default_factory=lambda: {"packed": 0, "padded": 0})
 
     @classmethod
     def allocate(cls, *, max_bs: int, max_num_tokens: int, max_seq_len: int, page_size: int,
@@ -69,12 +78,15 @@ class GraphState(Generic[BuffersT]):
                  device: torch.device) -> GraphState[Any]:
         """Zeroed index buffers for captured shapes up to the given bounds."""
         max_pages = -(-max_seq_len // page_size)
+        layout = IndexLayout(max_bs, max_num_tokens, max_pages, page_size, PADDING_PAGE)
+        flat, indices = layout.allocate(device)
         return cls(
             max_bs=max_bs, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
             max_pages=max_pages, graph_modes=dict(graph_modes), capture_shape=capture_shape,
-            indices=BatchIndices.zeros(max_bs, max_num_tokens, max_pages, device),
+            indices=indices,
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
-            pad_mask=torch.zeros(max_num_tokens, dtype=torch.bool, device=device))
+            pad_mask=torch.zeros(max_num_tokens, dtype=torch.bool, device=device),
+            layout=layout, flat=flat)
 
     def capture_mode(self, phase: Phase) -> GraphMode:
         """The mode ``phase`` is captured in: the ``capturing()`` mode, else the one this
@@ -156,7 +168,10 @@ class GraphState(Generic[BuffersT]):
             problems.append(f"batch has {batch.batch_size} sequences / {batch.num_tokens} "
                             f"tokens, the graph {bs} / {nt}")
         q = md.max_extend_len
-        lens = set(batch.extend_lens_cpu)
+        # decode and extend graphs need no per-request lengths here (one pass over them less
+        # on every replay)
+        lens = (set(batch.extend_lens_cpu) if md.forward_mode in (
+            ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) else set())
         if md.forward_mode is ForwardMode.TARGET_VERIFY and lens and lens != {q}:
             problems.append(f"the verify graph was captured for {q} draft tokens per "
                             f"sequence, the batch has {sorted(lens)}")
@@ -173,11 +188,22 @@ class GraphState(Generic[BuffersT]):
 
         Missing sequences get length 0 and the padding page; missing tokens
         write to the padding slot.  Device copies only: nothing waits for the
-        device.  Check :meth:`fit_problems` first.
+        device.  A batch built in this state's :attr:`layout` (``batch.packed``,
+        still holding the batch's own tensors) is already padded to every
+        captured shape: its flat buffer is copied whole, one device copy with
+        no host work per tensor.  Check :meth:`fit_problems` first.
         """
-        self.indices.copy_padded_(batch.indices, bs=md.batch_size, num_tokens=md.num_tokens,
-                                  num_kv_tokens=batch.num_kv_tokens, pad_page=PADDING_PAGE,
-                                  pad_slot=PADDING_PAGE * page_size)
+        packed = batch.packed
+        if (packed is not None and self.flat is not None and packed.layout == self.layout
+                and packed.serves(batch)):
+            self.flat.copy_(packed.flat)
+            self.fills["packed"] += 1
+        else:
+            self.indices.copy_padded_(batch.indices, bs=md.batch_size,
+                                      num_tokens=md.num_tokens,
+                                      num_kv_tokens=batch.num_kv_tokens, pad_page=PADDING_PAGE,
+                                      pad_slot=PADDING_PAGE * page_size)
+            self.fills["padded"] += 1
         md.batch = batch
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[Any]) -> None:

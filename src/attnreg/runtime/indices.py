@@ -5,7 +5,10 @@ A :class:`~attnreg.runtime.ForwardBatch`, the graph buffers of
 :class:`~attnreg.runtime.ForwardMetadata` each carry one ``BatchIndices``
 (``.indices``), so the tensors are declared once, sliced once
 (:meth:`BatchIndices.view`) and copied into the graph buffers by one method
-(:meth:`BatchIndices.copy_padded_`).  :class:`IndexFields` keeps the old
+(:meth:`BatchIndices.copy_padded_`).  :class:`IndexLayout` places the seven
+in one flat int32 buffer padded to a capacity: a batch built in the layout of
+a session's graph buffers (:class:`PackedIndices`) is copied into them by one
+device copy, with no host work per field.  :class:`IndexFields` keeps the old
 attribute names (``md.seq_lens``, ``batch.kv_indptr`` ...) readable and
 assignable, and :func:`accepts_index_keywords` keeps the old constructor
 keywords (``ForwardBatch(seq_lens=..., ...)``, ``dataclasses.replace(md,
@@ -15,14 +18,18 @@ seven separate fields run unchanged.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
-__all__ = ["INDEX_FIELDS", "BatchIndices", "IndexFields", "accepts_index_keywords"]
+__all__ = ["INDEX_FIELDS", "BatchIndices", "IndexFields", "IndexLayout", "PackedIndices",
+           "accepts_index_keywords"]
 
 #: The index tensors of a batch, in declaration order; every one is int32 on the
 #: backend's device.
@@ -119,6 +126,153 @@ class BatchIndices:
         self.page_table[:b, :cols].copy_(src.page_table[:, :cols])
         self.out_cache_loc[:t].copy_(src.out_cache_loc)
         self.out_cache_loc[t:num_tokens].fill_(pad_slot)
+
+
+@dataclass(frozen=True)
+class IndexLayout:
+    """Where a batch's seven index tensors sit in one flat int32 buffer, padded to a capacity.
+
+    The order is ``seq_lens, prefix_lens, extend_lens`` (``max_bs`` each),
+    ``qo_indptr, kv_indptr`` (``max_bs + 1`` each), ``out_cache_loc``
+    (``max_num_tokens``), then ``page_table`` (``max_bs x max_pages``).  A
+    batch of ``b`` sequences and ``t`` tokens packed in it (:meth:`pack`) is
+    padded as :meth:`BatchIndices.copy_padded_` pads to any ``bs <= max_bs``:
+    lengths 0, indptrs repeating their last entry, the padding page, the
+    padding slot (``pad_page * page_size``).  So the whole flat buffer copied
+    onto the graph buffers of the same layout is exactly the padded fill of
+    every captured bucket: the replay metadata of :class:`GraphSession` is one
+    device copy (see docs/runtime.md, "Device-side replay metadata").
+    """
+
+    max_bs: int
+    max_num_tokens: int
+    max_pages: int
+    page_size: int
+    pad_page: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_bs", "max_num_tokens", "max_pages", "page_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"IndexLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def pad_slot(self) -> int:
+        """The flat slot padding tokens write to (the padding page's first)."""
+        return self.pad_page * self.page_size
+
+    @property
+    def head_size(self) -> int:
+        """Entries before the page table: the lengths, the indptrs and the slots."""
+        return 5 * self.max_bs + 2 + self.max_num_tokens
+
+    @property
+    def size(self) -> int:
+        """Entries of the flat buffer."""
+        return self.head_size + self.max_bs * self.max_pages
+
+    def views(self, flat: torch.Tensor) -> BatchIndices:
+        """The seven tensors at full capacity, as views of ``flat`` (no copy)."""
+        if flat.shape != (self.size,) or flat.dtype != torch.int32:
+            raise ValueError(f"a flat index buffer of this layout is int32 [{self.size}], got "
+                             f"{flat.dtype} {tuple(flat.shape)}")
+        m, n = self.max_bs, self.max_num_tokens
+        return BatchIndices(
+            seq_lens=flat[0:m], prefix_lens=flat[m:2 * m], extend_lens=flat[2 * m:3 * m],
+            qo_indptr=flat[3 * m:4 * m + 1], kv_indptr=flat[4 * m + 1:5 * m + 2],
+            out_cache_loc=flat[5 * m + 2:5 * m + 2 + n],
+            page_table=flat[self.head_size:].view(m, self.max_pages))
+
+    def allocate(self, device: torch.device | str) -> tuple[torch.Tensor, BatchIndices]:
+        """A zeroed flat buffer on ``device`` and its capacity views."""
+        flat = torch.zeros(self.size, dtype=torch.int32, device=device)
+        return flat, self.views(flat)
+
+    def fit_problems(self, seq_lens: Sequence[int], num_tokens: int) -> list[str]:
+        """Why a batch of these lengths cannot be packed in this layout ([] if it can)."""
+        problems = []
+        if len(seq_lens) > self.max_bs:
+            problems.append(f"{len(seq_lens)} sequences, the layout holds {self.max_bs}")
+        if num_tokens > self.max_num_tokens:
+            problems.append(f"{num_tokens} new tokens, the layout holds {self.max_num_tokens}")
+        longest = max(seq_lens, default=0)
+        if longest > self.max_pages * self.page_size:
+            problems.append(f"a sequence of {longest} tokens needs more than the layout's "
+                            f"{self.max_pages} pages of {self.page_size}")
+        return problems
+
+    def pack(self, seq_lens: Sequence[int], prefix_lens: Sequence[int],
+             extend_lens: Sequence[int], page_table: torch.Tensor,
+             out_cache_loc: Sequence[int] | torch.Tensor, device: torch.device
+             ) -> PackedIndices:
+        """The batch's index tensors in this layout, padded, on ``device``.
+
+        The host values (lengths, indptrs, slots given as ints) go in one
+        host-to-device copy; the page table (and slots given as a tensor) in
+        one device copy each.  Page-table columns beyond ``max_pages`` must be
+        unused (they are dropped).  ``ValueError`` when the batch does not fit.
+        """
+        b, t = len(seq_lens), sum(extend_lens)
+        problems = self.fit_problems(seq_lens, t)
+        if problems:
+            raise ValueError("the batch does not fit the index layout: " + "; ".join(problems))
+        m, n = self.max_bs, self.max_num_tokens
+        pad = m - b
+        head = array.array("i", seq_lens)
+        head.extend(itertools.repeat(0, pad))
+        head.extend(prefix_lens)
+        head.extend(itertools.repeat(0, pad))
+        head.extend(extend_lens)
+        head.extend(itertools.repeat(0, pad))
+        head.extend(itertools.accumulate(extend_lens, initial=0))
+        head.extend(itertools.repeat(t, pad))
+        head.extend(itertools.accumulate(seq_lens, initial=0))
+        head.extend(itertools.repeat(sum(seq_lens), pad))
+        loc_tensor = out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else None
+        if loc_tensor is None:
+            head.extend(out_cache_loc)  # type: ignore[arg-type]
+        else:
+            head.extend(itertools.repeat(self.pad_slot, t))
+        head.extend(itertools.repeat(self.pad_slot, n - t))
+        flat = torch.empty(self.size, dtype=torch.int32, device=device)
+        flat[:self.head_size].copy_(torch.frombuffer(head, dtype=torch.int32))
+        full = self.views(flat)
+        if loc_tensor is not None and t:
+            full.out_cache_loc[:t].copy_(loc_tensor)
+        table = full.page_table
+        table.fill_(self.pad_page)
+        cols = min(page_table.shape[1], self.max_pages)
+        if b:
+            table[:b, :cols].copy_(page_table[:, :cols])
+        return PackedIndices(self, flat, full.view(b, t),
+                             (tuple(seq_lens), tuple(prefix_lens), tuple(extend_lens)))
+
+
+@dataclass(frozen=True)
+class PackedIndices:
+    """A batch's index tensors packed in an :class:`IndexLayout` (see :meth:`IndexLayout.pack`).
+
+    ``flat`` is the whole padded buffer; ``indices`` the batch's own tensors
+    (``b`` sequences, ``t`` tokens; the page table ``max_pages`` wide), views
+    of it.  A :class:`~attnreg.runtime.ForwardBatch` built with a layout
+    carries one; graph buffers of the same layout take it in one copy
+    (:meth:`~attnreg.runtime.GraphState.fill`).
+    """
+
+    layout: IndexLayout
+    flat: torch.Tensor
+    indices: BatchIndices
+    #: the host lengths packed (seq, prefix, extend), the very tuples the batch carries
+    host_lens: tuple[tuple[int, ...], ...] = ()
+
+    def serves(self, batch: Any) -> bool:
+        """Whether ``batch`` (a ForwardBatch) still holds what was packed: these very index
+        tensors and host lengths.  A batch whose tensors or lengths were replaced since it
+        was built (``dataclasses.replace``) is not served, and is copied and checked per
+        tensor.  Identity checks only: constant time."""
+        lens = self.host_lens
+        return (batch.indices is self.indices and len(lens) == 3
+                and batch.seq_lens_cpu is lens[0] and batch.prefix_lens_cpu is lens[1]
+                and batch.extend_lens_cpu is lens[2])
 
 
 class IndexFields:

@@ -26,8 +26,11 @@ no-op and lets the backend refuse what it cannot capture).
   captured pieces (``after_attention`` is a captured piece), re-planned with
   ``init_forward_metadata`` for the real batch at every replay.
 
-Every replay prepares its metadata in one method (``_replay_metadata``): the
-place where device-side replay metadata will go.
+Every replay prepares its metadata in one method (``_replay_metadata``).  A
+batch built in the session's :attr:`GraphSession.index_layout` is copied into
+the graph buffers with one device copy (no host work per index tensor); a
+backend whose replay needs host planning (flashinfer's ``plan``) adds it in
+its ``_init_replay_impl``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .backend import AttentionBackend
 from .batch import SPECULATIVE_MODES, ForwardBatch
 from .dtypes import torch_dtype
 from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
+from .indices import IndexLayout
 from .pool import MLAKVPool
 from .session_types import (
     SYNC_EAGER,
@@ -194,6 +198,7 @@ class GraphSession:
         self.statics: StaticBuffers | None = (
             self._allocate(max_kv_rows or 0) if static_inputs else None)
         self._graphs: dict[BucketKey, CapturedGraph] = {}
+        self._outs_by_rows: dict[int, list[torch.Tensor]] = {}
         self._state_ready = False
         #: TC_PIECEWISE: the batch the eager attention plans at the next (re)run
         self._piecewise_batch: ForwardBatch | None = None
@@ -242,6 +247,19 @@ class GraphSession:
         """Every captured bucket, largest first (the capture order)."""
         return sorted(self._shapes, key=lambda k: (self._shapes[k][1], self._shapes[k][0]),
                       reverse=True)
+
+    @property
+    def index_layout(self) -> IndexLayout | None:
+        """The layout of the graph buffers' index tensors: build each step's batch in it
+        (``decode_batch(pool, lens, layout=session.index_layout)``) and every replay
+        copies the batch's metadata with one device copy (:meth:`GraphState.fill`).
+
+        Allocates the backend's graph state if :meth:`capture` has not yet; None
+        under TC_PIECEWISE (attention runs eagerly: no graph buffers).
+        """
+        self.init_graph_state()
+        state = self.backend.graph_state
+        return None if self.mode is GraphMode.TC_PIECEWISE or state is None else state.layout
 
     def graph(self, key: BucketKey) -> CapturedGraph:
         """The captured graph of ``key``."""
@@ -588,10 +606,22 @@ class GraphSession:
         graph.replay()
         if self.statics is None:
             return []
-        return [o[:rows] for o in self.statics.outs]
+        return self._out_views(rows)
+
+    def _out_views(self, rows: int) -> list[torch.Tensor]:
+        """The first ``rows`` rows of every static output, made once per row count: the
+        static outputs never move, so the views stay valid (and each replay skips a slice
+        per layer)."""
+        views = self._outs_by_rows.get(rows)
+        if views is None:
+            assert self.statics is not None
+            views = self._outs_by_rows[rows] = [o[:rows] for o in self.statics.outs]
+        return list(views)
 
     def _replay_metadata(self, key: BucketKey, batch: ForwardBatch) -> None:
-        """The one place a replay's metadata is prepared (host today; device-side later)."""
+        """The one place a replay's metadata is prepared: the backend's
+        ``init_forward_metadata_replay`` (one device copy for a batch in
+        :attr:`index_layout`, plus whatever host planning the backend needs)."""
         if self.mode is GraphMode.TC_PIECEWISE:
             self._piecewise_batch = batch  # the eager attention plans it when it runs
             return

@@ -68,6 +68,12 @@ def replay_batch(batch: ForwardBatch, **facts: Any) -> ReplayBatch:
     >>> replay_batch(decode_batch(pool, [5, 9])).seq_lens
     (5, 9)
     """
+    packed = batch.packed
+    if not facts and packed is not None and packed.serves(batch):
+        # built (and checked) by ForwardBatch.build and unchanged since: no per-length checks
+        seq, prefix, extend = packed.host_lens
+        return ReplayBatch.checked(batch.forward_mode, len(seq), sum(extend), prefix, extend,
+                                   seq)
     return ReplayBatch(forward_mode=batch.forward_mode, batch_size=batch.batch_size,
                        num_tokens=batch.num_tokens, prefix_lens=batch.prefix_lens_cpu,
                        extend_lens=batch.extend_lens_cpu, seq_lens=batch.seq_lens_cpu,

@@ -42,6 +42,19 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     b, t = len(seq), sum(ext)
     want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
                   "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
+    packed = batch.packed
+    if packed is not None and packed.serves(batch):
+        # Built by ForwardBatch.build into an IndexLayout and unchanged since: int32 views of
+        # one buffer, of these shapes, seq = prefix + extend, the table wide enough for the
+        # longest sequence (IndexLayout.pack refused otherwise).  What is left to check, once
+        # per step, is the buffer's device and the layout's page size.
+        if packed.flat.device != device:
+            problems.append(f"the batch's index tensors are on {packed.flat.device}, the "
+                            f"backend on {device}")
+        if packed.layout.page_size != page_size:
+            problems.append(f"the batch was packed for pages of {packed.layout.page_size}, the "
+                            f"backend's are {page_size}")
+        return problems
     for name, tensor in batch.indices.items():
         if tensor.dtype != torch.int32:
             problems.append(f"{name} is {tensor.dtype}; index tensors must be int32 "

@@ -38,6 +38,8 @@ from vllm.v1.attention.backends.mla.flashmla import FlashMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder
 
 from attnreg.integrations.vllm import hooks
+from attnreg.integrations.vllm.backend import backend_classes
+from attnreg.integrations.vllm.registration import register_backends, vllm_name
 
 _MLA = "vllm.v1.attention.backends.mla"
 
@@ -70,21 +72,16 @@ def stated_in_source(backend: str) -> bool:
     start = text.index(f"class {builder.__name__}(")
     return stated in text[start:start + 800]
 
-#: attnreg's reference as a vLLM backend name ``ATTNREG_REFERENCE`` (vLLM's real
-#: ``register_backend``) over a stand-in builder stating vLLM's default support (NEVER):
-#: the exact mapping of attnreg's own backends, whose declaration has hard rules.
-_STAND_INS = "attnreg_vllm_stand_ins"
-BUILDERS["ATTNREG_REFERENCE"] = (
-    type("ReferenceMetadataBuilder", (MLACommonMetadataBuilder,),
-         {"__module__": _STAND_INS, "_cudagraph_support": AttentionCGSupport.NEVER}),
-    "")
+#: attnreg's own backends as vLLM backends ``ATTNREG_<NAME>`` (vLLM's real
+#: ``register_backend``): their real adapter builders (attnreg.integrations.vllm.backend),
+#: which state NEVER (the adapter runs attnreg eagerly).
+for _name in ("reference", "triton"):
+    BUILDERS[vllm_name(_name)] = (backend_classes(_name)[1], "")
 
 
 def register_reference() -> None:
-    """Register ``ATTNREG_REFERENCE`` with vLLM's backend registry (idempotent)."""
-    from vllm.v1.attention.backends.registry import register_backend
-
-    register_backend("ATTNREG_REFERENCE", f"{_STAND_INS}.ReferenceBackend")
+    """Register ``ATTNREG_REFERENCE`` and ``ATTNREG_TRITON`` with vLLM (idempotent)."""
+    register_backends(["reference", "triton"])
 
 
 @dataclass(frozen=True)

@@ -39,32 +39,46 @@ CASES: dict[Engine, tuple[str, str, str, tuple[str, ...]]] = {
     # Verify batches of 4 tokens: within the 8 draft tokens triton's full graphs declare.
     Engine("TRITON_MLA", 90, draft=3): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
-    # 10 draft tokens: more than triton's full graphs declare, so verify runs eagerly.
+    # 10 speculative tokens (verify batches of 11): more than triton's full graphs
+    # declare, so verify runs eagerly.
     Engine("TRITON_MLA", 90, draft=10): (
         "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("TRITON_MLA", 90, explicit="FULL_DECODE_ONLY"): (
         "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "UNIFORM_BATCH", ()),
-    # FLASHINFER_MLA is trtllm-gen decode: attnreg's trtllm_mla declares single-token
-    # decode graphs, where vLLM states ALWAYS.
+    # FLASHINFER_MLA is trtllm-gen decode: attnreg's trtllm_mla declares decode and
+    # uniform target-verify graphs (up to 2 tokens per sequence), where vLLM states ALWAYS.
     Engine("FLASHINFER_MLA", 100): (
-        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ()),
+        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
     # The seed-002 cost rule: piecewise prefill falls back at HIGH cost for an FP8 pool.
     Engine("FLASHINFER_MLA", 100, "fp8"): (
-        "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "UNIFORM_SINGLE_TOKEN_DECODE",
+        "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "UNIFORM_BATCH",
         ("backend.high_cost_fallback",)),
     # ... an explicit mode is a lock: the soft rule yields.
     Engine("FLASHINFER_MLA", 100, "fp8", explicit="FULL_AND_PIECEWISE"): (
-        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ()),
-    # trtllm_mla declares no target-verify graphs.
+        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
+    # trtllm_mla's full graphs serve verify batches of up to 2 tokens per sequence
+    # (1 speculative token: the accepted token and one draft)...
     Engine("FLASHINFER_MLA", 100, draft=1): (
+        "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
+    # ... and no more, so longer verify batches run eagerly: 2 speculative tokens are
+    # verify batches of 3 tokens (the accepted one and the drafts).
+    Engine("FLASHINFER_MLA", 100, draft=2): (
+        "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
+    Engine("FLASHINFER_MLA", 100, draft=3): (
         "FULL_AND_PIECEWISE", "PIECEWISE", "UNIFORM_SINGLE_TOKEN_DECODE", ("spec.eager",)),
     Engine("FLASHMLA", 90, draft=2): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ("spec.graph",)),
     Engine("FLASHMLA", 90, "fp8"): (
         "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "UNIFORM_BATCH", ()),
-    # attnreg's reference declares no decode graphs (a hard rule; unlocked: a downgrade).
+    # attnreg's reference declares no decode graphs (a hard rule; unlocked: a downgrade),
+    # and behind vLLM's interface the adapter runs every attnreg backend eagerly.
     Engine("ATTNREG_REFERENCE", 90): (
-        "PIECEWISE", "PIECEWISE", "NEVER", ("backend.capture_unsupported",)),
+        "PIECEWISE", "PIECEWISE", "NEVER",
+        ("engine.mode_unsupported", "backend.capture_unsupported")),
+    # attnreg's triton declares full decode graphs, but behind vLLM's interface the
+    # adapter runs it eagerly (its builder states NEVER): no full decode graph.
+    Engine("ATTNREG_TRITON", 90): (
+        "PIECEWISE", "PIECEWISE", "NEVER", ("engine.mode_unsupported",)),
 }
 
 #: Configurations the bridge leaves to vLLM, with why.
@@ -139,6 +153,14 @@ def test_a_lock_breaking_a_hard_rule_fails_startup(bridge_on: None) -> None:
         _resolve(e)
     assert isinstance(info.value, ValueError)
     assert any("backend.capture_unsupported" in r for r in info.value.reasons)
+
+
+def test_a_full_decode_lock_on_the_adapter_fails_startup(bridge_on: None) -> None:
+    # triton declares full decode graphs; the adapter behind vLLM's interface has none
+    with pytest.raises(VllmGraphPolicyError) as info:
+        _resolve(Engine("ATTNREG_TRITON", 90, explicit="FULL_DECODE_ONLY"))
+    assert any("engine.mode_unsupported" in r for r in info.value.reasons)
+    assert not any("backend.capture_unsupported" in r for r in info.value.reasons)
 
 
 def test_asking_twice_gives_the_same_answer(bridge_on: None) -> None:

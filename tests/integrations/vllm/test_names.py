@@ -51,8 +51,8 @@ def test_modes_round_trip() -> None:
 
 @pytest.mark.parametrize(("backend", "draft", "want"), [
     ("triton", 0, "UNIFORM_BATCH"), ("triton", 8, "UNIFORM_BATCH"),
-    ("triton", 9, "UNIFORM_SINGLE_TOKEN_DECODE"), ("trtllm_mla", 0,
-                                                   "UNIFORM_SINGLE_TOKEN_DECODE"),
+    ("triton", 9, "UNIFORM_SINGLE_TOKEN_DECODE"), ("trtllm_mla", 0, "UNIFORM_BATCH"),
+    ("trtllm_mla", 2, "UNIFORM_BATCH"), ("trtllm_mla", 3, "UNIFORM_SINGLE_TOKEN_DECODE"),
     ("reference", 0, "NEVER")])
 def test_support_from_declarations(backend: str, draft: int, want: str) -> None:
     decl = get_registry().declaration(backend, "cuda:sm100")
@@ -90,9 +90,20 @@ def test_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_light_modules_import_without_vllm_or_torch() -> None:
     code = ("import sys; import attnreg.integrations.vllm.plugin, "
-            "attnreg.integrations.vllm.names, attnreg.integrations.vllm.vocabulary; "
+            "attnreg.integrations.vllm.names, attnreg.integrations.vllm.vocabulary, "
+            "attnreg.integrations.vllm.registration; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ})
     assert out.stdout.strip() == "[]"
     importlib.import_module("attnreg.integrations.vllm.plugin")
+
+
+def test_vllm_names_of_attnreg_backends_map_back_exactly() -> None:
+    from attnreg.integrations.vllm.registration import backend_class_name, class_path, vllm_name
+
+    for name in get_registry().names():
+        mapping = names.map_backend(vllm_name(name))
+        assert mapping.exact and mapping.attnreg == name
+    assert class_path("flashinfer_mla") == (
+        "attnreg.integrations.vllm.backend." + backend_class_name("flashinfer_mla"))

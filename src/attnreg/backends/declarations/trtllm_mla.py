@@ -17,7 +17,32 @@ Facts (SEEDS.md, and the flashinfer 0.6.13 sources):
   causal over prefix + new tokens), as the engines this is modelled on do;
 * under any capture mode extend batches fall back to flashinfer's paged MLA,
   which on Blackwell (fa2) has no FP8 path and so converts an FP8 KV pool to
-  bf16 in full (the 2.8x TTFT regression of sglang PR #32785).
+  bf16 in full (the 2.8x TTFT regression of sglang PR #32785);
+* target-verify batches (speculative decoding) run the same decode kernel with
+  a 4-d query ``[B, q_len_per_request, H, 576]`` (its docstring: "q_len_per_request
+  is the MTP query length").  0.6.13's ``mla/_core.py`` passes ``max_q_len =
+  query.size(1)`` (line 1418) and ``None,  # cum_seq_lens_q`` (line 1469) to
+  ``trtllm_paged_attention_decode``: every request has the same query length,
+  declared uniform.  The mask is per query token, from ``seq_lens`` (which
+  include the new tokens): token ``i`` of ``q_len`` sees keys ``0 .. seq_len -
+  q_len + i``, bottom-right causal.  The MLA generation kernels carry a dense
+  mask (``csrc/trtllm_fmha_kernel_launcher.cu`` line 215; ``include/flashinfer/
+  trtllm/fmha/fmhaKernels.cuh`` lines 875-877: "the runtime sequence
+  lengths/indices provide the effective masking"), and flashinfer's own test
+  checks the kernel against its paged MLA planned causal (``tests/attention/
+  test_trtllm_gen_mla.py`` at v0.6.13, line 533: ``plan(q_indptr = arange *
+  q_len_per_request, ..., True, ...)``); sglang 0.5.23 relies on the same bound
+  (``layers/attention/trtllm_mla_backend.py`` lines 840-842, ``seq_lens +
+  self.num_draft_tokens``; line 1551, ``q.view(bs, -1, tp_q_head_num, head_dim)``).
+  Nothing bounds ``q_len`` in the wrapper or the launcher (one CTA per query
+  token: ``fmhaKernels.cuh`` line 430), but 0.6.13's tests check values only at
+  ``q_len_per_request`` 1 and 2 (lines 882-884, "todo(Yingyi): verify larger
+  q_len_per_request"; ``test_trtllm_batch_decode_mla_preallocated_out``, line
+  979, runs 4 but compares the kernel only with itself), so
+  :data:`MAX_VERIFY_TOKENS` is 2 (docs/decisions.md, 2026-12-02).  Draft-extend
+  batches (1..n accepted tokens per request) are not declared: without
+  ``cum_seq_lens_q`` ragged query lengths cannot reach the kernel (sglang pads
+  them to the longest and shifts ``seq_lens``); attnreg's DRAFT_EXTEND is ragged.
 """
 
 from __future__ import annotations
@@ -31,6 +56,8 @@ from attnreg.registry import (
     DeclarationContext,
     DType,
     ForwardMethod,
+    ForwardMode,
+    ForwardModeSupport,
     GraphMode,
     GraphModeSupport,
     KernelConstraints,
@@ -52,6 +79,18 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 TABLE_ALIGN = 128
 #: Bytes per element of the 16-bit copy an FP8 pool is converted to under capture.
 _CONVERTED_ITEMSIZE = 2
+#: Query tokens per request of target-verify batches (``q_len_per_request``): the
+#: largest flashinfer 0.6.13's own tests check against a reference (module doc).
+MAX_VERIFY_TOKENS = 2
+#: What the FULL decode graphs (and the eager path) serve in the decode phase: one-token
+#: decode and uniform target-verify batches of up to MAX_VERIFY_TOKENS tokens.
+DECODE_FORWARD_MODES = (
+    ForwardModeSupport(ForwardMode.DECODE, 1, True),
+    ForwardModeSupport(ForwardMode.TARGET_VERIFY, MAX_VERIFY_TOKENS, True),
+)
+#: ...and eagerly also ragged extend (the prefill phase).
+EAGER_FORWARD_MODES = DECODE_FORWARD_MODES + (ForwardModeSupport(ForwardMode.EXTEND, None,
+                                                                 False),)
 
 
 def decode_table_width(max_pages: int, page_size: int) -> int:
@@ -133,9 +172,11 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         formula="4 x max_batch_size x (block-table width (max_pages aligned to 128 / "
                 "page_size) + 1)")
     modes = (
+        # Verify graphs read the decode graphs' buffers (block tables, lengths): one
+        # captured graph per (forward mode, shape), no extra capture memory.
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
                          pinned_method=ForwardMethod.MLA,
-                         capture_memory=decode_mem),
+                         capture_memory=decode_mem, forward_modes=DECODE_FORWARD_MODES),
         GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE, _fallback(),
                          pinned_method=ForwardMethod.MLA, capture_memory=fallback_mem),
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, _fallback(),
@@ -145,5 +186,5 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         backend="trtllm_mla", platform=plat, vendors=frozenset({Vendor.CUDA}), kernels=kernels,
         graph_modes=modes, platform_reason=reason,
         unavailable_kernels=unavailable, priority=40,
-        notes=(_NOTE,),
+        notes=(_NOTE,), eager_forward_modes=EAGER_FORWARD_MODES,
     )

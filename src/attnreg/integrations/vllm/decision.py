@@ -21,7 +21,7 @@ from attnreg.registry.capabilities import GraphMode
 
 from .adapter import DeclarationGap, plan_for
 from .facts import VllmFacts, read_facts
-from .vocabulary import cg_support, vllm_mode
+from .vocabulary import ADAPTER_SUPPORT, cg_support, vllm_mode
 
 __all__ = ["VllmOutcome", "decide"]
 
@@ -89,8 +89,12 @@ def decide(vllm_config: Any, backend_name: str, kv_cache_spec: Any, *, requested
         logger.log(level, "attnreg: %s", decision.describe())
     draft = facts.engine.num_draft_tokens
     mode, reasons = vllm_mode(plan, draft)
-    declaration = get_registry().declaration(plan.decode.backend, facts.platform)
-    support = cg_support(declaration, draft)
+    if facts.backend.exact:
+        # attnreg's own backend behind the adapter: the support its builder wires
+        support = ADAPTER_SUPPORT
+    else:
+        declaration = get_registry().declaration(plan.decode.backend, facts.platform)
+        support = cg_support(declaration, draft)
     outcome = VllmOutcome(facts, plan, mode, support, vllm_support, reasons, ())
     level = logging.WARNING if mode != requested else logging.INFO
     logger.log(level, "attnreg: %s (attnreg's %s): AttentionCGSupport %s (vLLM states %s), "

@@ -24,13 +24,17 @@ from attnreg.registry.platform import Platform
 from .names import BackendMapping, kv_dtype_from_vllm, map_backend
 from .vocabulary import requested_modes
 
-__all__ = ["HOST_MODES", "VllmFacts", "read_facts", "read_platform"]
+__all__ = ["ADAPTER_DECODE_MODES", "HOST_MODES", "VllmFacts", "read_facts", "read_platform"]
 
 #: The attnreg modes vLLM 0.33 has, per phase (vocabulary.MODES): no breakable prefill.
 HOST_MODES = {
     "prefill": frozenset({GraphMode.TC_PIECEWISE, GraphMode.DISABLED}),
     "decode": frozenset({GraphMode.FULL, GraphMode.DISABLED}),
 }
+
+#: The decode modes vLLM has for attnreg's own backends behind the adapter
+#: (``ATTNREG_*``, :mod:`.backend`): it runs them eagerly, so no full decode graph.
+ADAPTER_DECODE_MODES = frozenset({GraphMode.DISABLED})
 
 _MODEL_DTYPES = {"torch.bfloat16": DType.BF16, "torch.float16": DType.FP16}
 
@@ -89,7 +93,11 @@ def read_facts(vllm_config: Any, backend_name: str, kv_cache_spec: Any, *,
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     spec = vllm_config.speculative_config
-    draft = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+    k = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+    # A verify step carries the last accepted token and the k drafts per request (vLLM's
+    # uniform_decode_query_len = 1 + num_speculative_tokens): the query tokens attnreg's
+    # num_draft_tokens counts, as sglang's speculative_num_draft_tokens does.
+    draft = 1 + k if k else 0
     page_size = getattr(kv_cache_spec, "block_size", None) or cache_config.block_size
     engine = EngineFacts(
         page_size=page_size,
@@ -97,7 +105,7 @@ def read_facts(vllm_config: Any, backend_name: str, kv_cache_spec: Any, *,
         max_running_requests=vllm_config.scheduler_config.max_num_seqs,
         num_draft_tokens=draft,
         prefill_graph_modes=HOST_MODES["prefill"],
-        decode_graph_modes=HOST_MODES["decode"])
+        decode_graph_modes=ADAPTER_DECODE_MODES if mapping.exact else HOST_MODES["decode"])
     features = ServerFeatures(speculative_decoding=draft > 0)
 
     model = None

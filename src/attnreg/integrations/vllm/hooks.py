@@ -76,8 +76,12 @@ def outcome_of(vllm_config: Any, backend_name: str) -> VllmOutcome | None:
 
 
 def backend_name_of(builder_cls: type) -> str | None:
-    """vLLM's backend name for a metadata builder class: the one backend of the registry
-    defined in the builder's module (None when none or several are)."""
+    """vLLM's backend name for a metadata builder class: its own (attnreg's adapter
+    builders carry ``vllm_backend_name``), else the one backend of the registry defined
+    in the builder's module (None when none or several are)."""
+    own = getattr(builder_cls, "vllm_backend_name", "")
+    if own:
+        return str(own)
     names = []
     for member in AttentionBackendEnum:
         try:

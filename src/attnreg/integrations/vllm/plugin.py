@@ -42,7 +42,9 @@ def is_tested_release(version: str) -> bool:
 
 def register() -> None:
     """vLLM plugin entry point: when switched on and on a tested release, attnreg's
-    declarations decide the CUDA-graph support of the vLLM backends it declares."""
+    declarations decide the CUDA-graph support of the vLLM backends it declares, and
+    attnreg's backends are registered with vLLM as ``ATTNREG_<NAME>``
+    (:mod:`.registration`)."""
     if not enabled():
         logger.debug("attnreg vLLM plugin loaded but off (set %s=1 to switch it on)",
                      ENV_SWITCH)
@@ -55,7 +57,9 @@ def register() -> None:
                        vllm.__version__, ", ".join(TESTED_RELEASES))
         return
     from . import hooks
+    from .registration import register_backends
 
     hooks.install()
-    logger.info("attnreg decides the CUDA-graph support of vLLM's MLA backends it declares "
-                "(%s=1)", ENV_SWITCH)
+    names = register_backends()
+    logger.info("attnreg decides the CUDA-graph support of vLLM's MLA backends it declares, "
+                "and registered its own as %s (%s=1)", ", ".join(names), ENV_SWITCH)

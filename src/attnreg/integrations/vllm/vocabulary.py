@@ -26,7 +26,7 @@ from __future__ import annotations
 from attnreg.graph_policy import GraphPlan
 from attnreg.registry.capabilities import Capabilities, ForwardMode, GraphMode, Phase
 
-__all__ = ["MODES", "SUPPORT", "cg_support", "requested_modes", "vllm_mode"]
+__all__ = ["ADAPTER_SUPPORT", "MODES", "SUPPORT", "cg_support", "requested_modes", "vllm_mode"]
 
 #: Decisions that set the requested mode itself (vLLM's value), not a change of it.
 _REQUEST_RULES = frozenset({"default.mode", "user.locked"})
@@ -47,6 +47,11 @@ SUPPORT: tuple[tuple[ForwardMode, str], ...] = (
     (ForwardMode.TARGET_VERIFY, "UNIFORM_BATCH"),  # 1 + k tokens per request, uniform
     (ForwardMode.DECODE, "UNIFORM_SINGLE_TOKEN_DECODE"),
 )
+
+
+#: The ``AttentionCGSupport`` of attnreg's own backends behind the vLLM adapter
+#: (``ATTNREG_*``): the adapter runs them eagerly, whatever their declaration captures.
+ADAPTER_SUPPORT = "NEVER"
 
 
 def requested_modes(vllm_mode_name: str) -> tuple[GraphMode, GraphMode] | None:

@@ -1,0 +1,501 @@
+"""peers: attnreg's decode backends against the raw kernels they wrap, in one process (issue 31).
+
+At every P1 shape (B, L, H), with a bf16 and an FP8 (e4m3) KV pool, one
+process times, each as a CUDA graph replay with the L2 flushed before every
+replay (:meth:`attnreg.profiling.Clock.calls`):
+
+* the raw kernels, called directly and captured through
+  :class:`attnreg.runtime.GraphRunner`: flashinfer's
+  ``BatchMLAPagedAttentionWrapper`` (fa3) at page 1 and 64, planned once
+  outside the graph, ``run`` inside it; FlashMLA's dense decode
+  ``flash_mla.flash_mla_with_kvcache(..., use_legacy=True)`` at page 64 (the
+  sm90 call of ``../shared/gpu/README.md`` and the plugin's
+  ``attnreg_flashmla/kernel.py``), its scheduler run outside the graph and,
+  for FP8, q rounded to FP8 outside the graph (the raw kernel takes it as
+  input);
+* attnreg's backends created through the registry and captured through
+  :class:`attnreg.runtime.GraphSession` (one bucket = B, replay metadata
+  prepared once, then the graph alone timed): triton at page 1 and 64,
+  flashinfer_mla (fa3) at page 1 and 64, the flashmla plugin at page 64.
+
+Every timed output is first compared with a float32 reference on its first
+four sequences.  From the times: each wrapper over its raw kernel (target
+1.03x at every shape and dtype), each FP8-declaring path's bf16 / FP8 time
+(target 1.25x at (128, 4096, 16), (32, 8192, 16), (64, 2048, 64), never below
+1.0), and the per-bucket plan: a decode profile built from this run's
+page-64 attnreg times per head count, resolved into a plan
+(:func:`attnreg.graph_policy.resolve`, ``decode_profile=``), whose chosen
+backend's GraphSession time is the planned time of each shape (that is the
+graph :class:`attnreg.runtime.bucket_sessions.BucketSessions` replays for the
+bucket); targets: planned geo-mean <= 0.95x the best single raw peer's, and
+every shape <= 1.02x the fastest backend that shares its pool (page 64).  The
+profile and the times come from the same run, so this checks the plan's
+choice, not a prediction on unseen shapes.
+
+``--dry-run`` on a CPU: tiny shapes, triton in the interpreter, graphs
+replayed eagerly, raw peers skipped with the reason; nothing is measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from attnreg.profiling import random_pool, rel_error
+
+from ._backends import reference_decode
+from ._harness import RunContext
+from ._report import Page, fmt, md_table
+from .decode import SHAPES, Variant
+from .metrics import Check, evaluate, geomean
+
+DRY_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 64, 16), (1, 80, 16))
+DTYPES = ("bf16", "fp8_e4m3")
+FP8_SHAPES = ((128, 4096, 16), (32, 8192, 16), (64, 2048, 64))
+WRAPPER_MAX = 1.03
+FP8_SPEEDUP_MIN = 1.25
+PLANNED_VS_RAW_MAX = 0.95
+PLANNED_VS_FASTEST_MAX = 1.02
+#: bf16 lands within 1e-2 of float32; with an FP8 pool a kernel that rounds q (and its
+#: softmax probabilities) to FP8 lands within a few 1e-2; a wrong kernel lands near 1.
+MAX_REL_ERR = {"bf16": 2e-2, "fp8_e4m3": 1e-1}
+POOL_PAGE = 64
+
+FA3_P1, FA3_P64, FLASHMLA_RAW = "raw fa3 p1", "raw fa3 p64", "raw FlashMLA"
+RAW_PAGES = {FA3_P1: 1, FA3_P64: 64, FLASHMLA_RAW: 64}
+#: attnreg's rows: (label, registry backend, page size, create options)
+ROWS: tuple[Variant, ...] = (
+    Variant("triton p1", "triton", page_size=1),
+    Variant("triton p64", "triton", page_size=64),
+    Variant("flashinfer_mla p1", "flashinfer_mla", {"mla_backend": "fa3"}, page_size=1),
+    Variant("flashinfer_mla p64", "flashinfer_mla", {"mla_backend": "fa3"}, page_size=64),
+    Variant("flashmla plugin", "flashmla", page_size=64),
+)
+#: wrapper -> the raw kernel it wraps
+WRAPS = {"flashinfer_mla p1": FA3_P1, "flashinfer_mla p64": FA3_P64,
+         "flashmla plugin": FLASHMLA_RAW}
+
+
+# ----------------------------------------------------------------------------------------
+# the raw kernels
+# ----------------------------------------------------------------------------------------
+
+def _raw_reasons(ctx: RunContext) -> dict[str, str]:
+    """Why each raw peer cannot run here ('' = it can)."""
+    if not ctx.cuda:
+        return dict.fromkeys(RAW_PAGES, "no CUDA device (dry run): the raw kernels are CUDA-only")
+    out = dict.fromkeys(RAW_PAGES, "")
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a missing library is a row, not a crash
+        out[FA3_P1] = out[FA3_P64] = f"flashinfer not importable ({type(exc).__name__})"
+    try:
+        import flash_mla  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        out[FLASHMLA_RAW] = f"flash_mla not importable ({type(exc).__name__})"
+    return out
+
+
+def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
+         ) -> Callable[[], Any]:
+    """flashinfer's MLA wrapper (fa3), planned here once; the returned call is ``run``."""
+    import flashinfer
+
+    from attnreg.backends.declarations.flashinfer_mla import FLOAT_WORKSPACE_BYTES
+
+    torch = ctx.torch
+    B, H = q.shape[0], q.shape[1]
+    ps = pool.page_size
+    lens = [int(n) for n in batch.seq_lens_cpu]
+    pages = [-(-n // ps) for n in lens]
+    indptr = [0]
+    for n in pages:
+        indptr.append(indptr[-1] + n)
+    kv_indices = torch.cat([batch.page_table[b, :pages[b]] for b in range(B)]).to(torch.int32)
+    workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
+    wrapper.plan(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
+                 kv_indptr=torch.tensor(indptr, dtype=torch.int32), kv_indices=kv_indices,
+                 kv_len_arr=torch.tensor(lens, dtype=torch.int32), num_heads=H,
+                 head_dim_ckv=512, head_dim_kpe=64, page_size=ps, causal=False, sm_scale=scale,
+                 q_data_type=q.dtype, kv_data_type=pool.buffer.dtype)
+    out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=q.device)
+    buf = pool.buffer
+
+    def run() -> Any:
+        wrapper.run(q[..., :512], q[..., 512:], buf[..., :512], buf[..., 512:], out=out)
+        return out
+    return run
+
+
+def _flashmla(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
+              ) -> Callable[[], Any]:
+    """FlashMLA's legacy dense decode (sm90), scheduled here once; fp8: q rounded here."""
+    import flash_mla
+
+    torch = ctx.torch
+    B, H = q.shape[0], q.shape[1]
+    fp8 = pool.buffer.dtype == torch.float8_e4m3fn
+    seq_lens = batch.seq_lens.to(torch.int32)
+    table = batch.page_table.to(torch.int32)
+    sched, splits = flash_mla.get_mla_decoding_metadata(seq_lens, H, 1, is_fp8_kvcache=fp8,
+                                                        use_legacy=True)
+    meta = flash_mla.get_mla_metadata()[0]
+    meta.tile_scheduler_metadata, meta.num_splits = sched, splits
+    k4 = pool.buffer.view(pool.buffer.shape[0], pool.buffer.shape[1], 1, 576)
+    extra: dict[str, Any] = {}
+    q4 = q.view(B, 1, H, 576)
+    if fp8:
+        # one power-of-two scale per batch, as attnreg's convention (plugin kernel.quantize_q)
+        amax = float(q.abs().amax().float())
+        descale = 2.0 ** max(-126, math.ceil(math.log2(max(amax, 1e-30) / 448.0)))
+        q4 = (q4.float() / descale).to(torch.float8_e4m3fn)
+        extra = {"is_fp8_kvcache": True,
+                 "descale_q": torch.full((1,), descale, dtype=torch.float32, device=q.device),
+                 "descale_k": pool.scale_tensor}
+    keep = (q4, k4, table, seq_lens, meta, extra)
+
+    def run() -> Any:
+        out, _ = flash_mla.flash_mla_with_kvcache(keep[0], keep[1], keep[2], keep[3], 512,
+                                                  keep[4], softmax_scale=scale, causal=False,
+                                                  use_legacy=True, **keep[5])
+        return out.view(B, H, 512)
+    return run
+
+
+RAW_CALLS = {FA3_P1: _fa3, FA3_P64: _fa3, FLASHMLA_RAW: _flashmla}
+
+
+# ----------------------------------------------------------------------------------------
+# measuring one shape
+# ----------------------------------------------------------------------------------------
+
+def _check_and_time(ctx: RunContext, out: Any, ref: Any, dtype: str,
+                    replay: Callable[[], Any]) -> dict[str, Any]:
+    err = rel_error(ctx.torch, out[:ref.shape[0]], ref)
+    res: dict[str, Any] = {"rel_err": err, "correct": err <= MAX_REL_ERR[dtype]}
+    if not res["correct"]:
+        res["error"] = f"output off the float32 reference by {err:.2e}; not timed"
+        return res
+    m = ctx.time(replay)
+    res.update(us=m["median_us"], p20_us=m["p20_us"], p80_us=m["p80_us"], n=m["n"])
+    return res
+
+
+def _raw(ctx: RunContext, label: str, pool: Any, batch: Any, q: Any, ref: Any, dtype: str,
+         scale: float) -> dict[str, Any]:
+    from attnreg.runtime import GraphRunner
+
+    call = RAW_CALLS[label](ctx, pool, batch, q, scale)
+    out = call()  # eager once: compiles, and is checked
+    graph = GraphRunner(ctx.device).capture(call)
+    graph.replay()
+    return _check_and_time(ctx, out, ref, dtype, graph.replay)
+
+
+def _attnreg(ctx: RunContext, v: Variant, pool: Any, batch: Any, q: Any, ref: Any, dtype: str,
+             shape: tuple[int, int, int]) -> dict[str, Any]:
+    from attnreg.registry import ForwardMode, get_registry
+    from attnreg.runtime import GraphSession, MLAConfig, StepInputs
+
+    B, L, H = shape
+    cfg = MLAConfig(num_heads=H, page_size=pool.page_size, kv_dtype=dtype, device=ctx.device,
+                    max_context_len=L)
+    be = get_registry().create(v.backend, cfg, **v.options)
+    ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B], writes_kv=False,
+                       device_graphs=None if ctx.cuda else False)
+    ses.capture()
+    out = ses.replay(batch, StepInputs([q]), bucket=B)[0]  # inputs + replay metadata, once
+    return _check_and_time(ctx, out, ref, dtype, ses.graph((ForwardMode.DECODE, B)).replay)
+
+
+def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
+                  raw_reasons: dict[str, str], rows: list[Variant],
+                  row_reasons: dict[str, str]) -> dict[str, Any]:
+    from attnreg.runtime import MLAConfig, decode_batch
+
+    torch = ctx.torch
+    B, L, H = shape
+    torch.manual_seed(B * 1_000_003 + L * 7 + H)
+    q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=ctx.device)
+    row: dict[str, Any] = {"B": B, "L": L, "H": H, "dtype": dtype, "results": {}}
+    results = row["results"]
+    for page in (1, POOL_PAGE):
+        cfg = MLAConfig(num_heads=H, page_size=page, kv_dtype=dtype, device=ctx.device,
+                        max_context_len=L)
+        scale = cfg.softmax_scale
+        pool = random_pool(torch, cfg, B * L, seed=B + L + H)
+        batch = decode_batch(pool, [L] * B, shuffle=B + L)
+        ref = reference_decode(ctx, q, pool, batch.page_table, [L] * B, scale)
+        jobs: list[tuple[str, Variant | None]] = []
+        for label, p in RAW_PAGES.items():
+            if p != page:
+                continue
+            if raw_reasons[label]:
+                results[label] = {"skipped": raw_reasons[label]}
+            else:
+                jobs.append((label, None))
+        for v in rows:
+            if v.page_size != page:
+                continue
+            refused = [row_reasons[v.label]] if row_reasons.get(v.label) else []
+            if refused:
+                results[v.label] = {"skipped": refused[0]}
+                continue
+            refused = _kv_refusals(v, dtype, page, H)
+            if refused:
+                results[v.label] = {"not_declared": "; ".join(refused)}
+            else:
+                jobs.append((v.label, v))
+        for label, variant in jobs:
+            try:
+                results[label] = (
+                    _raw(ctx, label, pool, batch, q, ref, dtype, scale) if variant is None
+                    else _attnreg(ctx, variant, pool, batch, q, ref, dtype, shape))
+            except Exception as exc:  # noqa: BLE001 - one peer must not lose the row
+                results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            ctx.log(f"peers {shape} {dtype} {label}: " + _describe(results[label]))
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        del pool, batch, ref
+    return row
+
+
+def _kv_refusals(v: Variant, dtype: str, page: int, heads: int) -> list[str]:
+    """Why the declaration refuses a pool of ``dtype`` (q stays bf16)."""
+    from attnreg.registry import Platform, get_registry
+    caps = get_registry().declaration(v.backend, Platform.detect())
+    return list(caps.check_request("mla", "decode", head_dims=(576, 512), q_dtype="bf16",
+                                   kv_dtype=dtype, page_size=page, num_heads=heads))
+
+
+def _describe(res: dict[str, Any]) -> str:
+    if "us" in res:
+        return f"{res['us']:.1f} us (rel. err {res['rel_err']:.1e})"
+    return str(res.get("skipped") or res.get("not_declared") or res.get("error"))
+
+
+# ----------------------------------------------------------------------------------------
+# the per-bucket plan
+# ----------------------------------------------------------------------------------------
+
+def _us(row: dict[str, Any], label: str) -> float | None:
+    res = row.get("results", {}).get(label) or {}
+    return res.get("us")
+
+
+def planned(ctx: RunContext | None, rows: list[dict[str, Any]], dtype: str,
+            platform: str) -> dict[str, Any]:
+    """Per head count, a decode profile of this run's page-64 attnreg rows, resolved into a
+    plan; each shape's planned backend and time (see the module doc)."""
+    from attnreg.graph_policy import EngineFacts, GraphConfig, ModelFacts, resolve
+    from attnreg.graph_policy.decode_profile import DecodeProfile
+
+    mine = [r for r in rows if r.get("dtype") == dtype and r.get("results")]
+    pooled = [v for v in ROWS if v.page_size == POOL_PAGE]
+    out: dict[str, Any] = {"rows": [], "platform": platform}
+    for heads in sorted({r["H"] for r in mine}):
+        group = [r for r in mine if r["H"] == heads]
+        entries = [{"backend": v.backend, "bucket": r["B"],
+                    "points": [{"kv_len": r["L"], "us": _us(r, v.label)}]}
+                   for r in group for v in pooled if _us(r, v.label)]
+        # one entry per (backend, bucket): two shapes of one B and H join their points
+        merged: dict[tuple[str, int], dict[str, Any]] = {}
+        for e in entries:
+            key = (e["backend"], e["bucket"])
+            if key in merged:
+                merged[key]["points"] += e["points"]
+            else:
+                merged[key] = e
+        if not merged:
+            continue
+        profile = DecodeProfile.from_dict({
+            "schema": "attnreg.decode_profile", "schema_version": 1, "platform": platform,
+            "heads": heads, "kv_dtype": dtype, "page_size": POOL_PAGE,
+            "entries": list(merged.values())}, source=f"this run ({heads} heads)")
+        sizes = tuple(sorted({r["B"] for r in group}))
+        plan = resolve(platform, ModelFacts(attention="mla", kv_dtype=dtype, num_heads=heads),
+                       assume_installed=not (ctx and ctx.cuda),
+                       config=GraphConfig(decode_batch_sizes=sizes),
+                       engine=EngineFacts(page_size=POOL_PAGE,
+                                          max_context_len=max(r["L"] for r in group)),
+                       decode_profile=profile)
+        note = next((d.message for d in plan.decisions if d.rule.startswith("decode.bucket")),
+                    "")
+        for r in group:
+            backend = plan.decode.backend_for(r["B"])
+            label = next((v.label for v in pooled if v.backend == backend), None)
+            fastest = min(((_us(r, v.label), v.label) for v in pooled if _us(r, v.label)),
+                          default=(None, None))
+            out["rows"].append({"B": r["B"], "L": r["L"], "H": heads, "backend": backend,
+                                "us": _us(r, label) if label else None,
+                                "fastest": fastest[1], "fastest_us": fastest[0],
+                                "plan": note})
+    times = [r["us"] for r in out["rows"]]
+    out["geomean_us"] = geomean(times) if times and all(times) else None
+    raws: dict[str, float] = {}
+    for label in RAW_PAGES:
+        ts = [_us(r, label) for r in mine]
+        if ts and all(ts) and len(ts) == len(out["rows"]):
+            raws[label] = geomean(t for t in ts if t)
+    out["raw_geomeans_us"] = raws
+    out["best_raw"] = min(raws, key=raws.__getitem__) if raws else None
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# the section
+# ----------------------------------------------------------------------------------------
+
+def run(ctx: RunContext, data: dict[str, Any]) -> None:
+    from attnreg.registry import Platform, get_registry
+
+    shapes = ctx.pick(SHAPES, SHAPES, DRY_SHAPES)
+    raw_reasons = _raw_reasons(ctx)
+    reg = get_registry()
+    row_reasons: dict[str, str] = {}
+    for v in ROWS:
+        try:
+            avail = reg.availability(v.backend)
+            row_reasons[v.label] = "" if avail.available else (avail.reason or "unavailable")
+        except Exception as exc:  # noqa: BLE001 - a broken plugin is a row
+            row_reasons[v.label] = f"{type(exc).__name__}: {exc}"
+    data.update(rows=[], dtypes=list(DTYPES),
+                timing="CUDA graph replay, L2 flushed before each replay (Clock.calls)",
+                raw_skipped={k: v for k, v in raw_reasons.items() if v},
+                rows_skipped={k: v for k, v in row_reasons.items() if v})
+    # shape-major: a run cut by the time budget still has both dtypes of its first shapes
+    for shape in shapes:
+        for dtype in DTYPES:
+            if ctx.out_of_time():
+                data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
+                                     "dtype": dtype, "skipped": "time budget used up"})
+                continue
+            try:
+                data["rows"].append(measure_shape(ctx, shape, dtype, raw_reasons, list(ROWS),
+                                                  row_reasons))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the others
+                data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
+                                     "dtype": dtype, "error": f"{type(exc).__name__}: {exc}"})
+            ctx.save()
+    platform = str(Platform.detect()) if ctx.cuda else "cuda:sm90"
+    data["planned"] = {}
+    for dtype in DTYPES:
+        try:
+            data["planned"][dtype] = planned(ctx, data["rows"], dtype, platform)
+        except Exception as exc:  # noqa: BLE001 - the times stay
+            data["planned"][dtype] = {"error": f"{type(exc).__name__}: {exc}"}
+    data["checks"] = [c.to_dict() for c in checks(data)]
+
+
+def _ratios(data: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    """wrapper / raw per (dtype, shape, wrapper), and bf16 / fp8 per (path, shape)."""
+    rows = [r for r in data.get("rows", []) if r.get("results")]
+    wrap: list[tuple[str, float]] = []
+    for r in rows:
+        for w, raw in WRAPS.items():
+            a, b = _us(r, w), _us(r, raw)
+            if a and b:
+                wrap.append((f"{w} / {raw} at ({r['B']}, {r['L']}, {r['H']}) {r['dtype']}",
+                             a / b))
+    fp8: list[tuple[str, float]] = []
+    named: list[tuple[str, float]] = []
+    by = {(r["B"], r["L"], r["H"], r["dtype"]): r for r in rows}
+    for (B, L, H, dt), r in by.items():
+        if dt != "bf16" or (B, L, H, "fp8_e4m3") not in by:
+            continue
+        f = by[(B, L, H, "fp8_e4m3")]
+        for label in [v.label for v in ROWS] + [FLASHMLA_RAW, FA3_P1, FA3_P64]:
+            a, b = _us(r, label), _us(f, label)
+            if a and b:
+                fp8.append((f"{label} at ({B}, {L}, {H})", a / b))
+                if (B, L, H) in FP8_SHAPES and label in [v.label for v in ROWS]:
+                    named.append((f"{label} at ({B}, {L}, {H})", a / b))
+    return {"wrapper": wrap, "fp8_all": fp8, "fp8_named": named}
+
+
+def checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> list[Check]:
+    r = _ratios(data)
+    worst_wrap = max(r["wrapper"], key=lambda x: x[1], default=None)
+    fp8_attnreg = [x for x in r["fp8_all"] if not x[0].startswith("raw")]
+    worst_named = min(r["fp8_named"], key=lambda x: x[1], default=None)
+    worst_any = min(fp8_attnreg, key=lambda x: x[1], default=None)
+    out = [
+        evaluate("peers.wrapper", "slowest attnreg backend over the raw kernel it wraps "
+                 "(graph replay, every P1 shape, bf16 and FP8)",
+                 worst_wrap[1] if worst_wrap else None, "x", "<=", target=WRAPPER_MAX,
+                 detail=worst_wrap[0] if worst_wrap else ""),
+        evaluate("peers.fp8_speedup", "smallest bf16 / FP8 time of an attnreg backend at "
+                 "(128, 4096, 16), (32, 8192, 16), (64, 2048, 64)",
+                 worst_named[1] if worst_named else None, "x", ">=", target=FP8_SPEEDUP_MIN,
+                 detail=worst_named[0] if worst_named else ""),
+        evaluate("peers.fp8_never_slower", "smallest bf16 / FP8 time of an attnreg backend at "
+                 "any P1 shape", worst_any[1] if worst_any else None, "x", ">=", target=1.0,
+                 detail=worst_any[0] if worst_any else ""),
+    ]
+    p = (data.get("planned") or {}).get("bf16") or {}
+    best = p.get("best_raw")
+    geo = p.get("geomean_us")
+    ratio = geo / p["raw_geomeans_us"][best] if geo and best else None
+    out.append(evaluate("peers.planned_vs_raw", "per-bucket planned decode geo-mean over the "
+                        "best single raw peer's (bf16, P1 shapes)", ratio, "x", "<=",
+                        target=PLANNED_VS_RAW_MAX, detail=f"best raw peer: {best}" if best
+                        else ""))
+    worst = [(x["us"] / x["fastest_us"], f"({x['B']}, {x['L']}, {x['H']}): {x['backend']} vs "
+              f"{x['fastest']}") for x in p.get("rows", []) if x.get("us") and
+             x.get("fastest_us")]
+    w = max(worst, default=None)
+    out.append(evaluate("peers.planned_vs_fastest", "planned decode over the fastest backend "
+                        "sharing its pool (page 64), worst P1 shape (bf16)",
+                        w[0] if w else None, "x", "<=", target=PLANNED_VS_FASTEST_MAX,
+                        detail=w[1] if w else ""))
+    return out
+
+
+def render(data: dict[str, Any], page: Page) -> list[str]:
+    labels = [FA3_P1, FA3_P64, FLASHMLA_RAW] + [v.label for v in ROWS]
+    lines = [f"One process, {data.get('timing')}; us per decode of one layer.  Raw peers "
+             "called directly (planned / scheduled outside the graph); attnreg's backends "
+             "through GraphSession.", ""]
+    for dtype in data.get("dtypes", []):
+        rows = []
+        for r in data.get("rows", []):
+            if r.get("dtype") != dtype:
+                continue
+            shape = f"{r['B']}, {r['L']}, {r['H']}"
+            if not r.get("results"):
+                rows.append([shape] + [str(r.get("skipped") or r.get("error"))[:40]]
+                            + ["-"] * (len(labels) - 1))
+                continue
+            cells = []
+            for label in labels:
+                res = r["results"].get(label) or {}
+                cells.append(fmt(res.get("us"), ".1f") if "us" in res else
+                             ("n/d" if "not_declared" in res else
+                              "skip" if "skipped" in res else "err" if res else "-"))
+            rows.append([shape] + cells)
+        lines += [f"**{dtype} KV**", "", md_table(["(B, L, H)", *labels], rows), ""]
+    r = _ratios(data)
+    if r["wrapper"]:
+        lines += ["Wrapper / raw: " + "; ".join(f"{k} {v:.3f}x" for k, v in r["wrapper"]), ""]
+    if r["fp8_all"]:
+        lines += ["bf16 / FP8 time: " + "; ".join(f"{k} {v:.2f}x" for k, v in r["fp8_all"]),
+                  ""]
+    for dtype, p in (data.get("planned") or {}).items():
+        if p.get("error") or not p.get("rows"):
+            lines += [f"Per-bucket plan ({dtype}): {p.get('error') or 'nothing measured'}.",
+                      ""]
+            continue
+        rows = [[f"{x['B']}, {x['L']}, {x['H']}", x["backend"], fmt(x["us"], ".1f"),
+                 str(x["fastest"]), fmt(x["fastest_us"], ".1f")] for x in p["rows"]]
+        raws = ", ".join(f"{k} {v:.1f}" for k, v in p.get("raw_geomeans_us", {}).items())
+        lines += [f"Per-bucket plan ({dtype} KV, page {POOL_PAGE}): planned geo-mean "
+                  f"{fmt(p.get('geomean_us'), '.1f')} us; raw peers' geo-means: {raws or '-'}",
+                  "", md_table(["(B, L, H)", "planned backend", "us", "fastest (page 64)",
+                                "us"], rows), ""]
+    for what, skipped in (("raw peers", data.get("raw_skipped")),
+                          ("attnreg rows", data.get("rows_skipped"))):
+        for k, why in (skipped or {}).items():
+            lines.append(f"{what}: {k} not run here ({why}).")
+    return lines

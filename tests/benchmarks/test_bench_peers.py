@@ -1,0 +1,80 @@
+"""The `peers` section (issue 31): the dry run on a CPU (triton in the interpreter, raw peers
+skipped with the reason) and its arithmetic on made-up times (wrapper / raw, bf16 / FP8, the
+per-bucket plan and its checks).  The times below are test inputs, not measurements."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from benchmarks import decode_peers  # noqa: E402
+from benchmarks._report import Page, Plotter  # noqa: E402
+
+
+def test_the_dry_run_times_attnreg_through_the_session_and_skips_raw_peers(tmp_path: Path):
+    from benchmarks.__main__ import main
+
+    rc = main(["--dry-run", "--only", "peers", "--out", str(tmp_path), "--no-jit-cache",
+               "--no-render"])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    rec = doc["sections"]["peers"]
+    assert rc == 0 and rec["status"] == "ok", rec
+    data = rec["data"]
+    assert set(data["raw_skipped"]) == {"raw fa3 p1", "raw fa3 p64", "raw FlashMLA"}
+    assert all("no CUDA device" in why for why in data["raw_skipped"].values())
+    assert {(r["B"], r["L"], r["H"], r["dtype"]) for r in data["rows"]} == {
+        (*s, d) for s in decode_peers.DRY_SHAPES for d in decode_peers.DTYPES}
+    for row in data["rows"]:
+        for label in ("triton p1", "triton p64"):
+            res = row["results"][label]
+            assert res["correct"] and res["us"] > 0, res
+    assert [c["id"] for c in data["checks"]] == [
+        "peers.wrapper", "peers.fp8_speedup", "peers.fp8_never_slower",
+        "peers.planned_vs_raw", "peers.planned_vs_fastest"]
+    text = "\n".join(decode_peers.render(data, Page(Plotter(tmp_path, enabled=False), "img")))
+    assert "**bf16 KV**" in text and "raw FlashMLA not run here (no CUDA device" in text
+
+
+def _res(us: float | None) -> dict[str, Any]:
+    return {"us": us, "rel_err": 1e-3, "correct": True} if us else {"skipped": "x"}
+
+
+def _row(shape: tuple[int, int, int], dtype: str, **times: float) -> dict[str, Any]:
+    names = {"fa3_p1": "raw fa3 p1", "fa3_p64": "raw fa3 p64", "fm": "raw FlashMLA",
+             "t64": "triton p64", "fi1": "flashinfer_mla p1", "fi64": "flashinfer_mla p64",
+             "plugin": "flashmla plugin", "t1": "triton p1"}
+    return {"B": shape[0], "L": shape[1], "H": shape[2], "dtype": dtype,
+            "results": {names[k]: _res(v) for k, v in times.items()}}
+
+
+def test_ratios_plan_and_checks_from_made_up_times():
+    a, b = (1, 32768, 16), (128, 4096, 16)
+    rows = [
+        _row(a, "bf16", fa3_p1=54.0, fa3_p64=53.0, fm=50.0, t64=30.0, fi64=55.0, plugin=52.0),
+        _row(b, "bf16", fa3_p1=166.0, fa3_p64=156.0, fm=165.0, t64=163.0, fi64=160.0,
+             plugin=167.0),
+        _row(b, "fp8_e4m3", fm=120.0, t64=120.0, plugin=130.0),
+    ]
+    plan = decode_peers.planned(None, rows, "bf16", "cuda:sm90")
+    chosen = {(x["B"], x["L"]): x["backend"] for x in plan["rows"]}
+    # page 64, bf16, 16 heads: the phase's backend is flashinfer_mla here (plugins are not
+    # autoloaded in tests); triton is 0.545x it at B=1 and 1.019x at B=128 (kept)
+    assert chosen == {(1, 32768): "triton", (128, 4096): "flashinfer_mla"}
+    assert plan["best_raw"] == "raw FlashMLA"  # sqrt(50 * 165) < sqrt(53 * 156)
+    data = {"rows": rows, "planned": {"bf16": plan}}
+    checks = {c.id: c for c in decode_peers.checks(data)}
+    assert checks["peers.wrapper"].measured == pytest.approx(130.0 / 120.0)  # the fp8 plugin
+    assert checks["peers.wrapper"].detail == \
+        "flashmla plugin / raw FlashMLA at (128, 4096, 16) fp8_e4m3"
+    assert checks["peers.wrapper"].status == "missed"
+    assert checks["peers.fp8_speedup"].measured == pytest.approx(167.0 / 130.0)  # the plugin
+    assert checks["peers.fp8_speedup"].status == "target met"
+    planned_geo = (30.0 * 160.0) ** 0.5
+    assert checks["peers.planned_vs_raw"].measured == pytest.approx(
+        planned_geo / (50.0 * 165.0) ** 0.5)
+    assert checks["peers.planned_vs_fastest"].measured == pytest.approx(1.0)
