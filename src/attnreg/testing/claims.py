@@ -324,7 +324,7 @@ def dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
 
 
 def claimed_head_counts(k: KernelConstraints, device: str,
-                 heads: Sequence[int] | None = None) -> list[int]:
+                        heads: Sequence[int] | None = None) -> list[int]:
     """The head counts claimed for kernel ``k``; the first is the base configuration's.
 
     cuda: every declared count (a fixed list), else 16, 128 and ``max_heads``.  cpu:
@@ -363,7 +363,7 @@ def _page_sizes(k: KernelConstraints, caps: Capabilities, phase: Phase) -> list[
 
 
 def combos_of(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
-            exhaustive: bool, head_counts: Sequence[int] | None = None) -> list[Combo]:
+              exhaustive: bool, head_counts: Sequence[int] | None = None) -> list[Combo]:
     pairs = dtype_pairs(k)
     pages = _page_sizes(k, caps, phase)
     heads = claimed_head_counts(k, device, head_counts)
@@ -411,21 +411,21 @@ def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
 # ---------------------------------------------------------------------------
 
 def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase: Phase,
-                    device: str, heads: Sequence[int] | None) -> list[Combo]:
+                   device: str, heads: Sequence[int] | None) -> list[Combo]:
     """``base`` and one configuration per other declared (q, kv) dtype pair of ``method``
     in ``phase``, each one its kernel accepts (see :func:`declared_variant`)."""
     out = [base]
     for q, kv in pairs_for(caps, method, phase):
         if (q, kv) != (base.q_dtype, base.kv_dtype):
             variant = declared_variant(caps, replace(base, q_dtype=q, kv_dtype=kv), device,
-                                        heads)
+                                       heads)
             if variant is not None:
                 out.append(variant)
     return out
 
 
 def multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
-                       heads: Sequence[int] | None) -> Combo | None:
+                      heads: Sequence[int] | None) -> Combo | None:
     """The base configuration, with an fp8 pool where declared (per-layer scales matter):
     the fp8 kernel's own base where it takes other head counts than the base's."""
     base = base_combo(caps, method, phase, device, heads)
@@ -436,7 +436,7 @@ def multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, d
         return base
     # the fp8 kernel may take other head counts or page sizes than the base's
     return declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
-                             device, heads) or base
+                            device, heads) or base
 
 
 def is_refused(caps: Capabilities, combo: Combo, **fields: object) -> bool:
@@ -455,13 +455,13 @@ def capture_methods(caps: Capabilities, entry: GraphModeSupport) -> list[Forward
 
 
 def declared_variant(caps: Capabilities, combo: Combo, device: str,
-                      heads: Sequence[int] | None) -> Combo | None:
+                     heads: Sequence[int] | None) -> Combo | None:
     """``combo`` if the declaration accepts it, else the base configuration of the
     kernel that serves its dtypes (a kernel may take other head counts or page
     sizes than the base's, e.g. an fp8-pool kernel proven for fewer head counts)."""
     if not is_refused(caps, combo, head_dims=combo.head_dims, q_dtype=combo.q_dtype,
-                    kv_dtype=combo.kv_dtype, page_size=combo.page_size,
-                    num_heads=combo.num_heads):
+                      kv_dtype=combo.kv_dtype, page_size=combo.page_size,
+                      num_heads=combo.num_heads):
         return combo
     for k in caps.kernels_for(combo.method, combo.phase):
         if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes:
