@@ -47,7 +47,7 @@ def test_a_check_of_another_module_adds_its_claims_at_every_site(registered):
         kinds = (ClaimKind.EAGER, ClaimKind.CAPTURE)
         runs_on_cpu = False
 
-        def eager_claims(self, x):
+        def declaration_claims(self, x):
             base = x.base_combo(ForwardMethod.MLA, Phase.DECODE)
             return [self.claim(x, ClaimKind.EAGER, base, "an eager statement",
                                batches=("ragged_decode",))]
@@ -110,7 +110,7 @@ def test_the_harness_dispatches_a_claim_through_its_class(registered):
         check = "recorded_example"
         kinds = (ClaimKind.EAGER,)
 
-        def eager_claims(self, x):
+        def declaration_claims(self, x):
             return [self.claim(x, ClaimKind.EAGER, x.base_combo(ForwardMethod.MLA,
                                                                 Phase.DECODE), "s")]
 

@@ -2,7 +2,7 @@
 
 ``data/claim_ids.json`` holds every claim id the built-in backends' declarations
 expanded to before the claim expansion moved into the check classes (main at
-2f040db, its per-kind generators), on cpu and on simulated cuda platforms (sm90,
+7a1e444, its per-kind generators and sparse claims), on cpu and on simulated cuda platforms (sm90,
 sm100), plus the exhaustive and ``heads`` variants of a cpu run.  A change to this list must be
 deliberate: regenerate it with ``python tests/conformance/test_claim_ids.py``
 and say in the commit why ids changed.

@@ -13,6 +13,7 @@ from attnreg.graph_policy import (
     GATE_RULES,
     MODEL_PRESETS,
     GraphConfig,
+    ModelFacts,
     ReplayBatch,
     ReplayGate,
 )
@@ -119,7 +120,8 @@ def test_the_cost_model_decides_only_breakable_graphs_that_run_absorbed_mla() ->
 
 
 def test_a_model_without_an_mha_companion_always_replays() -> None:
-    sparse = sim(model=MODEL_PRESETS["deepseek-v3.2"])  # DSA: prefill is always absorbed
+    # DSA without a top-k: planned dense, prefill always absorbed (no MHA companion)
+    sparse = sim(model=ModelFacts(dsa_sparse=True))
     g = ReplayGate(sparse, cost_profile=profile())
     assert not g.uses_cost_model
     assert g.can_replay(prefill(4096, 4096))[1].rule == "gate.ok"

@@ -9,6 +9,7 @@ import pytest
 from attnreg.graph_policy import (
     MODEL_PRESETS,
     GraphConfig,
+    ModelFacts,
     ReplayBatch,
     ReplayGate,
     Severity,
@@ -25,6 +26,10 @@ from attnreg.registry import (
 )
 
 from ._helpers import declaration, sim
+
+#: A DSA model whose top-k is not given: planned as dense absorbed MLA without an MHA
+#: companion (the sparse match, with top-k, is tests/policy/test_sparse_policy.py's).
+DSA_NO_TOPK = ModelFacts(dsa_sparse=True, label="dsa-without-top-k")
 
 VALIDATED_MM = MODEL_PRESETS["kimi-k2.6"]  # multimodal, piecewise validated, FP8 pool
 VALIDATED_MM_BF16 = VALIDATED_MM.with_overrides(kv_dtype=DType.BF16)
@@ -172,7 +177,7 @@ def test_dsa_sparse_model_has_no_companion_so_prefix_batches_replay() -> None:
     # A backend that pins nothing under breakable: for a DSA model the MHA companion
     # does not exist, so a prefix batch still replays.
     caps = declaration("unpinned", "rocm:gfx942")
-    plan = sim("rocm:gfx942", MODEL_PRESETS["deepseek-v3.2"], caps,
+    plan = sim("rocm:gfx942", DSA_NO_TOPK, caps,
                GraphConfig(prefill_mode=GraphMode.BREAKABLE))
     assert plan.prefill.mode is GraphMode.BREAKABLE and plan.prefill.pinned_method is None
     assert ReplayGate(plan).can_replay(prefix_batch())[0]
@@ -181,7 +186,7 @@ def test_dsa_sparse_model_has_no_companion_so_prefix_batches_replay() -> None:
 def test_dsa_sparse_prefill_needs_an_absorbed_kernel() -> None:
     # flash_attn_cute on sm90 has no absorbed (qv) kernel: it cannot serve a DSA
     # model's prefill at all, so naming it is an error and the default passes it over.
-    dsa = MODEL_PRESETS["deepseek-v3.2"]
+    dsa = DSA_NO_TOPK
     with pytest.raises(GraphPolicyError) as info:
         sim("cuda:sm90", dsa, {"prefill": "flash_attn_cute"})
     (reason,) = info.value.reasons

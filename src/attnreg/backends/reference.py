@@ -25,7 +25,8 @@ from attnreg.runtime import (
     PrefixChunk,
 )
 
-__all__ = ["ReferenceBackend", "attention_with_lse", "causal_attention", "gather_sequence"]
+__all__ = ["ReferenceBackend", "attention_with_lse", "causal_attention", "gather_sequence",
+           "sparse_attention_with_lse"]
 
 
 def gather_sequence(pool: MLAKVPool | MLAKVLayer, page_row: torch.Tensor,
@@ -75,6 +76,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale
     return attention_with_lse(q, k, v, sm_scale)[0]
 
 
+def sparse_attention_with_lse(q: torch.Tensor, pool: MLAKVPool | MLAKVLayer,
+                              indices: torch.Tensor, sm_scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 sparse MLA: row ``i`` of ``q [R, H, 576]`` attends the pool slots
+    ``indices[i]`` (``[R, K]``; -1 = no key, a repeated slot counts twice), no causal mask.
+
+    Returns ``out [R, H, 512]`` and ``lse [R, H]``; a row with no key gets 0 and ``-inf``.
+    Every row is gathered in one indexing op, so nothing reads a host value.
+    """
+    rows, top_k = indices.shape
+    latent = pool.kv_lora_rank
+    valid = indices != -1
+    slots = torch.where(valid, indices, torch.zeros_like(indices)).reshape(-1)
+    kv = pool.read_slots(slots).view(rows, top_k, -1)            # [R, K, 576]
+    scores = torch.einsum("rhd,rkd->rhk", q.float(), kv) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                         # [R, H]
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
+    out = torch.einsum("rhk,rkd->rhd", probs, kv[..., :latent])
+    return out, lse
+
+
 class ReferenceBackend(AttentionBackend[None, None]):
     """float32 torch MLA (decode, extend, target verify, draft extend), ragged MHA and
     chunked-prefix MHA on any device, each with its log-sum-exp.
@@ -82,6 +106,8 @@ class ReferenceBackend(AttentionBackend[None, None]):
     Takes no options.  Accepts bf16 / fp16 / fp32 queries and bf16 / fp16 /
     fp32 / fp8 pools (fp8 dequantised with the layer's scale); outputs in the
     query dtype.  Refuses FULL / BREAKABLE capture (declared UNSUPPORTED).
+    Sparse (DSA) MLA, decode and extend, over a bf16 pool with ``topk_indices``
+    (:func:`sparse_attention_with_lse`), eagerly.
     """
 
     def __init__(self, config: MLAConfig, *, capabilities: Any, **kwargs: Any) -> None:
@@ -137,6 +163,14 @@ class ReferenceBackend(AttentionBackend[None, None]):
                     lse[rows] = row_lse
             q_start += extend
             kv_start += length
+
+    def _forward_sparse_impl(self, q: torch.Tensor, pool: MLAKVLayer, md: ForwardMetadata[None],
+                             out: torch.Tensor, indices: torch.Tensor, *,
+                             lse: torch.Tensor | None = None) -> None:
+        o, row_lse = sparse_attention_with_lse(q, pool, indices, self.config.softmax_scale)
+        out.copy_(o.to(out.dtype))
+        if lse is not None:
+            lse.copy_(row_lse)
 
     def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    md: ForwardMetadata[None], chunk: PrefixChunk,

@@ -193,22 +193,30 @@ class TRTLLMMLABackend(AttentionBackend[TRTLLMPlan, TRTLLMGraphBuffers]):
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVPool,
                              md: ForwardMetadata[TRTLLMPlan], out: torch.Tensor) -> None:
         self._require_blackwell("trtllm_batch_decode_with_kv_cache_mla")
+        # [B, q_len_per_request=1, H, 576]
+        self._run_decode_kernel(q.unsqueeze(1), out.unsqueeze(1), pool, md,
+                                self._decode_inputs(md), "trtllm decode inputs")
+        # padded sequences attended over one padding row (the clamp above): zero them
+        self.zero_padded_rows(out, md)
+        note_served_by(self.name, self.name, "trtllm-gen decode")
+
+    def _run_decode_kernel(self, query: torch.Tensor, out: torch.Tensor, pool: MLAKVPool,
+                           md: ForwardMetadata[TRTLLMPlan],
+                           inputs: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
+        """One trtllm-gen decode launch of ``query [B, q_len, H, 576]`` into ``out
+        [B, q_len, H, 512]`` (decode: q_len 1; verify: the draft tokens)."""
         cfg = self.config
-        query = q.unsqueeze(1)  # [B, q_len_per_request=1, H, 576]
         if pool.is_fp8:
             query = query.to(pool.dtype)  # the kernels pair an fp8 cache with an fp8 query
-        tables, seq_lens = self._decode_inputs(md)
+        tables, seq_lens = inputs
         scale = pool.kv_scale
-        with self.kernel_errors("trtllm decode inputs"):
+        with self.kernel_errors(what):
             self._decode_kernel(
                 query=query, kv_cache=pool.buffer, workspace_buffer=self.workspace,
                 qk_nope_head_dim=cfg.qk_nope_head_dim, kv_lora_rank=cfg.kv_lora_rank,
                 qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
-                max_seq_len=md.max_seq_len, out=out.unsqueeze(1),
-                bmm1_scale=cfg.softmax_scale * scale, bmm2_scale=scale)
-        # padded sequences attended over one padding row (the clamp above): zero them
-        self.zero_padded_rows(out, md)
-        note_served_by(self.name, self.name, "trtllm-gen decode")
+                max_seq_len=md.max_seq_len, out=out, bmm1_scale=cfg.softmax_scale * scale,
+                bmm2_scale=scale)
 
     def _verify_query_len(self, md: ForwardMetadata[TRTLLMPlan]) -> int:
         """Draft tokens per request of a target-verify batch; refused unless every
@@ -230,22 +238,12 @@ class TRTLLMMLABackend(AttentionBackend[TRTLLMPlan, TRTLLMGraphBuffers]):
         """Target verify: the decode kernel with ``q_len`` causal query tokens per request."""
         q_len = self._verify_query_len(md)
         self._require_blackwell("trtllm_batch_decode_with_kv_cache_mla")
-        cfg = self.config
         bs, heads = md.batch_size, q.shape[1]
         # [B * q_len, H, 576] -> [B, q_len_per_request, H, 576]: token rows are grouped by
         # request (qo_indptr = arange * q_len), so this is a view
-        query = q.view(bs, q_len, heads, q.shape[-1])
-        if pool.is_fp8:
-            query = query.to(pool.dtype)
-        tables, seq_lens = self._decode_inputs(md, q_len)
-        scale = pool.kv_scale
-        with self.kernel_errors("trtllm target-verify inputs"):
-            self._decode_kernel(
-                query=query, kv_cache=pool.buffer, workspace_buffer=self.workspace,
-                qk_nope_head_dim=cfg.qk_nope_head_dim, kv_lora_rank=cfg.kv_lora_rank,
-                qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
-                max_seq_len=md.max_seq_len, out=out.view(bs, q_len, heads, out.shape[-1]),
-                bmm1_scale=cfg.softmax_scale * scale, bmm2_scale=scale)
+        self._run_decode_kernel(q.view(bs, q_len, heads, q.shape[-1]),
+                                out.view(bs, q_len, heads, out.shape[-1]), pool, md,
+                                self._decode_inputs(md, q_len), "trtllm target-verify inputs")
         # padded sequences attended over padding rows (the clamp above): zero them
         self.zero_padded_rows(out, md)
         note_served_by(self.name, self.name, "trtllm-gen target verify")

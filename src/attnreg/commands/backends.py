@@ -63,6 +63,8 @@ def summarize(caps: Capabilities | None, *, one_line: bool = True) -> str:
     parts = []
     for phase in Phase:
         methods = "/".join(m.value for m in caps.methods(phase))
+        if caps.serves_sparse(phase):
+            methods = "/".join(filter(None, (methods, "sparse_mla")))
         if methods:
             parts.append(f"{phase.value}:{methods}")
     modes = []
@@ -72,6 +74,8 @@ def summarize(caps: Capabilities | None, *, one_line: bool = True) -> str:
             short = f"fallback->{g.capture.fallback_to}"
         pin = f",pin={g.pinned_method.value}" if g.pinned_method else ""
         modes.append(f"{g.phase.value[:3]}.{g.mode.value}={short}{pin}")
+    for g in caps.sparse_graph_modes:
+        modes.append(f"sparse.{g.phase.value[:3]}.{g.mode.value}={g.capture.kind.value}")
     if not one_line:
         return "\n".join([" ".join(parts), *modes])
     return " ".join(parts) + ("  |  " + " ".join(modes) if modes else "")

@@ -34,6 +34,7 @@ profile: ``--decode-profile PATH`` only (none is shipped).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
@@ -199,7 +200,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--piecewise-validated", action=argparse.BooleanOptionalAction,
                        default=None, help="tc_piecewise prefill validated for the model")
     model.add_argument("--dsa-sparse", action=argparse.BooleanOptionalAction, default=None,
-                       help="sparse (DSA top-k) attention; backends must declare it")
+                       help="DSA model: prefill runs absorbed MLA only (no MHA companion); "
+                            "--no-dsa-sparse also drops a preset's sparse top-k")
+    model.add_argument("--sparse-top-k", type=_positive_int("top-k tokens per query token"), default=None,
+                       metavar="K",
+                       help="attention is sparse with top-k K: only backends that declare "
+                            "sparse MLA kernels accepting K serve it (implies --dsa-sparse)")
     model.add_argument("--capture-pool-bytes", type=parse_size, default=None, metavar="SIZE",
                        help="graph-pool memory of the model's captured prefill graphs")
     model.add_argument("--decode-capture-pool-bytes", type=parse_size, default=None,
@@ -335,7 +341,9 @@ def render_crossover(cross: dict[str, Any] | None, width: int | None = None) -> 
 
 def _model_from(args: argparse.Namespace) -> ModelFacts:
     base = MODEL_PRESETS[args.model] if args.model else ModelFacts()
-    return base.with_overrides(
+    if args.dsa_sparse is False:
+        base = dataclasses.replace(base, sparse_top_k=None)
+    return base.with_overrides(sparse_top_k=args.sparse_top_k,
         attention=args.attention, kv_dtype=args.kv_dtype, act_dtype=args.act_dtype,
         num_heads=args.num_heads, multimodal=args.multimodal,
         piecewise_validated=args.piecewise_validated, dsa_sparse=args.dsa_sparse,

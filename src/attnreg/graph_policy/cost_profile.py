@@ -144,14 +144,19 @@ _COMPARE_DECIMALS = 3
 
 
 class CostProfileError(AttnregError, ValueError):
-    """A cost profile that cannot be used: names the file and the problem."""
+    """A cost profile that cannot be used: names the file and the problem.
+
+    Subclasses for other measured profiles set :attr:`kind` and :attr:`default_hint`.
+    """
+
+    kind = "cost profile"
+    default_hint = ("regenerate it with `attnreg calibrate --backend NAME --output PATH` on "
+                    "the device it describes, or pass another profile")
 
     def __init__(self, source: str, problem: str, *, hint: str = "") -> None:
         self.source = source
         self.problem = problem
-        hint = hint or ("regenerate it with `attnreg calibrate --backend NAME --output PATH` on "
-                        "the device it describes, or pass another profile")
-        super().__init__(f"cost profile {source}: {problem}; {hint}")
+        super().__init__(f"{self.kind} {source}: {problem}; {hint or self.default_hint}")
 
 
 # ----------------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from ..registry.capabilities import DType
-from ..registry.errors import AttnregError
 from ..registry.jsonfile import (
     Bool,
     Check,
@@ -56,6 +55,7 @@ from ..registry.jsonfile import (
     write_json,
 )
 from ..registry.platform import Platform
+from .cost_profile import CostProfileError
 
 __all__ = [
     "DECODE_PROFILE_SCHEMA",
@@ -72,15 +72,12 @@ DECODE_PROFILE_SCHEMA = "attnreg.decode_profile"
 DECODE_PROFILE_SCHEMA_VERSION = 1
 
 
-class DecodeProfileError(AttnregError, ValueError):
+class DecodeProfileError(CostProfileError):
     """A decode profile that cannot be used: names the file and the problem."""
 
-    def __init__(self, source: str, problem: str, *, hint: str = "") -> None:
-        self.source = source
-        self.problem = problem
-        hint = hint or ("regenerate it with `attnreg calibrate --decode --backend A,B "
-                        "--output PATH` on the device it describes")
-        super().__init__(f"decode profile {source}: {problem}; {hint}")
+    kind = "decode profile"
+    default_hint = ("regenerate it with `attnreg calibrate --decode --backend A,B "
+                    "--output PATH` on the device it describes")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,13 @@ class ModelFacts:
         sparse attention with a token indexer over the latent cache (DSA):
         prefill always runs the absorbed MLA form, so the model has no MHA
         companion path.
+    sparse_top_k
+        the fact "attention is sparse with top-k K": each query token attends
+        the K latent-cache tokens its indexer picks.  Set, every phase runs a
+        backend's declared sparse MLA kernels (``Capabilities.sparse_kernels``
+        accepting top-k K) under their declared capture support; implies
+        ``dsa_sparse``.  None: dense attention (a ``dsa_sparse`` model without
+        it is planned as absorbed dense MLA, as before this fact existed).
     multimodal
         the model takes image/audio inputs in prefill.
     piecewise_validated
@@ -71,6 +78,7 @@ class ModelFacts:
     decode_capture_pool_bytes: int = 0
     mha_head_dims: tuple[int, int] = (128, 128)
     label: str = "custom"
+    sparse_top_k: int | None = None
 
     def __post_init__(self) -> None:
         # Accept strings from CLIs and JSON; store the enums.
@@ -81,6 +89,16 @@ class ModelFacts:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.prefill_capture_pool_bytes < 0 or self.decode_capture_pool_bytes < 0:
             raise ValueError("capture pool estimates must be >= 0 bytes")
+        if self.sparse_top_k is not None:
+            if int(self.sparse_top_k) < 1:
+                raise ValueError(f"sparse_top_k must be >= 1, got {self.sparse_top_k}")
+            object.__setattr__(self, "sparse_top_k", int(self.sparse_top_k))
+            object.__setattr__(self, "dsa_sparse", True)
+
+    @property
+    def sparse(self) -> bool:
+        """True when attention is sparse with a known top-k (``sparse_top_k``)."""
+        return self.sparse_top_k is not None
 
     @property
     def has_mha_companion(self) -> bool:
@@ -103,6 +121,7 @@ class ModelFacts:
             "act_dtype": self.act_dtype.value,
             "num_heads": self.num_heads,
             "dsa_sparse": self.dsa_sparse,
+            "sparse_top_k": self.sparse_top_k,
             "multimodal": self.multimodal,
             "piecewise_validated": self.piecewise_validated,
             "prefill_capture_pool_bytes": self.prefill_capture_pool_bytes,

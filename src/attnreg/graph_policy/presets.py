@@ -23,8 +23,9 @@ _ILLUSTRATIVE_LARGE_PREFILL_POOL = 64 * _GIB
 MODEL_PRESETS: dict[str, ModelFacts] = {
     "deepseek-v3": ModelFacts(AttentionKind.MLA, DType.BF16, 128, label="deepseek-v3"),
     "deepseek-v2-lite": ModelFacts(AttentionKind.MLA, DType.BF16, 16, label="deepseek-v2-lite"),
+    # index_topk 2048 in DeepSeek-V3.2's config.json: each token attends 2048 indexed tokens.
     "deepseek-v3.2": ModelFacts(AttentionKind.MLA, DType.BF16, 128, dsa_sparse=True,
-                                label="deepseek-v3.2"),
+                                sparse_top_k=2048, label="deepseek-v3.2"),
     "kimi-k2": ModelFacts(AttentionKind.MLA, DType.BF16, 64, label="kimi-k2"),
     # The seed-002 model: multimodal, piecewise prefill validated, served with
     # an FP8 KV pool (NVFP4 checkpoint).

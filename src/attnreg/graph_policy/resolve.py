@@ -617,6 +617,14 @@ def resolve(platform: Platform | str, model: ModelFacts | str,
             trace.add(Decision("user.backend" if sel.by_user else "backend.selected",
                                Severity.INFO, Source.USER if sel.by_user else Source.BACKEND,
                                phase, None, None, sel.how))
+            if facts.sparse:
+                kernels = ", ".join(k.kernel or "sparse mla" for k in sel.caps.kernels
+                                    if phase in k.phases)
+                trace.add(Decision(
+                    "model.sparse_attention", Severity.INFO, Source.MODEL, phase, None, None,
+                    f"attention is sparse with top-k {facts.sparse_top_k}: {phase} runs "
+                    f"{sel.caps.backend}'s sparse MLA kernels ({kernels}) and its graph mode "
+                    "follows their declared capture support (sparse_graph_modes)"))
 
     ctxs: dict[Phase, RuleContext] = {}
     modes: dict[Phase, GraphMode] = {}

@@ -129,6 +129,10 @@ _PLAN_RULES = (
           "every rule against tc_piecewise",
           "soft: an unlocked default `breakable` prefill becomes `tc_piecewise` where the "
           "backend captures it natively; info: why the upgrade was not applied"),
+    _rule("model.sparse_attention", PLAN, _I, Source.MODEL,
+          "`sparse_top_k`, `Capabilities.sparse_kernels`, `sparse_graph_modes`",
+          "the model's attention is sparse with top-k K: the phase runs the chosen backend's "
+          "sparse MLA kernels, and its graph mode follows their declared capture support"),
     _rule("model.multimodal_piecewise_unvalidated", PLAN, _S, Source.MODEL,
           "`multimodal`, `piecewise_validated`",
           "no default `tc_piecewise` prefill for a multimodal model it was not validated for"),
@@ -197,6 +201,10 @@ _ERROR_RULES = (
           "the backend named for a phase has no kernel that accepts the model and engine "
           "(forward method, e.g. absorbed-only prefill of a DSA model; KV dtype; heads; page "
           "size; context): no plan"),
+    _rule("backend.sparse_unsupported", ERROR, _H, Source.BACKEND,
+          "`sparse_top_k`, `check_sparse_request`",
+          "the backend named for a phase of a sparse-attention model declares no sparse MLA "
+          "kernel that accepts it (top-k, KV row format, heads, page size): no plan"),
     _rule("backend.none_fits", ERROR, _H, Source.BACKEND,
           "availability and `check_request` of every backend",
           "no available backend can serve the phase of this model: no plan"),

@@ -28,6 +28,7 @@ from .acceptance import method_attempts, model_rejections, pinned_method_rejecti
 from .engine import EngineFacts
 from .model import ModelFacts
 from .rule_ids import tagged
+from .sparse import planned_declaration, sparse_rejections
 
 __all__ = ["BackendChoice", "BackendsArg", "SelectedBackend", "SelectionTiers", "method_attempts",
            "model_rejections", "normalize_backends", "pinned_method_rejections",
@@ -130,6 +131,15 @@ def _user_choice(phase: Phase, ref: str | Capabilities, platform: Platform, mode
     if unavailable or caps is None:
         return None, [tagged("backend.unavailable", f"{name} cannot run on {platform}: "
                              f"{unavailable}")]
+    if model.sparse:
+        why = sparse_rejections(caps, phase, model, engine)
+        if why:
+            return None, [tagged("backend.sparse_unsupported",
+                                 f"{name} cannot serve {phase} of this sparse-attention model "
+                                 f"(top-k {model.sparse_top_k}): " + "; ".join(why))]
+        caps = planned_declaration(caps, model)
+        return SelectedBackend(caps, True, f"{name} chosen by the user for {phase} (its "
+                                           "sparse MLA kernels)"), []
     if not caps.serves(phase):
         return None, [tagged("backend.phase_unserved",
                              f"{name} has no {phase} kernel on {platform}; choose another "
@@ -159,14 +169,16 @@ def select_backend(phase: Phase, ref: BackendRef, platform: Platform, model: Mod
         return _user_choice(phase, ref, platform, model, eng, registry, assume_installed,
                             versions)
 
-    # Available backends serving the phase, best priority first.
-    ordered = [cast(Capabilities, a.capabilities) for a in
-               _need(registry).available(platform, phase, versions,
+    # Available backends serving the phase, best priority first (a sparse model: every
+    # available backend, each judged by its sparse kernels and planned with their view).
+    ordered = [planned_declaration(cast(Capabilities, a.capabilities), model) for a in
+               _need(registry).available(platform, None if model.sparse else phase, versions,
                                          assume_installed=assume_installed)]
     fits: list[tuple[Capabilities, list[tuple[str, Sequence[str]]]]] = []
     rejected: dict[str, list[str]] = {}
     for caps in ordered:
-        reasons = model_rejections(caps, phase, model, eng)
+        reasons = (sparse_rejections(caps, phase, model, eng) if model.sparse
+                   else model_rejections(caps, phase, model, eng))
         if reasons:
             rejected[caps.backend] = reasons
         else:
@@ -175,8 +187,9 @@ def select_backend(phase: Phase, ref: BackendRef, platform: Platform, model: Mod
         detail = "; ".join(f"{n} ({'; '.join(r)})" for n, r in rejected.items()) \
             or "no backend serving it is available"
         page = f", page size {eng.page_size}" if eng.page_size is not None else ""
+        sparse = f" with sparse attention (top-k {model.sparse_top_k})" if model.sparse else ""
         return None, [tagged("backend.none_fits",
-                             f"no backend can serve {phase} of this {model.attention} model "
+                             f"no backend can serve {phase} of this {model.attention} model{sparse} "
                              f"({model.kv_dtype} KV, {model.num_heads} heads{page}, context "
                              f"{eng.max_context_len}) on {platform}: {detail}")]
 
@@ -196,8 +209,9 @@ def select_backend(phase: Phase, ref: BackendRef, platform: Platform, model: Mod
                             for goal, reasons in their.items() if reasons)
         passed_over.append(f"{caps.backend} (priority {caps.priority}: {why})")
     met = [goal for goal, reasons in tiers if not reasons]
+    kind = "sparse MLA kernels" if model.sparse else "kernels"
     how = (f"{chosen.backend} chosen for {phase}: declared priority {chosen.priority}, the best "
-           f"among backends available on {platform} whose kernels accept the model")
+           f"among backends available on {platform} whose {kind} accept the model")
     if passed_over:
         if met:
             how += " and that let " + " and ".join(met) + " run"

@@ -23,6 +23,8 @@ from .capabilities import (
     KernelConstraints,
     Phase,
     Requirement,
+    SparseKernel,
+    SparseKVFormat,
     SplitKV,
     SupportKind,
 )
@@ -83,6 +85,8 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Requirement",
+    "SparseKVFormat",
+    "SparseKernel",
     "SplitKV",
     "UnknownBackendError",
     "UnsupportedError",

@@ -46,6 +46,10 @@ __all__ = [
     "Phase",
     "Requirement",
     "SPECULATIVE_MODES",
+    "SPARSE_INDEX_DTYPE",
+    "SPARSE_INVALID_INDEX",
+    "SparseKVFormat",
+    "SparseKernel",
     "SplitKV",
     "SupportKind",
 ]
@@ -495,6 +499,125 @@ class KernelConstraints:
         }
 
 
+class SparseKVFormat(StrEnum):
+    """The KV row format a sparse (DSA) MLA kernel reads, one row per token.
+
+    BF16: the pool's own row, 576 bf16 values (512 latent + 64 rope), 1152 bytes.
+    FP8_DS_MLA: DeepSeek-V3.2's FP8 row as FlashMLA documents it (its
+    ``flash_mla_with_kvcache`` sparse decode, ``is_fp8_kvcache=True``): 656
+    bytes, 512 float8 e4m3 latent values, 4 float32 scales (one per 128
+    latent values, dequantised value = e4m3 x scale), then 64 bf16 rope values.
+    """
+
+    BF16 = "bf16"
+    FP8_DS_MLA = "fp8_ds_mla"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row."""
+        return _SPARSE_ROW_BYTES[self]
+
+    @property
+    def dtype(self) -> DType:
+        """The KV dtype an engine names for a pool of these rows."""
+        return DType.BF16 if self is SparseKVFormat.BF16 else DType.FP8_E4M3
+
+
+_SPARSE_ROW_BYTES = {SparseKVFormat.BF16: 576 * 2,
+                     SparseKVFormat.FP8_DS_MLA: 512 + 4 * 4 + 64 * 2}
+
+#: The dtype of top-k index tensors (sglang's NSA indexer and FlashMLA both use int32).
+SPARSE_INDEX_DTYPE = "int32"
+#: The one invalid index value: an entry equal to it is no key (FlashMLA: exactly -1).
+SPARSE_INVALID_INDEX = -1
+
+
+@dataclass(frozen=True)
+class SparseKernel:
+    """A sparse (DSA) absorbed-MLA kernel: attention restricted to indexed tokens.
+
+    Sparse MLA is absorbed MLA (q/k 576, v 512, over the paged latent cache)
+    in which each query token attends only the pool slots listed in its row
+    of a top-k index tensor ``[query tokens, top_k]`` (dtype
+    :data:`SPARSE_INDEX_DTYPE`; slot = page * page_size + offset; an entry
+    equal to :data:`SPARSE_INVALID_INDEX` is no key; a slot listed twice
+    counts twice).  No causal mask is applied: the indexer chose the tokens.
+    It is declared in :attr:`Capabilities.sparse_kernels`, apart from the
+    dense kernels, so that a dense request never lands on it and a sparse
+    one never lands on a dense kernel (docs/decisions.md, "sparse MLA").
+
+    ``top_k_sizes`` lists the index widths accepted; empty means every
+    multiple of ``top_k_multiple`` from it up to ``max_top_k``.
+    ``kv_format`` is the row format read (its dtype is the pool's KV dtype).
+    """
+
+    phases: frozenset[Phase]
+    q_dtypes: frozenset[DType]
+    kv_format: SparseKVFormat
+    page_sizes: tuple[int, ...]
+    max_heads: int = 128
+    head_counts: tuple[int, ...] = ()
+    top_k_sizes: tuple[int, ...] = ()
+    top_k_multiple: int = 1
+    max_top_k: int = 2048
+    kernel: str = ""
+    lse: bool = False
+
+    @property
+    def method(self) -> ForwardMethod:
+        return ForwardMethod.MLA
+
+    @property
+    def kv_dtype(self) -> DType:
+        return self.kv_format.dtype
+
+    def accepts_heads(self, num_heads: int) -> bool:
+        if self.head_counts:
+            return num_heads in self.head_counts
+        return 1 <= num_heads <= self.max_heads
+
+    def accepts_top_k(self, top_k: int) -> bool:
+        if self.top_k_sizes:
+            return top_k in self.top_k_sizes
+        step = max(1, self.top_k_multiple)
+        return step <= top_k <= self.max_top_k and top_k % step == 0
+
+    def describe_top_k(self) -> str:
+        if self.top_k_sizes:
+            return str(list(self.top_k_sizes))
+        if self.top_k_multiple > 1:
+            return f"multiples of {self.top_k_multiple} up to {self.max_top_k}"
+        return f"1..{self.max_top_k}"
+
+    def as_dense_constraints(self) -> KernelConstraints:
+        """The same kernel as :class:`KernelConstraints` of absorbed MLA (what the dense
+        acceptance checks read: dims, dtypes, page sizes, heads)."""
+        return KernelConstraints(ForwardMethod.MLA, self.phases, ((576, 512),), self.q_dtypes,
+                                 frozenset({self.kv_dtype}), page_sizes=self.page_sizes,
+                                 max_heads=self.max_heads, head_counts=self.head_counts,
+                                 causal=False, kernel=self.kernel, lse=self.lse)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "method": self.method.value,
+            "phases": sorted(p.value for p in self.phases),
+            "q_dtypes": sorted(d.value for d in self.q_dtypes),
+            "kv_format": self.kv_format.value,
+            "kv_row_bytes": self.kv_format.row_bytes,
+            "kv_dtype": self.kv_dtype.value,
+            "page_sizes": list(self.page_sizes),
+            "max_heads": self.max_heads,
+            "head_counts": list(self.head_counts),
+            "index_dtype": SPARSE_INDEX_DTYPE,
+            "invalid_index": SPARSE_INVALID_INDEX,
+            "top_k_sizes": list(self.top_k_sizes),
+            "top_k_multiple": self.top_k_multiple,
+            "max_top_k": self.max_top_k,
+            "kernel": self.kernel,
+            "lse": self.lse,
+        }
+
+
 #: What a ``min_version`` must look like: dotted numbers, optionally a suffix (``2.4``, ``0.6.13``, ``1.0rc1``).
 _VERSION_RE = re.compile(r"^\d+(\.\d+)*([.+-]?[0-9A-Za-z]+)*$")
 
@@ -606,6 +729,12 @@ class Capabilities:
     ``eager_forward_modes`` lists the forward modes the backend serves
     eagerly, with the largest query tokens per sequence; empty means the
     plain ones (DECODE, one token; EXTEND, ragged).
+
+    ``sparse_kernels`` are the backend's sparse (DSA) MLA kernels and
+    ``sparse_graph_modes`` their capture support per (phase, graph mode),
+    declared like ``graph_modes`` for every capture mode of a phase a sparse
+    kernel serves.  Dense queries (``kernels``, ``graph_modes``) never read
+    them; :meth:`sparse_view` is the declaration a sparse model sees.
     """
 
     backend: str
@@ -619,6 +748,8 @@ class Capabilities:
     priority: int = 0
     notes: tuple[str, ...] = ()
     eager_forward_modes: tuple[ForwardModeSupport, ...] = ()
+    sparse_kernels: tuple[SparseKernel, ...] = ()
+    sparse_graph_modes: tuple[GraphModeSupport, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.eager_forward_modes:
@@ -660,6 +791,80 @@ class Capabilities:
 
     def serves(self, phase: Phase | str) -> bool:
         return bool(self.methods(phase))
+
+    def sparse_kernels_for(self, phase: Phase | str) -> tuple[SparseKernel, ...]:
+        """The sparse kernels serving ``phase``."""
+        ph = Phase.parse(phase)
+        return tuple(k for k in self.sparse_kernels if ph in k.phases)
+
+    def serves_sparse(self, phase: Phase | str) -> bool:
+        return bool(self.sparse_kernels_for(phase))
+
+    def sparse_graph_support(self, phase: Phase | str,
+                             mode: GraphMode | str) -> GraphModeSupport:
+        """The sparse declaration for (phase, mode).  DISABLED is native (eager)."""
+        phase = Phase.parse(phase)
+        mode = GraphMode.parse(mode)
+        if mode is GraphMode.DISABLED:
+            return GraphModeSupport(phase, mode, CaptureSupport.native("eager"))
+        for entry in self.sparse_graph_modes:
+            if entry.phase is phase and entry.mode is mode:
+                return entry
+        return GraphModeSupport(
+            phase, mode, CaptureSupport.unsupported(f"{self.backend} declares no sparse "
+                                                    f"{phase} under {mode}"))
+
+    def sparse_view(self) -> Capabilities:
+        """This declaration as a sparse (DSA) model sees it: the sparse kernels as its
+        absorbed-MLA kernels and their capture support as its graph modes.
+
+        Graph policy rules written for dense declarations (capture support, pinning,
+        capture memory) then read the sparse facts unchanged.
+        """
+        import dataclasses
+
+        return dataclasses.replace(
+            self, kernels=tuple(k.as_dense_constraints() for k in self.sparse_kernels),
+            graph_modes=self.sparse_graph_modes,
+            eager_forward_modes=DEFAULT_FORWARD_MODES[Phase.DECODE]
+            + DEFAULT_FORWARD_MODES[Phase.PREFILL])
+
+    def check_sparse_request(self, phase: Phase | str, *, top_k: int | None = None,
+                             q_dtype: DType | str | None = None,
+                             kv_dtype: DType | str | None = None,
+                             page_size: int | None = None,
+                             num_heads: int | None = None) -> list[str]:
+        """Reasons a sparse request falls outside every sparse kernel (empty = accepted).
+
+        ``top_k`` None: the width is not known (not checked).
+        """
+        phase = Phase.parse(phase)
+        candidates = self.sparse_kernels_for(phase)
+        if not candidates:
+            return [f"{self.backend} declares no sparse MLA kernel for {phase} on "
+                    f"{self.platform}"]
+        best: list[str] | None = None
+        for k in candidates:
+            reasons: list[str] = []
+            if top_k is not None and not k.accepts_top_k(top_k):
+                reasons.append(f"top-k {top_k} not in {k.describe_top_k()}")
+            if q_dtype is not None and DType.parse(q_dtype) not in k.q_dtypes:
+                reasons.append(f"q dtype {DType.parse(q_dtype)} not in "
+                               f"{sorted(d.value for d in k.q_dtypes)}")
+            if kv_dtype is not None and DType.parse(kv_dtype) is not k.kv_dtype:
+                reasons.append(f"kv dtype {DType.parse(kv_dtype)} is not its "
+                               f"{k.kv_format} rows' {k.kv_dtype}")
+            if page_size is not None and page_size not in k.page_sizes:
+                reasons.append(f"page size {page_size} not in {list(k.page_sizes)}")
+            if num_heads is not None and not k.accepts_heads(num_heads):
+                allowed = list(k.head_counts) if k.head_counts else f"1..{k.max_heads}"
+                reasons.append(f"{num_heads} heads not in {allowed}")
+            if not reasons:
+                return []
+            if best is None or len(reasons) < len(best):
+                best = [f"{self.backend} sparse MLA ({k.kernel or 'kernel'}): {r}"
+                        for r in reasons]
+        return best or []
 
     def eager_serving(self, mode: ForwardMode | str) -> ForwardModeSupport | None:
         """The eager entry for forward mode ``mode``, or None when it is not served."""
@@ -730,6 +935,8 @@ class Capabilities:
                                     for n, r in self.unavailable_kernels],
             "graph_modes": [g.to_dict() for g in self.graph_modes],
             "eager_forward_modes": [f.to_dict() for f in self.eager_forward_modes],
+            "sparse_kernels": [k.to_dict() for k in self.sparse_kernels],
+            "sparse_graph_modes": [g.to_dict() for g in self.sparse_graph_modes],
             "notes": list(self.notes),
         }
 

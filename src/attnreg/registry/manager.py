@@ -219,7 +219,7 @@ class BackendRegistry:
         except PluginError as exc:
             return Availability(name, plat, False, str(exc), runtime=runtime)
         reasons = []
-        if caps.platform_reason or not caps.kernels:
+        if caps.platform_reason or not (caps.kernels or caps.sparse_kernels):
             reasons.append(caps.platform_reason or f"no kernel of {name} runs on {plat}")
         if runtime.missing:
             reasons.append(f"its runtime {spec.runtime!r} does not resolve ({runtime.detail}); "

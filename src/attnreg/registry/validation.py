@@ -16,6 +16,7 @@ from .capabilities import (
     GraphModeSupport,
     KernelConstraints,
     Phase,
+    SparseKernel,
     SplitKV,
 )
 from .spec import NAME_RE, BackendSpec
@@ -115,6 +116,58 @@ def _validate_kernel(k: KernelConstraints) -> list[str]:
     return reasons
 
 
+def _validate_sparse_kernel(k: SparseKernel) -> list[str]:
+    where = f"sparse kernel {k.kernel or 'mla'}"
+    reasons = []
+    if not k.phases:
+        reasons.append(f"{where}: no phase")
+    if not k.q_dtypes:
+        reasons.append(f"{where}: q dtypes must be non-empty")
+    if not k.page_sizes:
+        reasons.append(f"{where}: sparse MLA reads the paged latent cache; list page sizes")
+    for p in k.page_sizes:
+        if p <= 0 or p & (p - 1):
+            reasons.append(f"{where}: page size {p} is not a positive power of two")
+    if k.max_heads < 1 or any(h < 1 or h > k.max_heads for h in k.head_counts):
+        reasons.append(f"{where}: head counts must be within 1..max_heads")
+    if k.top_k_multiple < 1 or k.max_top_k < 1 or k.max_top_k < k.top_k_multiple:
+        reasons.append(f"{where}: top-k bounds must satisfy 1 <= top_k_multiple <= max_top_k, "
+                       f"got multiple {k.top_k_multiple}, max {k.max_top_k}")
+    if any(t < 1 for t in k.top_k_sizes):
+        reasons.append(f"{where}: top-k sizes must be >= 1, got {list(k.top_k_sizes)}")
+    return reasons
+
+
+def _validate_sparse(caps: Capabilities) -> list[str]:
+    """Reasons the sparse (DSA) part of a declaration is malformed."""
+    reasons: list[str] = []
+    for k in caps.sparse_kernels:
+        reasons.extend(_validate_sparse_kernel(k))
+    seen: set[tuple[Phase, object]] = set()
+    for entry in caps.sparse_graph_modes:
+        where = f"sparse {entry.phase}/{entry.mode}"
+        if entry.mode not in VALID_GRAPH_MODES[entry.phase]:
+            reasons.append(f"{where}: {entry.phase} has no graph mode {entry.mode}")
+        if (entry.phase, entry.mode) in seen:
+            reasons.append(f"{where} declared twice")
+        seen.add((entry.phase, entry.mode))
+        reasons.extend(f"sparse {r}" for r in _validate_capture(entry, caps.backend))
+        if entry.pinned_method not in (None, ForwardMethod.MLA):
+            reasons.append(f"{where}: sparse attention is absorbed MLA; it cannot pin "
+                           f"{entry.pinned_method}")
+        if not entry.capture.is_unsupported and not caps.serves_sparse(entry.phase):
+            reasons.append(f"{where}: declared {entry.capture.kind.value.upper()} but no "
+                           f"sparse kernel serves {entry.phase}")
+    for phase, modes in VALID_GRAPH_MODES.items():
+        if not caps.serves_sparse(phase):
+            continue
+        for mode in modes:
+            if (phase, mode) not in seen:
+                reasons.append(f"sparse {phase}/{mode} is not declared (say NATIVE, FALLBACK "
+                               "or UNSUPPORTED with a reason in sparse_graph_modes)")
+    return reasons
+
+
 def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[str]:
     """Reasons a declaration is invalid (empty list = valid)."""
     if not isinstance(caps, Capabilities):
@@ -124,8 +177,9 @@ def validate_capabilities(caps: Any, expected_name: str | None = None) -> list[s
     # it into BackendSpec.requires.
     if expected_name is not None and caps.backend != expected_name:
         reasons.append(f"declaration names backend {caps.backend!r}, spec says {expected_name!r}")
-    if not caps.kernels and not caps.platform_reason:
+    if not caps.kernels and not caps.sparse_kernels and not caps.platform_reason:
         reasons.append("declares no kernel on this platform but gives no platform_reason")
+    reasons.extend(_validate_sparse(caps))
     for k in caps.kernels:
         reasons.extend(_validate_kernel(k))
     seen: set[tuple[Phase, object]] = set()

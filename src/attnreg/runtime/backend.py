@@ -38,11 +38,12 @@ from .lse import PrefixDecompress
 from .metadata import ATTENTION_CAPTURE_MODES, ForwardMetadata, PlanT, graph_mode_now, phase_of
 from .pool import MLAKVLayer, MLAKVPool
 from .refusals import Refusal, RequestChecker, refusal_error
+from .sparse import SparseForward
 
 __all__ = ["AttentionBackend"]
 
 
-class AttentionBackend(Generic[PlanT, BuffersT]):
+class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
     """Base class of MLA attention backends.
 
     Built by ``BackendRegistry.create`` as ``cls(config, capabilities=caps, **options)``
@@ -51,6 +52,7 @@ class AttentionBackend(Generic[PlanT, BuffersT]):
     on a request ``self.refusals`` accepted.  ``PlanT``: the backend's per-batch plan
     (``md.plan``); ``BuffersT``: its graph buffers (``graph_state.buffers``).  A
     ``config.page_size`` no kernel reading the paged pool declares is refused here.
+    Sparse (DSA) MLA: :meth:`forward_sparse` (:mod:`attnreg.runtime.sparse`).
     """
 
     #: Overridden per instance by ``capabilities.backend``.

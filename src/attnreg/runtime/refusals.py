@@ -47,7 +47,7 @@ from .lse import PrefixDecompress
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import MLAKVLayer
 
-__all__ = ["Refusal", "RequestChecker", "refusal_error"]
+__all__ = ["Refusal", "RequestChecker", "refusal_error", "sparse_index_problems"]
 
 _POOL_HINT = "build the pool with config.make_pool(num_pages)"
 _SHAPES_HINT = "see the shapes in AttentionBackend's docstring"
@@ -75,6 +75,40 @@ def refusal_error(backend: str, refusals: Sequence[Refusal]) -> UnsupportedError
         backend, " and ".join(dict.fromkeys(r.what for r in refusals)),
         [f"{r.what}: {reason}" for r in refusals for reason in r.reasons],
         "; ".join(dict.fromkeys(r.hint for r in refusals if r.hint)))
+
+
+def sparse_index_problems(indices: torch.Tensor, rows: int, pool_slots: int,
+                          device: torch.device | None = None, *,
+                          check_values: bool = True) -> list[str]:
+    """What is wrong with a top-k index tensor for ``rows`` query tokens over a pool of
+    ``pool_slots`` token slots (empty: nothing).
+
+    The tensor must be int32 ``[rows, top_k]`` on the pool's device.  Each entry is a pool
+    slot in ``0 .. pool_slots - 1`` or exactly -1 (no key); any other value would make a
+    kernel that checks only for -1 (FlashMLA) read outside the pool, so it is named here,
+    before any launch.  ``check_values`` reads the values (one host sync): an eager
+    forward does it; a captured forward cannot, and whoever fills the static index
+    tensor checks them there (the same function).
+    """
+    problems: list[str] = []
+    if indices.dtype != torch.int32:
+        problems.append(f"top-k indices must be torch.int32, got {indices.dtype}")
+    if indices.dim() != 2 or indices.shape[0] != rows or indices.shape[1] < 1:
+        problems.append(f"top-k indices must be [{rows} query tokens, top_k >= 1], got "
+                        f"{tuple(indices.shape)}")
+    if device is not None and indices.device.type != device.type:
+        problems.append(f"top-k indices are on {indices.device}, the pool on {device}")
+    if problems or not check_values or indices.numel() == 0:
+        return problems
+    bad = (indices < -1) | (indices >= pool_slots)
+    if bool(bad.any()):
+        where = bad.nonzero()
+        r, c = (int(x) for x in where[0])
+        value = int(indices[r, c])
+        problems.append(
+            f"top-k index {value} at (token {r}, entry {c}) is neither -1 nor a slot of the "
+            f"pool (0..{pool_slots - 1}); {int(where.shape[0])} such entries")
+    return problems
 
 
 def _if(what: str, problems: list[str], hint: str) -> list[Refusal]:
@@ -376,6 +410,57 @@ class RequestChecker:
                                           "kv_indptr")
         return (refused + self.pool(kv) + self.new_rows(kv, latent, rope, md.num_tokens)
                 + self.outputs(q, out, (md.num_tokens, q.shape[1], v_dim), lse))
+
+    def sparse(self, md: ForwardMetadata[Any], mode: GraphMode, q: torch.Tensor,
+               kv: MLAKVLayer | None, indices: torch.Tensor, latent: torch.Tensor | None,
+               rope: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
+               want_lse: bool) -> list[Refusal]:
+        """Everything ``forward_sparse`` refuses: a request no sparse kernel declares, a
+        graph mode its sparse declaration does not support, and an index tensor of the
+        wrong dtype or shape or holding a value that is neither -1 nor a pool slot (read
+        unless the forward is being captured)."""
+        phase, cfg = md.phase, self.config
+        is_decode = md.forward_mode is ForwardMode.DECODE
+        capturing = mode is not GraphMode.DISABLED and md.is_graph
+        if q.dim() != 3:
+            return self.query_form(ForwardMethod.MLA, phase, q)
+        if kv is None:
+            return [Refusal.of(f"sparse {phase} without a KV pool",
+                               "sparse MLA attends over the paged pool", "pass the pool")]
+        refused: list[Refusal] = []
+        q_dt = dtype_from_torch(q.dtype)
+        top_k = int(indices.shape[-1]) if indices.dim() == 2 else None
+        reasons = self.capabilities.check_sparse_request(
+            phase, top_k=top_k, q_dtype=q_dt, kv_dtype=kv.kv_dtype, page_size=kv.page_size,
+            num_heads=q.shape[1])
+        if reasons:
+            refused.append(Refusal.of(f"sparse MLA {phase} request", reasons,
+                                      "`attnreg backends --json` lists each backend's "
+                                      "sparse_kernels"))
+        elif want_lse and not any(k.lse for k in self.capabilities.sparse_kernels_for(phase)):
+            refused.append(Refusal.of(f"sparse MLA {phase} log-sum-exp output",
+                                      "no sparse kernel declares an LSE output",
+                                      "call without return_lse"))
+        if mode is not GraphMode.DISABLED:
+            support = self.capabilities.sparse_graph_support(phase, mode)
+            if support.capture.is_unsupported:
+                refused.append(Refusal.of(
+                    f"sparse {phase} under {mode} graph capture",
+                    support.capture.reason or "declared unsupported",
+                    f"run sparse {phase} eagerly or choose a backend whose sparse_graph_modes "
+                    f"declare {mode}"))
+        rows = md.batch_size if is_decode else md.num_tokens
+        refused += _if("top-k indices",
+                       sparse_index_problems(indices, rows, kv.num_slots, self.device,
+                                             check_values=not capturing),
+                       "pass int32 [query tokens, top_k] pool slots, -1 for no key")
+        refused += self.pool(kv)
+        refused += self.query(q, rows, cfg.kv_row_dim)
+        if latent is not None or rope is not None:
+            refused += self.new_rows(kv, latent, rope, md.num_tokens)
+        if out is not None or lse is not None:
+            refused += self.outputs(q, out, (rows, q.shape[1], cfg.kv_lora_rank), lse)
+        return refused
 
     def modes(self, md: ForwardMetadata[Any], mode: GraphMode,
               method: ForwardMethod) -> list[Refusal]:

@@ -2,8 +2,8 @@
 
 :data:`CHECKS` is the one table of checks, in registration order.
 :func:`~attnreg.testing.claims.expand_claims` asks every check for its claims
-at each site of a declaration (:meth:`ConformanceCheck.eager_claims` once per
-declaration, :meth:`~ConformanceCheck.refusal_claims` per
+at each site of a declaration (:meth:`ConformanceCheck.declaration_claims` once per
+declaration, eager claims and those of sites of their own such as sparse kernels, :meth:`~ConformanceCheck.refusal_claims` per
 :class:`~attnreg.testing.claims.RefusalSite`,
 :meth:`~ConformanceCheck.capture_claims` per
 :class:`~attnreg.testing.claims.CaptureSite`), and the harness runs a claim
@@ -22,7 +22,7 @@ A check defined in another module registers itself with one decorator::
         check = "sparse_topk"              # the id segment its claims carry
         kinds = (ClaimKind.EAGER,)
 
-        def eager_claims(self, x):          # x: the Expansion (declaration + run)
+        def declaration_claims(self, x):          # x: the Expansion (declaration + run)
             ...                             # return [self.claim(x, combo, statement, ...)]
 
         def run(self, harness, claim):
@@ -65,7 +65,7 @@ __all__ = ["CHECKS", "CHECK_MODULES", "CPU_RUNNABLE_CAPTURE_CHECKS", "Conformanc
 
 #: Modules whose import registers more checks (with :func:`register_check`), loaded
 #: after the built-ins: a new group of checks adds its module here.
-CHECK_MODULES: tuple[str, ...] = ()
+CHECK_MODULES: tuple[str, ...] = ("attnreg.testing.sparse_checks",)
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ class ConformanceCheck:
     for_unsupported: ClassVar[bool] = False
 
     # -- expansion hooks (defaults: nothing) --------------------------------------------
-    def eager_claims(self, x: Expansion) -> Sequence[Claim]:
-        """Its claims about the declaration as a whole (eager claims)."""
+    def declaration_claims(self, x: Expansion) -> Sequence[Claim]:
+        """Its claims about the declaration as a whole: the eager ones, and those whose
+        sites the dense ones do not cover (e.g. one per sparse kernel); any kind."""
         return ()
 
     def refusal_claims(self, x: Expansion, site: RefusalSite) -> Sequence[Claim]:
@@ -177,7 +178,7 @@ class MatchesReference(ConformanceCheck):
     check = Check.MATCHES_REFERENCE
     kinds = (ClaimKind.EAGER,)
 
-    def eager_claims(self, x: Expansion) -> list[Claim]:
+    def declaration_claims(self, x: Expansion) -> list[Claim]:
         return self._configurations(x) + self._sm_scale(x) + self._speculative(x)
 
     def _configurations(self, x: Expansion) -> list[Claim]:
@@ -259,7 +260,7 @@ class Lse(ConformanceCheck):
     check = Check.LSE
     kinds = (ClaimKind.EAGER,)
 
-    def eager_claims(self, x: Expansion) -> list[Claim]:
+    def declaration_claims(self, x: Expansion) -> list[Claim]:
         claims: list[Claim] = []
         for phase in (Phase.DECODE, Phase.PREFILL):
             for method in x.caps.methods(phase):
@@ -684,7 +685,7 @@ class MultiLayer(_GraphCheck):
     check = Check.MULTI_LAYER
     kinds = (ClaimKind.EAGER, ClaimKind.CAPTURE)
 
-    def eager_claims(self, x: Expansion) -> list[Claim]:
+    def declaration_claims(self, x: Expansion) -> list[Claim]:
         claims: list[Claim] = []
         for phase in (Phase.DECODE, Phase.PREFILL):
             if ForwardMethod.MLA not in x.caps.methods(phase):
@@ -800,12 +801,12 @@ class Available(ConformanceCheck):
         raise HarnessLimitation(f"nothing to run for a {claim.kind} claim")
 
 
+for _module in CHECK_MODULES:
+    importlib.import_module(_module)
+
 _missing = set(Check) - set(CHECKS)
 if _missing:  # a Check value without its class would be dispatched nowhere
     raise AssertionError(f"checks without a class: {sorted(_missing)}")
-
-for _module in CHECK_MODULES:
-    importlib.import_module(_module)
 
 #: Capture checks that also run without a CUDA graph: on cpu under
 #: ``capturing(mode)`` with capture and replay emulated by the graph runner

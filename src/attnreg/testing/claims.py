@@ -130,6 +130,11 @@ class Check(StrEnum):
     PIECEWISE = "piecewise"
     # availability
     AVAILABLE = "available"
+    # sparse (DSA) MLA: attnreg.testing.sparse_checks
+    SPARSE = "sparse"
+    SPARSE_INDEX = "sparse_index"
+    SPARSE_REFUSES_CAPTURE = "sparse_refuses_capture"
+    SPARSE_REPLAY = "sparse_replay"
 
 
 
@@ -675,7 +680,7 @@ def expand_claims(caps: Capabilities, device: str = "cpu", *,
     checks = list(CHECKS.values())
     claims: list[Claim] = []
     for check in checks:
-        claims += check.eager_claims(x)
+        claims += check.declaration_claims(x)
     for refusal in refusal_sites(x):
         for check in checks:
             claims += check.refusal_claims(x, refusal)

@@ -109,3 +109,24 @@ def test_doc_lists_every_bridge_rule_and_backend_name() -> None:
                                          *UNMAPPED_BACKENDS) if f"`{name}`" not in text]
     assert missing == [], f"docs/integrations/sglang.md does not name {missing}"
     assert f"`{ENV_SWITCH}`" in text
+
+
+@pytest.mark.parametrize("name", ["dsa", "nsa"])
+def test_sglang_dsa_backends_are_a_gap_that_says_why(name: str) -> None:
+    # sglang's dsa runs its --dsa-*-backend kernels; attnreg declares sparse MLA, but no
+    # backend of sglang's (docs/integrations/sglang.md, docs/sparse.md)
+    mapping = map_backend(name)
+    assert not mapping.mapped
+    assert "--dsa-decode-backend" in mapping.reason and "no attnreg backend declares" \
+        in mapping.reason
+
+
+def test_the_sglang_facts_carry_the_dsa_top_k() -> None:
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang", reason="the facts module reads sglang's config types")
+    from attnreg.integrations.sglang.facts import _index_topk
+
+    assert _index_topk(SimpleNamespace(index_topk=2048)) == 2048
+    assert _index_topk(SimpleNamespace(text_config=SimpleNamespace(index_topk=512))) == 512
+    assert _index_topk(SimpleNamespace()) is None

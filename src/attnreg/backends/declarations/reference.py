@@ -25,6 +25,8 @@ from attnreg.registry import (
     GraphModeSupport,
     KernelConstraints,
     Phase,
+    SparseKernel,
+    SparseKVFormat,
     Vendor,
 )
 
@@ -48,6 +50,12 @@ def _piecewise(vendor: Vendor) -> CaptureSupport:
         f"reference` on a {vendor} device, then declare it)")
 
 
+#: Why the reference's sparse path declares no capture mode: it gathers and attends
+#: without a host value, but nobody has captured it (no sparse capture claim ran yet).
+_SPARSE_NOT_CAPTURED = ("the reference's sparse path is declared eagerly only: no capture of "
+                        "it was run through the graph session (docs/sparse.md)")
+
+
 def capabilities(ctx: DeclarationContext) -> Capabilities:
     q_dtypes = frozenset({DType.BF16, DType.FP16, DType.FP32})
     kv_dtypes = HALF_AND_FP8 | {DType.FP32}
@@ -69,10 +77,20 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         # captured pieces, so the host loop is fine there.
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE, _piecewise(ctx.platform.vendor)),
     )
+    # Sparse (DSA) MLA over the pool's own bf16 rows, any top-k width up to 2048
+    # (DeepSeek-V3.2's index_topk): sparse_attention_with_lse in backends/reference.py.
+    sparse = (SparseKernel(frozenset({Phase.DECODE, Phase.PREFILL}), q_dtypes,
+                           SparseKVFormat.BF16, page_sizes=(1, 16, 32, 64), max_heads=128,
+                           max_top_k=2048, kernel="torch.float32 (sparse)", lse=True),)
+    sparse_modes = tuple(
+        GraphModeSupport(phase, mode, CaptureSupport.unsupported(_SPARSE_NOT_CAPTURED))
+        for phase, mode in ((Phase.DECODE, GraphMode.FULL), (Phase.PREFILL, GraphMode.BREAKABLE),
+                            (Phase.PREFILL, GraphMode.TC_PIECEWISE)))
     return Capabilities(
         backend="reference", platform=ctx.platform,
         vendors=frozenset(Vendor), kernels=kernels, graph_modes=modes,
         priority=0, eager_forward_modes=SPECULATIVE_EAGER_MODES,
+        sparse_kernels=sparse, sparse_graph_modes=sparse_modes,
         notes=("float32 math, slow: a plain implementation to compare against, and the cpu "
                "fallback",),
     )

@@ -181,6 +181,15 @@ def _attention_tp_size(cfg: Any) -> int:
     return tp
 
 
+def _index_topk(hf_config: Any) -> int | None:
+    """The DSA indexer's top-k (``index_topk`` of the checkpoint's config), or None."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        value = getattr(cfg, "index_topk", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _read_model(server_args: Any, cfg: Any, gaps: list[str]) -> tuple[ModelFacts | None, str]:
     from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa
 
@@ -206,6 +215,8 @@ def _read_model(server_args: Any, cfg: Any, gaps: list[str]) -> tuple[ModelFacts
         num_heads=mc.get_num_attention_heads(_attention_tp_size(cfg)),
         act_dtype=act,
         dsa_sparse=bool(is_deepseek_dsa(mc.hf_config)),
+        # "attention is sparse with top-k K": only declared sparse kernels may serve it
+        sparse_top_k=_index_topk(mc.hf_config) if is_deepseek_dsa(mc.hf_config) else None,
         multimodal=bool(mc.is_multimodal),
         # sglang's allowlist of multimodal archs validated under piecewise prefill.
         piecewise_validated=bool(mc.is_multimodal

@@ -43,6 +43,12 @@ MAPPED_BACKENDS: dict[str, str] = {
     "fa4": "flash_attn_cute",
 }
 
+_DSA_GAP = ("sparse (DSA) attention: sglang runs the kernels of its --dsa-prefill-backend / "
+            "--dsa-decode-backend (flashmla_sparse, flashmla_kv, fa3, tilelang, triton, "
+            "trtllm, ...), and no attnreg backend declares those sparse kernels yet "
+            "(attnreg's only sparse declaration is its torch reference, which sglang does not "
+            "run); docs/sparse.md")
+
 #: sglang MLA-capable backends attnreg has no declaration for, with why.
 UNMAPPED_BACKENDS: dict[str, str] = {
     "fa3": "FlashAttention 3 (flash_attn_interface, sm90): attnreg declares no FA3 backend",
@@ -50,8 +56,12 @@ UNMAPPED_BACKENDS: dict[str, str] = {
     "cutlass_mla": "CUTLASS MLA: no attnreg declaration",
     "cutedsl_mla": "CuTe-DSL MLA decode: no attnreg declaration",
     "aiter": "AMD aiter: no attnreg declaration for ROCm kernels",
-    "nsa": "sparse (NSA/DSA) attention backends are outside attnreg's declarations",
-    "dsa": "sparse (NSA/DSA) attention backends are outside attnreg's declarations",
+    # sglang 0.5.23's dsa (nsa: its deprecated alias) runs the kernels its
+    # --dsa-prefill-backend / --dsa-decode-backend pick (flashmla_sparse, flashmla_kv,
+    # fa3, tilelang, triton, trtllm, ...).  attnreg declares sparse MLA
+    # (Capabilities.sparse_kernels) but none of those kernels yet.
+    "nsa": _DSA_GAP,
+    "dsa": _DSA_GAP,
     "qsa": "sparse attention backends are outside attnreg's declarations",
     "dsv4": "DeepSeek-V4 attention is outside attnreg's declarations",
     "torch_native": "torch native attention: sglang disables graphs for it itself",
