@@ -2,8 +2,9 @@
 
 ``data/claim_ids.json`` holds every claim id the built-in backends' declarations
 expanded to before the claim expansion moved into the check classes (main at
-7a1e444, its per-kind generators and sparse claims), on cpu and on simulated cuda platforms (sm90,
-sm100), plus the exhaustive and ``heads`` variants of a cpu run.  A change to this list must be
+7a1e444, its per-kind generators and sparse claims), on cpu and on simulated
+cuda platforms (sm90, sm100), plus the exhaustive and ``heads`` variants of a
+cpu run.  A change to this list must be
 deliberate: regenerate it with ``python tests/conformance/test_claim_ids.py``
 and say in the commit why ids changed.
 """
