@@ -2,7 +2,11 @@
 
 Pure data, no torch: :func:`expand_claims` turns one
 :class:`~attnreg.registry.Capabilities` into :class:`Claim` objects, and the
-pytest plugin turns each claim into one test item.  Three kinds:
+pytest plugin turns each claim into one test item.  This module holds the claim
+types, the sites checks expand at (the declaration as a whole, each
+:class:`RefusalSite`, each :class:`CaptureSite`) and the helpers that choose
+configurations; what each check claims at a site is its class's, in
+:mod:`attnreg.testing.checks` (one class per check, one table).  Three kinds:
 
 * ``eager`` - one declared input configuration (forward method x phase x q/kv
   dtype x page size x head count x head dims) computes what the float64 oracle
@@ -50,6 +54,7 @@ from dataclasses import dataclass, replace
 from attnreg.registry.capabilities import (
     SPECULATIVE_MODES,
     Capabilities,
+    CaptureSupport,
     DType,
     ForwardMethod,
     ForwardMode,
@@ -62,16 +67,23 @@ from attnreg.registry.capabilities import (
 )
 from attnreg.registry.strenum import StrEnum
 
-from .batches import eager_specs, quick_specs, replay_specs
+from .batches import replay_specs
 
 __all__ = [
     "CUDA_PLATFORMS",
+    "MULTI_LAYER_COUNT",
     "YARN_SM_SCALE",
+    "CaptureSite",
     "Check",
     "Claim",
     "ClaimKind",
     "Combo",
+    "Expansion",
+    "RefusalSite",
+    "base_combo",
+    "capture_sites",
     "expand_claims",
+    "refusal_sites",
     "declares_kernels",
     "head_dims_config",
     "kernel_q_compute_dtype",
@@ -200,7 +212,9 @@ class Claim:
 
     backend: str
     kind: ClaimKind
-    check: Check
+    #: the check's id: a :class:`Check` for the built-in ones, any ``snake_case`` string
+    #: for a check class registered from another module (see attnreg.testing.checks)
+    check: Check | str
     combo: Combo | None
     statement: str
     graph_mode: GraphMode = GraphMode.DISABLED
@@ -218,6 +232,9 @@ class Claim:
     #: EXTEND); speculative claims carry ``query_len``, the draft tokens per sequence.
     forward_mode: ForwardMode | None = None
     query_len: int | None = None
+    #: What a refusal claim asks for, as its id names it (``p7``, ``q-fp32``; empty:
+    #: the check's id)
+    refused: str = ""
 
     @property
     def speculative(self) -> bool:
@@ -238,34 +255,22 @@ class Claim:
         spec = [f"{self.forward_mode}"] if self.speculative else []
         if self.kind is ClaimKind.CAPTURE:
             assert c is not None
-            parts += [c.phase.value, self.graph_mode.value, *spec, self.check.value,
+            parts += [c.phase.value, self.graph_mode.value, *spec, str(self.check),
                       c.method.value, c.label()]
         elif self.kind is ClaimKind.REFUSAL:
             assert c is not None
-            parts += [c.phase.value, c.method.value, self.check.value, self._refused_value()]
+            parts += [c.phase.value, c.method.value, str(self.check),
+                      self.refused or str(self.check)]
         else:
             assert c is not None
-            check = [] if self.check is Check.MATCHES_REFERENCE else [self.check.value]
+            check = [] if self.check == Check.MATCHES_REFERENCE else [str(self.check)]
             parts += [c.phase.value, c.method.value, *spec, *check, c.label()]
         return "/".join(parts)
-
-    def _refused_value(self) -> str:
-        c = self.combo
-        assert c is not None
-        return {
-            Check.PAGE_SIZE: f"p{c.page_size}",
-            Check.Q_DTYPE: f"q-{c.q_dtype}",
-            Check.KV_DTYPE: f"kv-{c.kv_dtype}",
-            Check.HEAD_DIMS: f"{c.head_dims[0]}x{c.head_dims[1]}",
-            Check.NUM_HEADS: f"h{c.num_heads}",
-            Check.INDEX_DTYPE: "int64",
-            Check.METHOD: c.method.value,
-        }.get(self.check, self.check.value)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "id": self.id, "backend": self.backend, "kind": self.kind.value,
-            "check": self.check.value, "statement": self.statement,
+            "check": str(self.check), "statement": self.statement,
             "combo": self.combo.to_dict() if self.combo else None,
             "graph_mode": self.graph_mode.value,
             "capture": self.capture.value if self.capture else None,
@@ -302,7 +307,7 @@ def _ordered(dtypes: Iterable[DType]) -> list[DType]:
     return [d for d in _DTYPE_ORDER if d in have]
 
 
-def _dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
+def dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
     """(q, kv) pairs the kernel should accept: kv equal to q, or an fp8 cache.
 
     Mixed half types (bf16 queries over an fp16 cache) are not a pairing any
@@ -323,8 +328,8 @@ def _dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
     return pairs
 
 
-def _head_counts(k: KernelConstraints, device: str,
-                 heads: Sequence[int] | None = None) -> list[int]:
+def claimed_head_counts(k: KernelConstraints, device: str,
+                        heads: Sequence[int] | None = None) -> list[int]:
     """The head counts claimed for kernel ``k``; the first is the base configuration's.
 
     cuda: every declared count (a fixed list), else 16, 128 and ``max_heads``.  cpu:
@@ -362,11 +367,11 @@ def _page_sizes(k: KernelConstraints, caps: Capabilities, phase: Phase) -> list[
     return [_PREFERRED_PAGE]
 
 
-def _combos(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
-            exhaustive: bool, head_counts: Sequence[int] | None = None) -> list[Combo]:
-    pairs = _dtype_pairs(k)
+def combos_of(caps: Capabilities, k: KernelConstraints, phase: Phase, device: str,
+              exhaustive: bool, head_counts: Sequence[int] | None = None) -> list[Combo]:
+    pairs = dtype_pairs(k)
     pages = _page_sizes(k, caps, phase)
-    heads = _head_counts(k, device, head_counts)
+    heads = claimed_head_counts(k, device, head_counts)
     dims = [d for d in k.head_dims if head_dims_config(k.method, d) is not None]
     if not (pairs and pages and heads and dims):
         return []
@@ -400,248 +405,51 @@ def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
                device: str, heads: Sequence[int] | None = None) -> Combo | None:
     """The base configuration of ``method`` in ``phase`` (None if not declared)."""
     for k in caps.kernels_for(method, phase):
-        combos = _combos(caps, k, phase, device, exhaustive=False, head_counts=heads)
+        combos = combos_of(caps, k, phase, device, exhaustive=False, head_counts=heads)
         if combos:
             return combos[0]
     return None
 
 
 # ---------------------------------------------------------------------------
-# eager claims
+# shared helpers of the checks' claim expansion (attnreg.testing.checks)
 # ---------------------------------------------------------------------------
 
-def _eager_claims(caps: Capabilities, device: str, exhaustive: bool,
-                  heads: Sequence[int] | None) -> list[Claim]:
-    claims: list[Claim] = []
-    seen: set[Combo] = set()
-    for k in caps.kernels:
-        for phase in (Phase.DECODE, Phase.PREFILL):
-            if phase not in k.phases:
-                continue
-            base_heads = min(_head_counts(k, device, heads), default=0)
-            for combo in _combos(caps, k, phase, device, exhaustive, heads):
-                if combo in seen:
-                    continue
-                seen.add(combo)
-                specs = eager_specs(phase, method=combo.method)
-                if device == "cpu" and not heads and combo.num_heads != base_heads:
-                    # the interpreter runs each head's programs in turn: one small batch
-                    specs = quick_specs(phase)
-                claims.append(Claim(
-                    caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
-                    f"{combo.describe()} matches the float64 oracle on "
-                    f"{', '.join(specs)} and writes only its own KV slots",
-                    batches=specs))
-    claims += _sm_scale_eager_claims(caps, device, heads)
-    claims += _speculative_eager_claims(caps, device, exhaustive, heads)
-    claims += _lse_claims(caps, device, heads)
-    claims += _multi_layer_eager_claims(caps, device, heads)
-    return claims
-
-
-def _sm_scale_eager_claims(caps: Capabilities, device: str,
-                           heads: Sequence[int] | None) -> list[Claim]:
-    """One per (method, phase): the base configuration with :data:`YARN_SM_SCALE` as
-    ``MLAConfig.sm_scale`` (on cpu on one small batch)."""
-    claims: list[Claim] = []
-    for phase in (Phase.DECODE, Phase.PREFILL):
-        for method in caps.methods(phase):
-            base = base_combo(caps, method, phase, device, heads)
-            if base is None:
-                continue
-            combo = replace(base, sm_scale=YARN_SM_SCALE)
-            specs = quick_specs(phase) if device == "cpu" \
-                else eager_specs(phase, method=method)
-            claims.append(Claim(
-                caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
-                f"{combo.describe()} (MLAConfig.sm_scale set to a YaRN-scaled model's, not "
-                f"the default 1/sqrt(qk dims)) matches the float64 oracle at that scale on "
-                f"{', '.join(specs)} and writes only its own KV slots", batches=specs))
-    return claims
-
-
-def _speculative_eager_claims(caps: Capabilities, device: str, exhaustive: bool,
-                              heads: Sequence[int] | None) -> list[Claim]:
-    """Each speculative forward mode the backend serves eagerly, at its declared draft
-    tokens, for each declared (q, kv) dtype pair of the decode phase's MLA kernels (the
-    base pair only on cpu, unless exhaustive)."""
-    claims: list[Claim] = []
-    base = base_combo(caps, ForwardMethod.MLA, Phase.DECODE, device, heads)
-    if base is None:
-        return claims
-    for served in caps.eager_forward_modes:
-        if served.mode not in SPECULATIVE_MODES or served.max_query_len is None:
-            continue
-        q = served.max_query_len
-        specs = eager_specs(Phase.DECODE, served.mode)
-        combos = _dtype_variants(caps, base, ForwardMethod.MLA, Phase.DECODE, device, heads) \
-            if exhaustive or device != "cpu" else [base]
-        for combo in combos:
-            claims.append(Claim(
-                caps.backend, ClaimKind.EAGER, Check.MATCHES_REFERENCE, combo,
-                f"eager {served.mode} batches of {q} tokens per sequence ({served.describe()}"
-                f"), {combo.describe()}: causal among the new tokens over the whole prefix, "
-                f"match the float64 oracle on {', '.join(specs)} and write only their own KV "
-                "slots", batches=specs, forward_mode=served.mode, query_len=q))
-    return claims
-
-
-def _dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase: Phase,
-                    device: str, heads: Sequence[int] | None) -> list[Combo]:
+def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase: Phase,
+                   device: str, heads: Sequence[int] | None) -> list[Combo]:
     """``base`` and one configuration per other declared (q, kv) dtype pair of ``method``
-    in ``phase``, each one its kernel accepts (see :func:`_declared_variant`)."""
+    in ``phase``, each one its kernel accepts (see :func:`declared_variant`)."""
     out = [base]
-    for q, kv in _pairs_for(caps, method, phase):
+    for q, kv in pairs_for(caps, method, phase):
         if (q, kv) != (base.q_dtype, base.kv_dtype):
-            variant = _declared_variant(caps, replace(base, q_dtype=q, kv_dtype=kv), device,
-                                        heads)
+            variant = declared_variant(caps, replace(base, q_dtype=q, kv_dtype=kv), device,
+                                       heads)
             if variant is not None:
                 out.append(variant)
     return out
 
 
-def _lse_claims(caps: Capabilities, device: str, heads: Sequence[int] | None) -> list[Claim]:
-    """One per (method, phase) whose kernels declare an LSE output, at the base configuration
-    of those kernels."""
-    claims: list[Claim] = []
-    for phase in (Phase.DECODE, Phase.PREFILL):
-        for method in caps.methods(phase):
-            lse_kernels = [k for k in caps.kernels_for(method, phase) if k.lse]
-            combo = next((c for k in lse_kernels
-                          for c in _combos(caps, k, phase, device, False, heads)), None)
-            if combo is None:
-                continue
-            specs = eager_specs(phase, method=method)
-            claims.append(Claim(
-                caps.backend, ClaimKind.EAGER, Check.LSE, combo,
-                f"{combo.describe()} with return_lse=True returns float32 [tokens, heads] "
-                "log-sum-exps equal to the oracle's (natural log of the summed exp(sm_scale "
-                f"* q . k) over the visible keys) on {', '.join(specs)}, beside an output "
-                "that matches it", batches=specs))
-    return claims
-
-
-def _multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
-                       heads: Sequence[int] | None) -> Combo | None:
+def multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
+                      heads: Sequence[int] | None) -> Combo | None:
     """The base configuration, with an fp8 pool where declared (per-layer scales matter):
     the fp8 kernel's own base where it takes other head counts than the base's."""
     base = base_combo(caps, method, phase, device, heads)
     if base is None:
         return None
-    fp8 = [(q, kv) for q, kv in _pairs_for(caps, method, phase) if kv is DType.FP8_E4M3]
+    fp8 = [(q, kv) for q, kv in pairs_for(caps, method, phase) if kv is DType.FP8_E4M3]
     if not fp8:
         return base
     # the fp8 kernel may take other head counts or page sizes than the base's
-    return _declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
-                             device, heads) or base
+    return declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
+                            device, heads) or base
 
 
-def _multi_layer_eager_claims(caps: Capabilities, device: str,
-                              heads: Sequence[int] | None) -> list[Claim]:
-    claims: list[Claim] = []
-    for phase in (Phase.DECODE, Phase.PREFILL):
-        if ForwardMethod.MLA not in caps.methods(phase):
-            continue
-        combo = _multi_layer_combo(caps, ForwardMethod.MLA, phase, device, heads)
-        if combo is None:
-            continue
-        specs = eager_specs(phase)[:2]
-        claims.append(Claim(
-            caps.backend, ClaimKind.EAGER, Check.MULTI_LAYER, combo,
-            f"{MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales), planned "
-            f"once per step with init_forward_metadata and run per layer_id, each match "
-            f"their own oracle on {', '.join(specs)} ({combo.describe()}); every layer "
-            "writes only its own slots", batches=specs))
-    return claims
-
-
-# ---------------------------------------------------------------------------
-# refusal claims
-# ---------------------------------------------------------------------------
-
-_PAGE_CANDIDATES = (3, 7, 128, 2, 5)
-_DTYPE_CANDIDATES = (DType.FP32, DType.FP8_E4M3, DType.FP16, DType.BF16)
-_DIMS_CANDIDATES = {
-    ForwardMethod.MLA: ((320, 256), (576 + 64, 576)),
-    ForwardMethod.MHA: ((256, 128), (96, 64), (192, 192)),
-    ForwardMethod.MHA_CHUNKED_KV: ((256, 128), (96, 64), (192, 192)),
-}
-
-
-def _refused(caps: Capabilities, combo: Combo, **fields: object) -> bool:
+def is_refused(caps: Capabilities, combo: Combo, **fields: object) -> bool:
     """Whether the declaration rejects ``combo`` (with the given fields) for its method."""
     return bool(caps.check_request(combo.method, combo.phase, **fields))  # type: ignore[arg-type]
 
 
-def _refusal_claims(caps: Capabilities, device: str,
-                    heads: Sequence[int] | None) -> list[Claim]:
-    claims: list[Claim] = []
-
-    def add(check: Check, combo: Combo, what: str) -> None:
-        claims.append(Claim(
-            caps.backend, ClaimKind.REFUSAL, check, combo,
-            f"{combo.phase} {combo.method} with {what} (undeclared) is refused with "
-            "UnsupportedError before any kernel launch"))
-
-    for phase in (Phase.DECODE, Phase.PREFILL):
-        methods = caps.methods(phase)
-        for method in methods:
-            base = base_combo(caps, method, phase, device, heads)
-            if base is None:
-                continue
-            # page size: only meaningful where a paged cache is read
-            if any(k.page_sizes for k in caps.kernels_for(method, phase)):
-                for p in _PAGE_CANDIDATES:
-                    if _refused(caps, base, page_size=p):
-                        add(Check.PAGE_SIZE, replace(base, page_size=p), f"page size {p}")
-                        break
-            for dt in _DTYPE_CANDIDATES:
-                if dt is not base.q_dtype and _refused(caps, base, q_dtype=dt):
-                    kv = dt if not any(k.page_sizes for k in caps.kernels_for(method, phase)) \
-                        else base.kv_dtype
-                    add(Check.Q_DTYPE, replace(base, q_dtype=dt, kv_dtype=kv), f"q dtype {dt}")
-                    break
-            if any(k.page_sizes for k in caps.kernels_for(method, phase)):
-                for dt in _DTYPE_CANDIDATES:
-                    if dt is not base.kv_dtype and _refused(caps, base, kv_dtype=dt):
-                        add(Check.KV_DTYPE, replace(base, kv_dtype=dt), f"kv dtype {dt}")
-                        break
-            for dims in _DIMS_CANDIDATES.get(method, ()):
-                if _refused(caps, base, head_dims=dims) and head_dims_config(method, dims):
-                    add(Check.HEAD_DIMS, replace(base, head_dims=dims),
-                        f"head dims {dims[0]}/{dims[1]}")
-                    break
-            max_heads = max(k.max_heads for k in caps.kernels_for(method, phase))
-            too_many = max_heads + 1
-            if _refused(caps, base, num_heads=too_many):
-                add(Check.NUM_HEADS, replace(base, num_heads=too_many), f"{too_many} heads")
-            claims.append(Claim(
-                caps.backend, ClaimKind.REFUSAL, Check.INDEX_DTYPE, base,
-                f"{phase} {method} with int64 index tensors (sequence lengths, page table; "
-                "the runtime contract is int32) is refused with UnsupportedError before any "
-                "kernel launch"))
-        # an undeclared forward method for a phase the backend serves
-        if methods:
-            for method in ForwardMethod:
-                if method in methods:
-                    continue
-                donor = base_combo(caps, methods[0], phase, device, heads)
-                if donor is None:
-                    continue
-                dims = {ForwardMethod.MLA: (576, 512)}.get(method, (192, 128))
-                if phase is Phase.DECODE and method is not ForwardMethod.MLA:
-                    # decode runs through forward_decode, which takes no method
-                    continue
-                add(Check.METHOD, replace(donor, method=method, head_dims=dims),
-                    f"forward method {method}")
-    return claims
-
-
-# ---------------------------------------------------------------------------
-# capture claims
-# ---------------------------------------------------------------------------
-
-def _capture_methods(caps: Capabilities, entry: GraphModeSupport) -> list[ForwardMethod]:
+def capture_methods(caps: Capabilities, entry: GraphModeSupport) -> list[ForwardMethod]:
     """The forward methods that can run under ``entry``'s capture mode."""
     declared = caps.methods(entry.phase)
     if entry.pinned_method is not None:
@@ -651,167 +459,184 @@ def _capture_methods(caps: Capabilities, entry: GraphModeSupport) -> list[Forwar
     return [m for m in declared if m is not ForwardMethod.MHA_CHUNKED_KV]
 
 
-def _capture_claims(caps: Capabilities, device: str, exhaustive: bool,
-                    heads: Sequence[int] | None) -> list[Claim]:
-    claims: list[Claim] = []
-    for entry in caps.graph_modes:
-        if entry.mode is GraphMode.DISABLED or not caps.serves(entry.phase):
-            continue
-        phase, mode, sup = entry.phase, entry.mode, entry.capture
-        common: dict[str, object] = {
-            "graph_mode": mode, "capture": sup.kind, "fallback_to": sup.fallback_to,
-                  "pinned_method": entry.pinned_method, "split_kv": entry.split_kv}
-        where = f"{phase} under {mode}"
-        methods = _capture_methods(caps, entry)
-        if sup.is_unsupported:
-            method = methods[0] if methods else caps.methods(phase)[0]
-            combo = base_combo(caps, method, phase, device, heads)
-            if combo is not None:
-                claims.append(Claim(
-                    caps.backend, ClaimKind.CAPTURE, Check.REFUSES_CAPTURE, combo,
-                    f"{where} is declared unsupported ({sup.reason}); the backend refuses "
-                    "to prepare a capture with UnsupportedError", **common))  # type: ignore[arg-type]
-            continue
-        for method in methods:
-            base = base_combo(caps, method, phase, device, heads)
-            if base is None:
-                continue
-            claims += _mode_capture_claims(caps, entry, method, base, None, device, exhaustive,
-                                           common, heads=heads)
-            if mode is GraphMode.TC_PIECEWISE or method is not ForwardMethod.MLA:
-                continue
-            for served in entry.forward_modes:
-                if served.mode in SPECULATIVE_MODES and served.max_query_len is not None:
-                    claims += _mode_capture_claims(caps, entry, method, base, served.mode,
-                                                   device, exhaustive, common, heads=heads,
-                                                   query_len=served.max_query_len)
-    return claims
-
-
-def _mode_capture_claims(caps: Capabilities, entry: GraphModeSupport, method: ForwardMethod,
-                         base: Combo, forward_mode: ForwardMode | None, device: str,
-                         exhaustive: bool, common: dict[str, object], *,
-                         heads: Sequence[int] | None, query_len: int | None = None
-                         ) -> list[Claim]:
-    """The capture claims of one forward mode (None: the phase's plain one) of one entry."""
-    claims: list[Claim] = []
-    phase, mode, sup = entry.phase, entry.mode, entry.capture
-    spec_common = dict(common, forward_mode=forward_mode, query_len=query_len)
-    what = f"{forward_mode} batches of {query_len} tokens per sequence" \
-        if forward_mode is not None else ""
-    where = f"{phase} under {mode}" + (f", {what}" if what else "")
-    how = "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
-    replay = replay_specs(phase, forward_mode)
-
-    def add(check: Check, statement: str, combo: Combo = base,
-            batches: Sequence[str] = replay) -> None:
-        from .checks import needs_device_graphs  # the check's class says where it runs
-
-        claims.append(Claim(caps.backend, ClaimKind.CAPTURE, check, combo, statement,
-                            batches=tuple(batches),
-                            needs_device_graphs=needs_device_graphs(check),
-                            **spec_common))  # type: ignore[arg-type]
-
-    add(Check.CAPTURE_PATH,
-        f"{where}, {method} runs {how} and matches the oracle when its capture-mode "
-        "code path (capture metadata, then replay metadata for each batch) is "
-        "driven without a device graph")
-    if forward_mode is None:
-        # what is planned at capture must use the config's scale too (on cpu: the
-        # capture batch and one replay)
-        scaled = replace(base, sm_scale=YARN_SM_SCALE)
-        add(Check.CAPTURE_PATH,
-            f"{where}, {method} with MLAConfig.sm_scale {YARN_SM_SCALE:.4g} (a YaRN-scaled "
-            f"model's) runs {how} and matches the oracle at that scale when its "
-            "capture-mode code path is driven without a device graph", combo=scaled,
-            batches=replay[:2] if device == "cpu" else replay)
-    if forward_mode is None and sup.is_fallback:
-        add(Check.FALLBACK_SERVED,
-            f"{where}, {method} is served by the declared fallback {sup.fallback_to} "
-            "(as the backend reports through note_served_by), on every batch")
-    if forward_mode is None and entry.pinned_method is not None and phase is Phase.PREFILL:
-        # decode has one form (forward_decode takes no method): nothing to pin
-        add(Check.PINNING,
-            f"{where} every extend batch (prefix or not) runs the pinned "
-            f"{entry.pinned_method} method, never another one")
-    if mode is GraphMode.TC_PIECEWISE:
-        add(Check.PIECEWISE,
-            f"{where}, {method} runs eagerly between captured graph pieces (static "
-            "input/output buffers, replayed pieces) and matches the oracle "
-            f"on {', '.join(replay)}")
-        return claims
-    kv_variants = [base]
-    if exhaustive or device != "cpu":
-        kv_variants = _dtype_variants(caps, base, method, phase, device, heads)
-    for combo in kv_variants:
-        add(Check.REPLAY,
-            f"{where}, {method} captured once replays {', '.join(replay)} "
-            "(new lengths and contents each time) and matches the oracle, leaving "
-            "every KV slot outside the written ones untouched", combo=combo)
-    for combo in kv_variants:
-        add(Check.CAPTURE_MEMORY,
-            f"{where}, what init_cuda_graph_state and the capture allocate is within "
-            "1.25x (or 1 MiB) of the declared CaptureMemory.estimate for the captured "
-            "shape", combo=combo)
-    add(Check.PADDED_ROWS,
-        f"{where}, a graph captured for the largest of {', '.join(replay)} "
-        "replays the smaller ones with every output row of the padding exactly zero")
-    if method is ForwardMethod.MLA:  # the layer decides what MLA reads (MHA: k / v given)
-        add(Check.MULTI_LAYER,
-            f"{where}, {MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales) "
-            "captured in one graph over one captured plan replay "
-            f"{', '.join(replay[:2])} with every layer matching its own oracle",
-            combo=_multi_layer_combo(caps, method, phase, device, heads) or base,
-            batches=replay[:2])
-    add(Check.ALLOCATOR_CHURN,
-        f"{where}, replays stay correct after large tensors are allocated and "
-        "freed between them (storage the graph recorded was not freed)")
-    add(Check.NO_SYNC_ALLOC,
-        f"{where}, nothing in the captured region synchronises with the host or "
-        "allocates outside the graph's pool", batches=replay[:1])
-    if entry.split_kv in (SplitKV.DYNAMIC, SplitKV.HOST_PLANNED, SplitKV.SINGLE):
-        longs = tuple(s for s in replay if "long_kv" in s) or replay
-        # Prefill: captured for few tokens, as a split-KV extend is (a graph sized
-        # for hundreds of tokens fills the GPU without splits and proves nothing).
-        short = "short_extend" if forward_mode is None and phase is Phase.PREFILL \
-            else replay[0]
-        kind = {SplitKV.DYNAMIC: "device-side split counts follow each replay's "
-                                 "lengths",
-                SplitKV.HOST_PLANNED: "split counts re-planned on the host before "
-                                      "each replay follow its lengths",
-                SplitKV.SINGLE: "one split under capture"}[entry.split_kv]
-        add(Check.SPLIT_KV,
-            f"{where}, split-KV is {entry.split_kv} ({kind}): a graph captured on "
-            "short sequences replays long ones correctly",
-            batches=(short,) + longs)
-    return claims
-
-
-def _declared_variant(caps: Capabilities, combo: Combo, device: str,
-                      heads: Sequence[int] | None) -> Combo | None:
+def declared_variant(caps: Capabilities, combo: Combo, device: str,
+                     heads: Sequence[int] | None) -> Combo | None:
     """``combo`` if the declaration accepts it, else the base configuration of the
     kernel that serves its dtypes (a kernel may take other head counts or page
     sizes than the base's, e.g. an fp8-pool kernel proven for fewer head counts)."""
-    if not _refused(caps, combo, head_dims=combo.head_dims, q_dtype=combo.q_dtype,
-                    kv_dtype=combo.kv_dtype, page_size=combo.page_size,
-                    num_heads=combo.num_heads):
+    if not is_refused(caps, combo, head_dims=combo.head_dims, q_dtype=combo.q_dtype,
+                      kv_dtype=combo.kv_dtype, page_size=combo.page_size,
+                      num_heads=combo.num_heads):
         return combo
     for k in caps.kernels_for(combo.method, combo.phase):
         if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes:
-            for candidate in _combos(caps, k, combo.phase, device, False, heads):
+            for candidate in combos_of(caps, k, combo.phase, device, False, heads):
                 if (candidate.q_dtype, candidate.kv_dtype) == (combo.q_dtype, combo.kv_dtype):
                     return candidate
     return None
 
 
-def _pairs_for(caps: Capabilities, method: ForwardMethod,
+def pairs_for(caps: Capabilities, method: ForwardMethod,
                phase: Phase) -> list[tuple[DType, DType]]:
     out: list[tuple[DType, DType]] = []
     for k in caps.kernels_for(method, phase):
-        for pair in _dtype_pairs(k):
+        for pair in dtype_pairs(k):
             if pair not in out:
                 out.append(pair)
     return out
+
+
+# ---------------------------------------------------------------------------
+# where checks expand: the declaration, its refusal sites, its capture sites
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Expansion:
+    """One :func:`expand_claims` call: the declaration and the run's settings, with the
+    shared helpers a check's expansion uses bound to them."""
+
+    caps: Capabilities
+    device: str
+    exhaustive: bool = False
+    heads: tuple[int, ...] | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.caps.backend
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def base_combo(self, method: ForwardMethod, phase: Phase) -> Combo | None:
+        """:func:`base_combo` of ``method`` in ``phase``."""
+        return base_combo(self.caps, method, phase, self.device, self.heads)
+
+    def combos(self, kernel: KernelConstraints, phase: Phase, *,
+               exhaustive: bool | None = None) -> list[Combo]:
+        """:func:`combos_of` one kernel (the run's ``exhaustive`` unless given)."""
+        return combos_of(self.caps, kernel, phase, self.device,
+                         self.exhaustive if exhaustive is None else exhaustive, self.heads)
+
+    def head_counts(self, kernel: KernelConstraints) -> list[int]:
+        return claimed_head_counts(kernel, self.device, self.heads)
+
+    def dtype_variants(self, base: Combo, method: ForwardMethod, phase: Phase) -> list[Combo]:
+        """:func:`dtype_variants` of ``base``."""
+        return dtype_variants(self.caps, base, method, phase, self.device, self.heads)
+
+    def multi_layer_combo(self, method: ForwardMethod, phase: Phase) -> Combo | None:
+        return multi_layer_combo(self.caps, method, phase, self.device, self.heads)
+
+    def refused(self, combo: Combo, **fields: object) -> bool:
+        """Whether the declaration rejects ``combo`` with ``fields`` changed."""
+        return is_refused(self.caps, combo, **fields)
+
+
+@dataclass(frozen=True)
+class RefusalSite:
+    """One (phase, method) the declaration serves, with its base configuration; or, with
+    ``method`` None, the phase as a whole (``methods``: the ones it declares, ``base``
+    the first one's base configuration)."""
+
+    phase: Phase
+    method: ForwardMethod | None
+    base: Combo | None
+    methods: tuple[ForwardMethod, ...]
+
+
+@dataclass(frozen=True)
+class CaptureSite:
+    """One declared (phase, graph mode) entry, one method that runs under it at its base
+    configuration, one forward mode (None: the phase's plain one) and its draft tokens."""
+
+    entry: GraphModeSupport
+    method: ForwardMethod
+    base: Combo
+    forward_mode: ForwardMode | None = None
+    query_len: int | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self.entry.phase
+
+    @property
+    def mode(self) -> GraphMode:
+        return self.entry.mode
+
+    @property
+    def support(self) -> CaptureSupport:
+        return self.entry.capture
+
+    @property
+    def where(self) -> str:
+        """``decode under full`` (and the forward mode's batches), for statements."""
+        where = f"{self.phase} under {self.mode}"
+        if self.forward_mode is not None:
+            where += f", {self.forward_mode} batches of {self.query_len} tokens per sequence"
+        return where
+
+    @property
+    def how(self) -> str:
+        sup = self.support
+        return "natively" if sup.is_native else f"through its fallback to {sup.fallback_to}"
+
+    @property
+    def replay(self) -> tuple[str, ...]:
+        """The batches one captured graph of this site replays."""
+        return replay_specs(self.phase, self.forward_mode)
+
+    def fields(self) -> dict[str, object]:
+        """The :class:`Claim` fields every claim of this site copies from it."""
+        sup = self.support
+        return {"graph_mode": self.mode, "capture": sup.kind, "fallback_to": sup.fallback_to,
+                "pinned_method": self.entry.pinned_method, "split_kv": self.entry.split_kv,
+                "forward_mode": self.forward_mode, "query_len": self.query_len}
+
+
+def refusal_sites(x: Expansion) -> list[RefusalSite]:
+    """Per phase: each declared method with a base configuration, then the phase."""
+    sites: list[RefusalSite] = []
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        methods = tuple(x.caps.methods(phase))
+        for method in methods:
+            base = x.base_combo(method, phase)
+            if base is not None:
+                sites.append(RefusalSite(phase, method, base, methods))
+        if methods:
+            sites.append(RefusalSite(phase, None, x.base_combo(methods[0], phase), methods))
+    return sites
+
+
+def capture_sites(x: Expansion) -> list[CaptureSite]:
+    """Per declared capture entry of a served phase: an UNSUPPORTED one once (at the
+    base configuration of a method it would run), else each method that runs under it,
+    each with the phase's plain forward mode, then (MLA outside TC_PIECEWISE) each
+    speculative forward mode the entry serves at its declared draft tokens."""
+    caps = x.caps
+    sites: list[CaptureSite] = []
+    for entry in caps.graph_modes:
+        if entry.mode is GraphMode.DISABLED or not caps.serves(entry.phase):
+            continue
+        methods = capture_methods(caps, entry)
+        if entry.capture.is_unsupported:
+            method = methods[0] if methods else caps.methods(entry.phase)[0]
+            base = x.base_combo(method, entry.phase)
+            if base is not None:
+                sites.append(CaptureSite(entry, method, base))
+            continue
+        for method in methods:
+            base = x.base_combo(method, entry.phase)
+            if base is None:
+                continue
+            sites.append(CaptureSite(entry, method, base))
+            if entry.mode is GraphMode.TC_PIECEWISE or method is not ForwardMethod.MLA:
+                continue
+            for served in entry.forward_modes:
+                if served.mode in SPECULATIVE_MODES and served.max_query_len is not None:
+                    sites.append(CaptureSite(entry, method, base, served.mode,
+                                             served.max_query_len))
+    return sites
 
 
 # ---------------------------------------------------------------------------
@@ -849,13 +674,20 @@ def expand_claims(caps: Capabilities, device: str = "cpu", *,
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if heads is not None and any(int(h) < 1 for h in heads):
         raise ValueError(f"head counts must be >= 1, got {list(heads)}")
-    claims = (_eager_claims(caps, device, exhaustive, heads)
-              + _refusal_claims(caps, device, heads)
-              + _capture_claims(caps, device, exhaustive, heads))
-    if caps.sparse_kernels:
-        from .sparse_checks import sparse_claims
+    from .checks import CHECKS  # the check classes import this module
 
-        claims += sparse_claims(caps, device, heads)
+    x = Expansion(caps, device, exhaustive, tuple(int(h) for h in heads) if heads else heads)
+    checks = list(CHECKS.values())
+    claims: list[Claim] = []
+    for check in checks:
+        claims += check.declaration_claims(x)
+    for refusal in refusal_sites(x):
+        for check in checks:
+            claims += check.refusal_claims(x, refusal)
+    for capture in capture_sites(x):
+        for check in checks:
+            if check.for_unsupported is capture.support.is_unsupported:
+                claims += check.capture_claims(x, capture)
     if device == "cpu":
         claims = [replace(c, skip_reason="no CUDA graphs on cpu: needs real capture and "
                                          "replay (run with --device cuda)")

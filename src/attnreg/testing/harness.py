@@ -30,7 +30,7 @@ from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig,
 from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served, capture_once
 from .checks import CHECKS, GraphOptions
-from .claims import Check, Claim, Combo, kernel_q_compute_dtype
+from .claims import Claim, Combo, kernel_q_compute_dtype
 from .errors import ClaimRefuted, HarnessLimitation
 from .integrity import InputGuard, kv_problems
 from .timelimit import stage
@@ -245,21 +245,16 @@ class Harness:
     # ------------------------------------------------------------------------------
     # refusals
     # ------------------------------------------------------------------------------
-    def check_refusal(self, claim: Claim) -> None:
+    def check_refusal(self, claim: Claim, what: str, *,
+                      int64_fields: Sequence[str] = ()) -> None:
+        """The claim's undeclared input (``what``, as messages name it; ``int64_fields``:
+        these index tensors of the batch as int64) is refused with UnsupportedError."""
         combo = _combo(claim)
         # always the tiny cpu sizes: a refusal must come before any work; several
         # sequences of different lengths, so wrongly read lengths show in the output
         spec = batch_spec("ragged_decode" if combo.phase is Phase.DECODE
                           else "mixed_lengths", "cpu")
-        if claim.check is Check.INDEX_DTYPE:
-            groups: list[tuple[str, ...]] = [("seq_lens",), ("page_table",), ("out_cache_loc",)]
-            if combo.phase is Phase.PREFILL:
-                groups += [("qo_indptr", "kv_indptr"), ("prefix_lens", "extend_lens")]
-            for fields in groups:
-                self._expect_refusal(claim, combo, spec, f"int64 {'/'.join(fields)}",
-                                     int64_fields=fields)
-            return
-        self._expect_refusal(claim, combo, spec, _refused_what(claim))
+        self._expect_refusal(claim, combo, spec, what, int64_fields=int64_fields)
 
     def _expect_refusal(self, claim: Claim, combo: Combo, spec: BatchSpec, what: str, *,
                         int64_fields: Sequence[str] = ()) -> None:
@@ -829,14 +824,3 @@ def _combo(claim: Claim) -> Combo:
         raise HarnessLimitation(f"claim {claim.id} has no input configuration")
     return claim.combo
 
-
-def _refused_what(claim: Claim) -> str:
-    c = _combo(claim)
-    return {
-        Check.PAGE_SIZE: f"page size {c.page_size}",
-        Check.Q_DTYPE: f"q dtype {c.q_dtype}",
-        Check.KV_DTYPE: f"kv dtype {c.kv_dtype}",
-        Check.HEAD_DIMS: f"head dims {c.head_dims[0]}/{c.head_dims[1]}",
-        Check.NUM_HEADS: f"{c.num_heads} heads",
-        Check.METHOD: f"forward method {c.method}",
-    }.get(claim.check, str(claim.check))

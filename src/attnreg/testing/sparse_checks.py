@@ -23,18 +23,18 @@ Each check class is registered in :data:`attnreg.testing.checks.CHECKS`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from attnreg.registry import Capabilities, ForwardMode, GraphMode, Phase, SparseKernel
 
-from .checks import ConformanceCheck, _register
-from .claims import Check, Claim, ClaimKind, Combo, _combos
+from .checks import ConformanceCheck, register_check
+from .claims import Check, Claim, ClaimKind, Combo, Expansion, combos_of
 
 if TYPE_CHECKING:
     from .harness import Harness
 
-__all__ = ["claim_top_k", "sparse_claims"]
+__all__ = ["SparseSite", "claim_top_k", "sparse_claims", "sparse_sites"]
 
 #: The index width the suite runs where a kernel accepts it (small: cpu runs it).
 _PREFERRED_TOP_K = 16
@@ -56,13 +56,31 @@ def _kernel_for(caps: Capabilities, combo: Combo) -> SparseKernel | None:
     return None
 
 
-def sparse_claims(caps: Capabilities, device: str,
-                  heads: Sequence[int] | None = None) -> list[Claim]:
-    """Every sparse claim of ``caps`` for a run on ``device``."""
-    from .sparse import sparse_cases
+@dataclass(frozen=True)
+class SparseSite:
+    """One sparse kernel in one phase it serves: the configurations claimed for it (none
+    claimed by an earlier kernel), its top-k and the sparse batches it runs."""
+
+    kernel: SparseKernel
+    phase: Phase
+    top_k: int
+    names: tuple[str, ...]
+    combos: tuple[Combo, ...]
+
+    @property
+    def base(self) -> Combo:
+        return self.combos[0]
+
+
+def sparse_sites(x: Expansion) -> list[SparseSite]:
+    """The sparse sites of ``x``'s declaration (none without sparse kernels)."""
+    caps = x.caps
+    if not caps.sparse_kernels:
+        return []
+    from .sparse import sparse_cases  # torch: only for a declaration with sparse kernels
 
     view = caps.sparse_view()
-    claims: list[Claim] = []
+    sites: list[SparseSite] = []
     seen: set[Combo] = set()
     for kernel in caps.sparse_kernels:
         dense = kernel.as_dense_constraints()
@@ -71,38 +89,33 @@ def sparse_claims(caps: Capabilities, device: str,
             if phase not in kernel.phases:
                 continue
             names = tuple(c.name for c in sparse_cases(phase, top_k))
-            combos = [c for c in _combos(view, dense, phase, device, False, heads)
+            combos = [c for c in combos_of(view, dense, phase, x.device, False, x.heads)
                       if c not in seen]
             seen.update(combos)
-            for combo in combos:
-                claims.append(Claim(
-                    caps.backend, ClaimKind.EAGER, Check.SPARSE, combo,
-                    f"sparse MLA {combo.describe()} top-k {top_k} ({kernel.kv_format} rows) "
-                    "matches the float64 sparse oracle", batches=names))
-            if not combos:
-                continue
-            base = combos[0]
-            claims.append(Claim(
-                caps.backend, ClaimKind.REFUSAL, Check.SPARSE_INDEX, base,
-                f"sparse {phase}: an index neither -1 nor a pool slot, and int64 indices, "
-                "are refused with UnsupportedError before the kernel", batches=names[:1]))
-            for entry in caps.sparse_graph_modes:
-                if entry.phase is not phase:
-                    continue
-                if entry.capture.is_unsupported:
-                    claims.append(Claim(
-                        caps.backend, ClaimKind.CAPTURE, Check.SPARSE_REFUSES_CAPTURE, base,
-                        f"sparse {phase} under {entry.mode} is refused (declared unsupported: "
-                        f"{entry.capture.reason})", graph_mode=entry.mode,
-                        capture=entry.capture.kind, batches=names[:1]))
-                else:
-                    claims.append(Claim(
-                        caps.backend, ClaimKind.CAPTURE, Check.SPARSE_REPLAY, base,
-                        f"sparse {phase} captured under {entry.mode} once replays every "
-                        "sparse batch like the oracle, padding rows zero",
-                        graph_mode=entry.mode, capture=entry.capture.kind,
-                        pinned_method=entry.pinned_method, batches=names))
-    return claims
+            if combos:
+                sites.append(SparseSite(kernel, phase, top_k, names, tuple(combos)))
+    return sites
+
+
+def sparse_claims(caps: Capabilities, device: str,
+                  heads: tuple[int, ...] | None = None) -> list[Claim]:
+    """Every sparse claim of ``caps`` for a run on ``device`` (what the sparse checks'
+    :meth:`~ConformanceCheck.declaration_claims` make, in table order)."""
+    from .checks import CHECKS
+
+    x = Expansion(caps, device, False, heads)
+    return [claim for check in CHECKS.values() if isinstance(check, _SparseCheck)
+            for claim in check.declaration_claims(x)]
+
+
+class _SparseCheck(ConformanceCheck):
+    """A check of the sparse sites (:func:`sparse_sites`)."""
+
+    def declaration_claims(self, x: Expansion) -> list[Claim]:
+        return [claim for site in sparse_sites(x) for claim in self.site_claims(x, site)]
+
+    def site_claims(self, x: Expansion, site: SparseSite) -> list[Claim]:
+        return []
 
 
 def _cases(harness: Harness, claim: Claim, caps: Capabilities):  # type: ignore[no-untyped-def]
@@ -147,12 +160,19 @@ def _written_problems(pool, work, when: str) -> list[str]:  # type: ignore[no-un
             "given (latent_new / rope_new as the pool stores them)"]
 
 
-@_register
-class SparseMatches(ConformanceCheck):
+@register_check
+class SparseMatches(_SparseCheck):
     """Sparse MLA, eagerly: the float64 sparse oracle, its LSE, the pool written as asked."""
 
     check = Check.SPARSE
     kinds = (ClaimKind.EAGER,)
+
+    def site_claims(self, x: Expansion, site: SparseSite) -> list[Claim]:
+        return [self.claim(
+            x, ClaimKind.EAGER, combo,
+            f"sparse MLA {combo.describe()} top-k {site.top_k} ({site.kernel.kv_format} "
+            "rows) matches the float64 sparse oracle", batches=site.names)
+            for combo in site.combos]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         from .errors import ClaimRefuted
@@ -186,13 +206,19 @@ class SparseMatches(ConformanceCheck):
             raise ClaimRefuted("; ".join(problems))
 
 
-@_register
-class SparseIndexRefused(ConformanceCheck):
+@register_check
+class SparseIndexRefused(_SparseCheck):
     """An index neither -1 nor a pool slot, or int64 indices: UnsupportedError before the
     kernel, naming the index; the output and the pool are not touched."""
 
     check = Check.SPARSE_INDEX
     kinds = (ClaimKind.REFUSAL,)
+
+    def site_claims(self, x: Expansion, site: SparseSite) -> list[Claim]:
+        return [self.claim(
+            x, ClaimKind.REFUSAL, site.base,
+            f"sparse {site.phase}: an index neither -1 nor a pool slot, and int64 indices, "
+            "are refused with UnsupportedError before the kernel", batches=site.names[:1])]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         import torch
@@ -237,12 +263,21 @@ class SparseIndexRefused(ConformanceCheck):
             raise ClaimRefuted("; ".join(problems))
 
 
-@_register
-class SparseRefusesCapture(ConformanceCheck):
+@register_check
+class SparseRefusesCapture(_SparseCheck):
     """A sparse (phase, mode) declared UNSUPPORTED is refused under ``capturing(mode)``."""
 
     check = Check.SPARSE_REFUSES_CAPTURE
     kinds = (ClaimKind.CAPTURE,)
+
+    def site_claims(self, x: Expansion, site: SparseSite) -> list[Claim]:
+        return [self.claim(
+            x, ClaimKind.CAPTURE, site.base,
+            f"sparse {site.phase} under {entry.mode} is refused (declared unsupported: "
+            f"{entry.capture.reason})", graph_mode=entry.mode, capture=entry.capture.kind,
+            batches=site.names[:1])
+            for entry in x.caps.sparse_graph_modes
+            if entry.phase is site.phase and entry.capture.is_unsupported]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         from attnreg.graph_policy import capturing
@@ -269,12 +304,22 @@ class SparseRefusesCapture(ConformanceCheck):
                            "under capturing() ran without UnsupportedError")
 
 
-@_register
-class SparseReplay(ConformanceCheck):
+@register_check
+class SparseReplay(_SparseCheck):
     """Captured once through the graph session, sparse batches replay like the oracle."""
 
     check = Check.SPARSE_REPLAY
     kinds = (ClaimKind.CAPTURE,)
+
+    def site_claims(self, x: Expansion, site: SparseSite) -> list[Claim]:
+        return [self.claim(
+            x, ClaimKind.CAPTURE, site.base,
+            f"sparse {site.phase} captured under {entry.mode} once replays every sparse "
+            "batch like the oracle, padding rows zero", graph_mode=entry.mode,
+            capture=entry.capture.kind, pinned_method=entry.pinned_method,
+            batches=site.names)
+            for entry in x.caps.sparse_graph_modes
+            if entry.phase is site.phase and not entry.capture.is_unsupported]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         import torch

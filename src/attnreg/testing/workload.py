@@ -50,6 +50,7 @@ __all__ = [
     "make_pool",
     "make_workload",
     "oracle_attention",
+    "ragged_attention",
     "round_q",
 ]
 
@@ -243,6 +244,27 @@ class _Decompress:
         return k, v
 
 
+def _layout(spec: BatchSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the flat rows of ``spec``'s sequences, one after another (prefix, then new
+    tokens): each row's sequence, its position in it, and whether it is cached."""
+    lengths = torch.tensor(spec.seq_lens, dtype=torch.long)
+    prefixes = torch.tensor(spec.prefix_lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(spec.seqs)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(int(lengths.sum())) - starts[seq]
+    return seq, pos, pos < prefixes[seq]
+
+
+def _flat_slots(pool: MLAKVPool, pages: Sequence[Sequence[int]], seq: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+    """:meth:`MLAKVPool.slots` of every flat row at once (int64, cpu)."""
+    ps = pool.page_size
+    width = max((len(p) for p in pages), default=0) or 1
+    table = torch.tensor([list(p) + [0] * (width - len(p)) for p in pages],
+                         dtype=torch.long).reshape(len(pages), width)
+    return table[seq, torch.div(pos, ps, rounding_mode="floor")] * ps + pos % ps
+
+
 def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: ForwardMethod,
                   *, seed: int, q_dtype: DType | None = None, layer_id: int = 0,
                   pages: list[list[int]] | None = None, batch: ForwardBatch | None = None,
@@ -257,35 +279,36 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     the config's (refusal claims pass undeclared dtypes through here).
     ``q_compute_dtype``: the declared kernel computes with q rounded to it
     (:func:`round_q`), so the oracle does too.
+
+    Every sequence is built at once (one write of all prefixes, one rounding, one
+    batched oracle): a 256-sequence batch costs about what a handful of sequences
+    did one by one.  The random draws are the per-sequence ones, in order.
     """
     gen = torch.Generator().manual_seed(seed)
     dev = pool.device
     layer = pool.layer(layer_id)
     qdt = torch_dtype(q_dtype or DType.parse(config.q_dtype))
-    # torch cannot draw random fp8 values directly: draw in float32, then cast
+    lora = pool.kv_lora_rank
     if pages is None:
         pages = pool.allocate(spec.seq_lens, shuffle=seed + 1)
-    seq_rows: list[torch.Tensor] = []  # per sequence float32 [L, 576] as the pool stores it
-    new_latent, new_rope, new_rows = [], [], []
-    prefix_slots: list[int] = []
-    new_slots: list[int] = []
-    for owned, (prefix, extend) in zip(pages, spec.seqs):
-        length = prefix + extend
-        raw = _randn(gen, length, pool.row_dim)
-        if prefix:
-            slots = pool.slots(owned, range(prefix))
-            layer.write(torch.tensor(slots, dtype=torch.int32, device=dev),
-                        raw[:prefix, :pool.kv_lora_rank].to(dev),
-                        raw[:prefix, pool.kv_lora_rank:].to(dev))
-            prefix_slots.extend(slots)
-        new = raw[prefix:].to(qdt)                  # the model hands new rows in q dtype
-        new_latent.append(new[:, :pool.kv_lora_rank])
-        new_rope.append(new[:, pool.kv_lora_rank:])
-        stored_prefix = layer.quantize_roundtrip(raw[:prefix].to(dev)).cpu()
-        stored_new = layer.quantize_roundtrip(new.float().to(dev)).cpu()
-        new_rows.append(stored_new)
-        seq_rows.append(torch.cat([stored_prefix, stored_new]))
-        new_slots.extend(pool.slots(owned, range(prefix, length)))
+    # torch cannot draw random fp8 values directly: draw in float32, then cast.  One
+    # draw per sequence, in order (the contents the suite has always used)
+    raw = torch.empty(sum(spec.seq_lens), pool.row_dim)
+    start = 0
+    for length in spec.seq_lens:
+        torch.randn(length, pool.row_dim, generator=gen, out=raw[start:start + length])
+        start += length
+    seq, pos, cached = _layout(spec)
+    slots = _flat_slots(pool, pages, seq, pos)
+    prefix_rows = raw[cached].to(dev)
+    if prefix_rows.shape[0]:
+        layer.write(slots[cached].to(device=dev, dtype=torch.int32),
+                    prefix_rows[:, :lora], prefix_rows[:, lora:])
+    new = raw[~cached].to(qdt)                      # the model hands new rows in q dtype
+    # every sequence's rows as the pool stores them (float32, on the device): the oracle's
+    stored = layer.quantize_roundtrip(raw.to(dev))
+    stored_new = layer.quantize_roundtrip(new.float().to(dev))
+    stored[(~cached).to(dev)] = stored_new
     if batch is None:
         batch = _batch_for(pool, spec, pages)
     heads = config.num_heads
@@ -294,15 +317,15 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     decompress = None
     if method is ForwardMethod.MLA:
         q = _randn(gen, rows, heads, pool.row_dim).to(qdt).to(dev)
-        expected, lse = oracle_mla(round_q(q, q_compute_dtype), seq_rows, spec,
-                                   pool.kv_lora_rank, config.softmax_scale)
+        expected, lse = oracle_mla(round_q(q, q_compute_dtype), stored, spec, lora,
+                                   config.softmax_scale)
     elif method is ForwardMethod.MHA_CHUNKED_KV:
         qk, dv = config.mha_head_dims
         q = _randn(gen, rows, heads, qk).to(qdt).to(dev)
         k = _randn(gen, rows, heads, qk).to(qdt).to(dev)
         v = _randn(gen, rows, heads, dv).to(qdt).to(dev)
-        decompress = _Decompress(gen, pool.row_dim, heads, qk, dv, pool.kv_lora_rank)
-        expected, lse = oracle_chunked(q, k, v, seq_rows, spec, decompress, pool.kv_lora_rank,
+        decompress = _Decompress(gen, pool.row_dim, heads, qk, dv, lora)
+        expected, lse = oracle_chunked(q, k, v, stored, spec, decompress, lora,
                                        config.softmax_scale)
     else:
         qk, dv = config.mha_head_dims
@@ -311,10 +334,10 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
         v = _randn(gen, batch.num_kv_tokens, heads, dv).to(qdt).to(dev)
         expected, lse = oracle_mha(q, k, v, spec, config.softmax_scale)
     work = Workload(spec=spec, method=method, batch=batch, q=q,
-                    latent_new=torch.cat(new_latent).to(dev),
-                    rope_new=torch.cat(new_rope).to(dev), k=k, v=v, expected=expected,
-                    new_rows=torch.cat(new_rows), prefix_slots=prefix_slots,
-                    new_slots=new_slots, expected_lse=lse, layer_id=layer_id,
+                    latent_new=new[:, :lora].contiguous().to(dev),
+                    rope_new=new[:, lora:].contiguous().to(dev), k=k, v=v, expected=expected,
+                    new_rows=stored_new.cpu(), prefix_slots=slots[cached].tolist(),
+                    new_slots=slots[~cached].tolist(), expected_lse=lse, layer_id=layer_id,
                     pages=[list(p) for p in pages], decompress=decompress,
                     chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype)
     ledger = ledger_of(pool)
@@ -375,62 +398,164 @@ def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.float().cpu(), lse.transpose(0, 1).float().cpu()
 
 
-def oracle_mla(q: torch.Tensor, seq_rows: list[torch.Tensor], spec: BatchSpec,
-               latent: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+#: Elements of the largest float64 tensor (scores, gathered keys or values) one batched
+#: oracle step builds: sequences are grouped up to it (a longer sequence goes alone).
+ORACLE_GROUP_ELEMENTS = 1 << 24
+
+
+def _prefix_sums(lengths: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return out
+
+
+def _groups(q_lens: Sequence[int], kv_lens: Sequence[int], cost_per_pair: int,
+            cost_per_key: int, limit: int) -> list[list[int]]:
+    """Sequences grouped (by length, so little is padded) with each group's padded
+    tensors within ``limit`` elements; every sequence is in exactly one group."""
+    order = sorted(range(len(q_lens)), key=lambda b: (kv_lens[b], q_lens[b]))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    e_max = l_max = 0
+    for b in order:
+        e, length = max(e_max, q_lens[b]), max(l_max, kv_lens[b])
+        size = (len(cur) + 1) * max(e * length * cost_per_pair, length * cost_per_key)
+        if cur and size > limit:
+            groups.append(cur)
+            cur, e, length = [], q_lens[b], kv_lens[b]
+        cur.append(b)
+        e_max, l_max = e, length
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def ragged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | int,
+                     q_lens: Sequence[int], kv_lens: Sequence[int], scale: float, *,
+                     causal: bool = True, max_elements: int = ORACLE_GROUP_ELEMENTS
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`oracle_attention` of every sequence of a ragged batch, batched.
+
+    Sequence ``b`` owns query rows ``q_lens[b]`` of ``q [sum q_lens, H, D]`` and key /
+    value rows ``kv_lens[b]`` of ``keys [sum kv_lens, H|1, D]`` (or ``[sum, D]``: one
+    head shared by all, absorbed MLA) and ``values`` (or, an int ``n``: the first ``n``
+    columns of the keys, absorbed MLA's latent part), one sequence after another;
+    bottom-right causal per sequence unless ``causal=False``.  Sequences of similar
+    length are padded into groups (masked keys; at most ``max_elements`` per padded
+    float64 tensor) and each group is one float64 computation on q's device, so the
+    result equals the per-sequence one up to float64 rounding.  Returns float32
+    ``out [sum q_lens, H, Dv]`` and the natural-log LSE ``[sum q_lens, H]`` on the
+    cpu; a query that sees no key gets 0 and ``-inf``.
+    """
+    dev = q.device
+    total, heads = q.shape[0], q.shape[1]
+    shared = keys.dim() == 2  # one key head for every query head
+    k3 = keys[:, None, :] if shared else keys
+    from_keys = isinstance(values, int)
+    v3 = k3 if isinstance(values, int) else (values[:, None, :] if values.dim() == 2
+                                             else values)
+    dv = values if isinstance(values, int) else v3.shape[-1]
+    out = torch.zeros(total, heads, dv, dtype=torch.float64, device=dev)
+    lse = torch.full((total, heads), float("-inf"), dtype=torch.float64, device=dev)
+    if total == 0:
+        return out.float().cpu(), lse.float().cpu()
+    q_starts, kv_starts = _prefix_sums(q_lens), _prefix_sums(kv_lens)
+    qf = q.double()
+    key_cost = k3.shape[1] * (k3.shape[-1] + (0 if from_keys else dv))
+    for group in _groups(q_lens, kv_lens, heads, key_cost, max_elements):
+        e_max = max(q_lens[b] for b in group)
+        l_max = max(kv_lens[b] for b in group)
+        if e_max == 0 or l_max == 0:
+            continue  # no query rows, or nothing to see: 0 and -inf
+        ql = torch.tensor([q_lens[b] for b in group], device=dev)
+        kl = torch.tensor([kv_lens[b] for b in group], device=dev)
+        qs = torch.tensor([q_starts[b] for b in group], device=dev)
+        ks = torch.tensor([kv_starts[b] for b in group], device=dev)
+        ar_e = torch.arange(e_max, device=dev)
+        ar_l = torch.arange(l_max, device=dev)
+        q_ok = ar_e[None, :] < ql[:, None]                                  # [G, E]
+        k_ok = ar_l[None, :] < kl[:, None]                                  # [G, L]
+        q_idx = torch.where(q_ok, qs[:, None] + ar_e[None, :], 0)
+        k_idx = torch.where(k_ok, ks[:, None] + ar_l[None, :], 0)
+        kp = k3[k_idx].to(dev, torch.float64)                               # [G, L, Hk, D]
+        vp = kp[..., :dv] if from_keys else v3[k_idx].to(dev, torch.float64)  # [G, L, Hk, Dv]
+        qp = qf[q_idx]                                                      # [G, E, H, D]
+        if kp.shape[2] == 1:
+            scores = torch.einsum("gehd,gld->ghel", qp, kp[:, :, 0]) * scale
+        else:
+            scores = torch.einsum("gehd,glhd->ghel", qp, kp) * scale
+        visible = k_ok[:, None, :].expand(-1, e_max, -1)                    # [G, E, L]
+        if causal:
+            # query i of a sequence sees keys 0 .. kv_len - q_len + i
+            last = ar_e[None, :] + (kl - ql)[:, None]                       # [G, E]
+            visible = visible & (ar_l[None, None, :] <= last[:, :, None])
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        group_lse = torch.logsumexp(scores, dim=-1)                          # [G, H, E]
+        safe = torch.where(torch.isfinite(group_lse), group_lse,
+                           torch.zeros_like(group_lse))
+        probs = torch.exp(scores - safe[..., None])
+        if vp.shape[2] == 1:
+            o = torch.einsum("ghel,gld->gehd", probs, vp[:, :, 0])
+        else:
+            o = torch.einsum("ghel,glhd->gehd", probs, vp)
+        rows = q_idx[q_ok]
+        out[rows] = o[q_ok]
+        lse[rows] = group_lse.permute(0, 2, 1)[q_ok]
+    return out.float().cpu(), lse.float().cpu()
+
+
+def _flat(rows: torch.Tensor | Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per-sequence rows (a list) or already one tensor: one tensor on ``device``."""
+    if isinstance(rows, torch.Tensor):
+        return rows.to(device)
+    return torch.cat([r.to(device) for r in rows]) if len(rows) else torch.zeros(0, device=device)
+
+
+def oracle_mla(q: torch.Tensor, seq_rows: torch.Tensor | Sequence[torch.Tensor],
+               spec: BatchSpec, latent: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA: every head attends over the 576-wide rows, values = the latent part.
 
+    ``seq_rows``: every sequence's rows ``[L, 576]`` as the pool stores them (float32),
+    one sequence after another in one tensor, or a list of one tensor per sequence.
     Serves every forward mode: decode, extend, verify and draft extend are all
     "the new tokens of each sequence, bottom-right causal over the whole sequence".
     """
-    outs, lses = [], []
-    start = 0
-    for rows, (_, extend) in zip(seq_rows, spec.seqs):
-        kv = rows.to(q.device)[:, None, :]
-        o, lse = oracle_attention(q[start:start + extend], kv, kv[:, :, :latent], scale)
-        outs.append(o)
-        lses.append(lse)
-        start += extend
-    return torch.cat(outs), torch.cat(lses)
+    rows = _flat(seq_rows, q.device)
+    return ragged_attention(q, rows, latent, spec.extend_lens, spec.seq_lens, scale)
 
 
 def oracle_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged MHA: sequence ``b`` owns K/V rows ``kv_indptr[b]:kv_indptr[b+1]``."""
-    outs, lses = [], []
-    q_start = kv_start = 0
-    for prefix, extend in spec.seqs:
-        length = prefix + extend
-        o, lse = oracle_attention(q[q_start:q_start + extend], k[kv_start:kv_start + length],
-                                  v[kv_start:kv_start + length], scale)
-        outs.append(o)
-        lses.append(lse)
-        q_start += extend
-        kv_start += length
-    return torch.cat(outs), torch.cat(lses)
+    return ragged_attention(q, k, v, spec.extend_lens, spec.seq_lens, scale)
 
 
 def oracle_chunked(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                   seq_rows: list[torch.Tensor], spec: BatchSpec,
+                   seq_rows: torch.Tensor | Sequence[torch.Tensor], spec: BatchSpec,
                    decompress: Callable[[torch.Tensor, torch.Tensor],
                                         tuple[torch.Tensor, torch.Tensor]],
                    latent: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked-prefix MHA computes full MHA over the decompressed prefix + the new tokens.
 
     The prefix rows are decompressed as the backend reads them: the stored
-    values in q's dtype.
+    values in q's dtype (all prefixes in one call: the projection is per row).
     """
-    outs, lses = [], []
-    start = 0
-    for rows, (prefix, extend) in zip(seq_rows, spec.seqs):
-        cached = rows[:prefix].to(device=q.device, dtype=q.dtype)
-        k_p, v_p = decompress(cached[:, :latent], cached[:, latent:])
-        new = slice(start, start + extend)
-        o, lse = oracle_attention(q[new], torch.cat([k_p, k_new[new]]),
-                                  torch.cat([v_p, v_new[new]]), scale)
-        outs.append(o)
-        lses.append(lse)
-        start += extend
-    return torch.cat(outs), torch.cat(lses)
+    rows = _flat(seq_rows, q.device)
+    seq, pos, cached = _layout(spec)
+    cached_rows = rows[cached.to(rows.device)].to(dtype=q.dtype)
+    k_p, v_p = decompress(cached_rows[:, :latent], cached_rows[:, latent:])
+    # each sequence's keys in the flat layout: its decompressed prefix rows, then its
+    # new tokens' k / v rows
+    prefixes = torch.tensor(spec.prefix_lens, dtype=torch.long)
+    prefix_before = torch.tensor(_prefix_sums(spec.prefix_lens), dtype=torch.long)
+    new_before = torch.tensor(_prefix_sums(spec.extend_lens), dtype=torch.long)
+    index = torch.where(cached, prefix_before[seq] + pos,
+                        k_p.shape[0] + new_before[seq] + pos - prefixes[seq]).to(q.device)
+    keys = torch.cat([k_p, k_new])[index]
+    values = torch.cat([v_p, v_new])[index]
+    return ragged_attention(q, keys, values, spec.extend_lens, spec.seq_lens, scale)
 
 
 def compare(out: torch.Tensor, expected: torch.Tensor, q_dtype: DType,
