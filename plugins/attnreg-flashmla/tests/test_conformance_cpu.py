@@ -39,14 +39,14 @@ def _undeclared_configuration(claim) -> bool:
                            page_size=combo.page_size, num_heads=combo.num_heads))
 
 
-#: attnreg's claim builder (attnreg.testing.claims._multi_layer_combo, as merged with the
+#: attnreg's claim builder (attnreg.testing.claims.multi_layer_combo, as merged with the
 #: engine contract) puts the fp8 pool of a multi_layer claim at the base configuration's
 #: head count (1), which the fp8 kernel (16, 32, 64, 128 heads) does not accept; the fix
-#: belongs to attnreg (pick the fp8 variant through _declared_variant).  Until it lands
+#: belongs to attnreg (pick the fp8 variant through declared_variant).  Until it lands
 #: those claims cannot hold for any backend whose fp8 kernel takes fewer head counts.
 _CORE_MULTI_LAYER_BUG = ("attnreg core: the multi_layer claim's fp8 configuration is one "
-                         "the declaration refuses (claims._multi_layer_combo skips "
-                         "_declared_variant)")
+                         "the declaration refuses (claims.multi_layer_combo skips "
+                         "declared_variant)")
 
 
 @pytest.fixture
