@@ -55,13 +55,13 @@ case $step in
     # every sm90 backend's conformance (dense and sparse claims), the FlashMLA plugin, the
     # Blackwell-only trtllm_mla listing, and the planted sparse defects under real graphs
     for b in triton flashinfer_mla reference trtllm_mla; do
-      timeout $(left 560) python3 -m attnreg conformance --backend $b --device cuda --progress \
+      timeout $(left 500) python3 -m attnreg conformance --backend $b --device cuda --progress \
         -o "$OUT/conf-$b.json" >"$OUT/conf-$b.log" 2>&1 &
     done
-    timeout $(left 560) python3 -m attnreg conformance --plugin attnreg_flashmla.plugin \
+    timeout $(left 500) python3 -m attnreg conformance --plugin attnreg_flashmla.plugin \
       --backend flashmla --device cuda --progress -o "$OUT/conf-flashmla.json" \
       >"$OUT/conf-flashmla.log" 2>&1 &
-    (cd tests/conformance && timeout $(left 560) python3 -m attnreg conformance \
+    (cd tests/conformance && timeout $(left 500) python3 -m attnreg conformance \
       --plugin planted.sparse --device cuda -k sparse --backend dsa_control \
       --backend planted_dsa_ignores_indices --backend planted_dsa_reads_invalid \
       -o "$OUT/sparse-planted-cuda.json" >"$OUT/sparse-planted-cuda.log" 2>&1; \
