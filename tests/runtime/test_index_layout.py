@@ -196,3 +196,15 @@ def test_the_gate_facts_of_a_packed_batch_equal_the_checked_constructor_s():
         assert fast.max_seq_len == slow.max_seq_len and fast.query_lens == slow.query_lens
     with_facts = replay_batch(packed, lora=True)
     assert with_facts.lora is True and with_facts.seq_lens == packed.seq_lens_cpu
+
+
+def test_in_layout_packs_the_same_batch():
+    cfg = _cfg()
+    pool = cfg.make_pool(64)
+    layout = _state(4, 24).layout
+    plain = extend_batch(pool, [30, 10], [10, 7])
+    packed = plain.in_layout(layout)
+    assert packed.packed is not None and packed.packed.serves(packed)
+    assert packed.seq_lens_cpu == plain.seq_lens_cpu
+    for (name, a), (_, b) in zip(packed.indices.items(), plain.indices.items()):
+        assert torch.equal(a[:, :b.shape[1]] if name == "page_table" else a, b), name

@@ -127,6 +127,12 @@ class ForwardBatch(IndexFields):
         lens = set(self.extend_lens_cpu)
         return lens.pop() if len(lens) == 1 else None
 
+    def in_layout(self, layout: IndexLayout) -> ForwardBatch:
+        """This batch with its index tensors packed in ``layout`` (as ``build(...,
+        layout=)`` makes it): the same lengths, pages and slots, one padded buffer."""
+        return ForwardBatch.build(self.forward_mode, self.prefix_lens_cpu, self.extend_lens_cpu,
+                                  self.page_table, self.out_cache_loc, layout=layout)
+
     @classmethod
     def from_token_table(cls, forward_mode: ForwardMode | str, prefix_lens: Sequence[int],
                          extend_lens: Sequence[int], token_table: torch.Tensor,
