@@ -208,3 +208,38 @@ def test_in_layout_packs_the_same_batch():
     assert packed.seq_lens_cpu == plain.seq_lens_cpu
     for (name, a), (_, b) in zip(packed.indices.items(), plain.indices.items()):
         assert torch.equal(a[:, :b.shape[1]] if name == "page_table" else a, b), name
+
+
+def test_a_packed_batch_s_remembered_decision_is_the_session_s_own_for_every_batch():
+    """The session answers a packed batch from its lengths' summary, remembered per key;
+    over generated batches (sizes beyond the buckets, sequences beyond the captured
+    length, other draft counts) it is the answer the full question gives, twice over."""
+    from attnreg.runtime import replay_batch
+
+    cfg = _cfg()
+    pool = cfg.make_pool(400)
+    be = get_registry().create("triton", cfg)
+    ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[2, 4], writes_kv=False,
+                       max_seq_len=160,
+                       forward_modes={"decode": 1, "target_verify": 2, "draft_extend": 3})
+    layout = _state(8, 40).layout  # holds batches the session's buckets do not
+    rng = random.Random(5)
+    answers = set()
+    for _ in range(120):
+        b = rng.randint(1, 8)
+        seq = [rng.randint(4, 230) for _ in range(b)]
+        pages = pool.allocate(seq)
+        drafts = rng.choice([1, 2, 3])
+        ext = [rng.randint(1, 4) for _ in range(b)]
+        for build in (lambda **kw: decode_batch(pool, seq, pages=pages, **kw),
+                      lambda **kw: verify_batch(pool, [s - drafts for s in seq], drafts,
+                                                pages=pages, **kw),
+                      lambda **kw: draft_extend_batch(pool, [s - e for s, e in zip(seq, ext)],
+                                                      ext, pages=pages, **kw)):
+            packed = build(layout=layout)
+            expected = ses._own_decision(replay_batch(build()))
+            assert ses.decide(packed) == expected and ses.decide(packed) == expected
+            answers.add(expected[2].rule)
+        pool.free([p for ps in pages for p in ps])
+    assert {"gate.ok", "gate.batch_slots", "gate.seq_len_above_max",
+            "gate.spec_query_len"} <= answers

@@ -161,25 +161,28 @@ class GraphState(Generic[BuffersT]):
         """Why ``batch`` cannot be replayed through the captured shape of ``md`` ([] if it can)."""
         problems = []
         bs, nt = md.batch_size, md.num_tokens
-        if batch.forward_mode is not md.forward_mode:
-            problems.append(f"batch is {batch.forward_mode}, the graph was captured for "
-                            f"{md.forward_mode}")
-        if batch.batch_size > bs or batch.num_tokens > nt:
-            problems.append(f"batch has {batch.batch_size} sequences / {batch.num_tokens} "
-                            f"tokens, the graph {bs} / {nt}")
+        fm = md.forward_mode
+        packed = batch.packed
+        if packed is not None and packed.serves(batch):
+            # the lengths' summary made when the batch was packed: no pass over them
+            b, (tokens, longest, fewest, most) = len(packed.host_lens[0]), packed.summary
+        else:
+            ext = batch.extend_lens_cpu
+            b, tokens, longest = len(ext), sum(ext), batch.max_seq_len
+            fewest, most = min(ext, default=0), max(ext, default=0)
+        if batch.forward_mode is not fm:
+            problems.append(f"batch is {batch.forward_mode}, the graph was captured for {fm}")
+        if b > bs or tokens > nt:
+            problems.append(f"batch has {b} sequences / {tokens} tokens, the graph {bs} / {nt}")
         q = md.max_extend_len
-        # decode and extend graphs need no per-request lengths here (one pass over them less
-        # on every replay)
-        lens = (set(batch.extend_lens_cpu) if md.forward_mode in (
-            ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) else set())
-        if md.forward_mode is ForwardMode.TARGET_VERIFY and lens and lens != {q}:
+        if fm is ForwardMode.TARGET_VERIFY and b and (fewest, most) != (q, q):
             problems.append(f"the verify graph was captured for {q} draft tokens per "
-                            f"sequence, the batch has {sorted(lens)}")
-        if md.forward_mode is ForwardMode.DRAFT_EXTEND and lens and max(lens) > q:
+                            f"sequence, the batch has {sorted(set(batch.extend_lens_cpu))}")
+        if fm is ForwardMode.DRAFT_EXTEND and b and most > q:
             problems.append(f"the draft-extend graph was captured for up to {q} tokens per "
-                            f"sequence, the batch has {max(lens)}")
-        if batch.max_seq_len > self.max_seq_len:
-            problems.append(f"longest sequence {batch.max_seq_len} exceeds the capture bound "
+                            f"sequence, the batch has {most}")
+        if longest > self.max_seq_len:
+            problems.append(f"longest sequence {longest} exceeds the capture bound "
                             f"max_seq_len={self.max_seq_len}")
         return problems
 

@@ -243,8 +243,10 @@ class IndexLayout:
         cols = min(page_table.shape[1], self.max_pages)
         if b:
             table[:b, :cols].copy_(page_table[:, :cols])
-        return PackedIndices(self, flat, full.view(b, t),
-                             (tuple(seq_lens), tuple(prefix_lens), tuple(extend_lens)))
+        seq_t, ext_t = tuple(seq_lens), tuple(extend_lens)
+        return PackedIndices(self, flat, full.view(b, t), (seq_t, tuple(prefix_lens), ext_t),
+                             (t, max(seq_t, default=0), min(ext_t, default=0),
+                              max(ext_t, default=0)))
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,9 @@ class PackedIndices:
     indices: BatchIndices
     #: the host lengths packed (seq, prefix, extend), the very tuples the batch carries
     host_lens: tuple[tuple[int, ...], ...] = ()
+    #: what a replay decision reads of those lengths, computed once when packed:
+    #: (new tokens, longest sequence, fewest and most new tokens of a request)
+    summary: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def serves(self, batch: Any) -> bool:
         """Whether ``batch`` (a ForwardBatch) still holds what was packed: these very index

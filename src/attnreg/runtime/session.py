@@ -50,7 +50,7 @@ from .backend import AttentionBackend
 from .batch import SPECULATIVE_MODES, ForwardBatch
 from .dtypes import torch_dtype
 from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
-from .indices import IndexLayout
+from .indices import IndexLayout, PackedIndices
 from .pool import MLAKVPool
 from .session_types import (
     SYNC_EAGER,
@@ -65,6 +65,11 @@ from .session_types import (
     StepResult,
     replay_batch,
 )
+
+#: Distinct decisions a session remembers before starting over (each is a few ints):
+#: enough for every bucket and length class an engine meets, bounded for one that
+#: sends ever-new lengths.
+_MAX_REMEMBERED_DECISIONS = 4096
 
 __all__ = ["GraphSession"]
 
@@ -199,6 +204,7 @@ class GraphSession:
             self._allocate(max_kv_rows or 0) if static_inputs else None)
         self._graphs: dict[BucketKey, CapturedGraph] = {}
         self._outs_by_rows: dict[int, list[torch.Tensor]] = {}
+        self._decisions: dict[tuple[Any, ...], tuple[bool, int | None, ReplayReason]] = {}
         self._state_ready = False
         #: TC_PIECEWISE: the batch the eager attention plans at the next (re)run
         self._piecewise_batch: ForwardBatch | None = None
@@ -482,6 +488,10 @@ class GraphSession:
         ``facts``: the engine's own :class:`ReplayBatch` (with LoRA, embeddings,
         logprobs...); default :func:`replay_batch` of ``batch``.
         """
+        if facts is None and self.gate is None:
+            packed = batch.packed
+            if packed is not None and packed.serves(batch):
+                return self._packed_decision(batch, packed)
         rb = facts if facts is not None else replay_batch(batch)
         if self.gate is not None:
             ok, reason = self.gate.can_replay(rb)
@@ -495,6 +505,30 @@ class GraphSession:
                     f"{[(str(m), b) for m, b in sorted(self._graphs)]})")
             return True, bucket, reason
         return self._own_decision(rb)
+
+    def _packed_decision(self, batch: ForwardBatch, packed: PackedIndices
+                         ) -> tuple[bool, int | None, ReplayReason]:
+        """:meth:`_own_decision` of a batch built in an index layout, from the lengths'
+        summary made when it was packed, remembered per distinct answer's facts.
+
+        The session's own decision reads only the forward mode, the request and
+        token counts, whether the longest sequence fits, and (speculative modes)
+        the fewest and most new tokens of a request; the key is exactly those, so
+        a remembered answer is the one :meth:`_own_decision` gives (a property
+        test compares the two).  This per-step question then costs a dict lookup
+        instead of building a ``ReplayBatch``.
+        """
+        tokens, longest, fewest, most = packed.summary
+        fm = batch.forward_mode
+        key = (fm, len(packed.host_lens[0]), tokens,
+               longest if longest > self.max_seq_len else 0,
+               (fewest, most) if fm in SPECULATIVE_MODES else None)
+        answer = self._decisions.get(key)
+        if answer is None:
+            if len(self._decisions) >= _MAX_REMEMBERED_DECISIONS:
+                self._decisions.clear()
+            answer = self._decisions[key] = self._own_decision(replay_batch(batch))
+        return answer
 
     def _own_decision(self, rb: ReplayBatch) -> tuple[bool, int | None, ReplayReason]:
         """Without a gate: replay whenever a captured bucket holds the batch."""

@@ -38,10 +38,6 @@ __all__ = [
 def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) -> list[str]:
     """What is wrong with ``batch`` for a backend on ``device`` with pages of ``page_size``."""
     problems = []
-    seq, pre, ext = batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu
-    b, t = len(seq), sum(ext)
-    want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
-                  "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
     packed = batch.packed
     if packed is not None and packed.serves(batch):
         # Built by ForwardBatch.build into an IndexLayout and unchanged since: int32 views of
@@ -55,6 +51,10 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
             problems.append(f"the batch was packed for pages of {packed.layout.page_size}, the "
                             f"backend's are {page_size}")
         return problems
+    seq, pre, ext = batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu
+    b, t = len(seq), sum(ext)
+    want_shape = {"seq_lens": (b,), "prefix_lens": (b,), "extend_lens": (b,),
+                  "qo_indptr": (b + 1,), "kv_indptr": (b + 1,), "out_cache_loc": (t,)}
     for name, tensor in batch.indices.items():
         if tensor.dtype != torch.int32:
             problems.append(f"{name} is {tensor.dtype}; index tensors must be int32 "
