@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The device runs behind this turn's H200 results, one step per device call:
+#   run(command="bash scripts/h200_turn5.sh conf", carry=[".gpu/base", ".gpu/setup.sh", ".gpu/fi-cache.tgz"])
+# conf:   triton's and flashinfer_mla's conformance through the session at the declared
+#         capture buckets (wide decode 256), each in two shards run at once (capture claims;
+#         the rest) and joined with `attnreg conformance --merge`.
+# bench:  the graph-session benchmark three times (three processes), then the runtime's GPU
+#         tests.
+# sparse: the FlashMLA plugin's sparse probe, its conformance (dense and sparse claims), the
+#         planted sparse defects under real graphs, the plugin's GPU tests.
+# Every step tars its results to $OUT/results-<step>.tgz (a device call brings back few files).
+set -u
+step=${1:?usage: h200_turn5.sh conf|bench|sparse}
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+source .gpu/setup.sh
+python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>&1 \
+  || echo "editable install failed (see pip.log); using PYTHONPATH=src"
+python3 -m pip install --no-deps --no-build-isolation -e plugins/attnreg-flashmla -q \
+  >>"$OUT/pip.log" 2>&1 || true
+export PYTHONPATH="$PWD/src:$PWD/plugins/attnreg-flashmla/src:$PWD/tests/conformance${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+git_rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "commit $git_rev" >"$OUT/commit.txt"
+start=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - start) )); }
+conf() {  # conf <name> <limit> [attnreg conformance args...]: one run, its log and rc
+  local name=$1 limit=$2; shift 2
+  timeout $(left $limit) python3 -m attnreg conformance --device cuda --progress "$@" \
+    -o "$OUT/conf-$name.json" >"$OUT/conf-$name.log" 2>&1
+  echo "rc=$?" >>"$OUT/conf-$name.log"
+}
+case $step in
+  conf)
+    for b in triton flashinfer_mla; do
+      conf "$b-capture" 540 --backend $b -k capture &
+      conf "$b-rest" 540 --backend $b -k "not capture" &
+    done
+    wait
+    for b in triton flashinfer_mla; do
+      python3 -m attnreg conformance --merge "$OUT/conf-$b-capture.json" \
+        --merge "$OUT/conf-$b-rest.json" -o "$OUT/conf-$b.json" >"$OUT/merge-$b.log" 2>&1
+      echo "rc=$?" >>"$OUT/merge-$b.log"
+    done
+    ;;
+  bench)
+    for i in 1 2 3; do
+      timeout $(left 420) python3 -m benchmarks --only session --out "$OUT/session$i" \
+        --no-render --no-jit-cache >"$OUT/session$i.log" 2>&1
+      echo "rc=$?" >>"$OUT/session$i.log"
+    done
+    timeout $(left 560) python3 -m pytest tests/runtime/test_session_gpu.py \
+      tests/runtime/test_bucket_sessions_gpu.py tests/runtime/test_engine_gpu.py -m gpu -q -rs \
+      -p no:cacheprovider -p no:xdist >"$OUT/gpu-tests.log" 2>&1
+    echo "rc=$?" >>"$OUT/gpu-tests.log"
+    ;;
+  sparse)
+    timeout $(left 200) python3 scripts/probe_flashmla_sparse.py >"$OUT/probe.log" 2>&1
+    echo "rc=$?" >>"$OUT/probe.log"
+    conf flashmla 520 --plugin attnreg_flashmla.plugin --backend flashmla &
+    (cd tests/conformance && conf sparse-planted 520 --plugin planted.sparse -k sparse \
+      --backend dsa_control --backend planted_dsa_ignores_indices \
+      --backend planted_dsa_reads_invalid ${PLANTED_EXTRA:-}) &
+    timeout $(left 520) python3 -m pytest plugins/attnreg-flashmla/tests -m gpu -q -rs \
+      -p no:cacheprovider -p no:xdist >"$OUT/plugin-gpu-tests.log" 2>&1 &
+    wait
+    ;;
+esac
+# the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
+[ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
+tar czf "$OUT/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
