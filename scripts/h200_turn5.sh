@@ -8,7 +8,8 @@
 #         tests.
 # sparse: the FlashMLA plugin's sparse probe, its conformance (dense and sparse claims), the
 #         planted sparse defects under real graphs, the plugin's GPU tests.
-# Every step tars its results to $OUT/results-<step>.tgz (a device call brings back few files).
+# Every step tars its results to $OUT/results-<step>.tgz and removes the rest (a device call
+# brings back only a few files, the first in name order).
 set -u
 step=${1:?usage: h200_turn5.sh conf|bench|sparse}
 OUT=${OUT:-/tmp/h200-out}
@@ -32,8 +33,8 @@ conf() {  # conf <name> <limit> [attnreg conformance args...]: one run, its log 
 }
 case $step in
   conf)
-    for b in triton flashinfer_mla; do
-      conf "$b-capture" 540 --backend $b -k capture &
+    for b in ${BACKENDS:-triton flashinfer_mla}; do
+      [ -z "${ONLY_REST:-}" ] && conf "$b-capture" 540 --backend $b -k capture &
       conf "$b-rest" 540 --backend $b -k "not capture" &
     done
     wait
@@ -68,4 +69,6 @@ case $step in
 esac
 # the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
 [ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
-tar czf "$OUT/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
+tar czf "$OUT/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null \
+  && find "$OUT" -type f ! -name '*.tgz' -delete && find "$OUT" -mindepth 1 -type d -empty -delete
+ls -la "$OUT"
