@@ -18,13 +18,24 @@ from __future__ import annotations
 from dataclasses import replace
 
 from attnreg.graph_policy import RULES, GraphPlan, resolve
-from attnreg.registry.capabilities import GraphMode, Phase
+from attnreg.registry.capabilities import (
+    VALID_GRAPH_MODES,
+    Capabilities,
+    CaptureSupport,
+    DType,
+    GraphMode,
+    GraphModeSupport,
+    Phase,
+    SparseKernel,
+    SparseKVFormat,
+)
 from attnreg.registry.errors import GraphPolicyError
 
+from . import facts as _facts
 from .facts import SglangFacts
 
-__all__ = ["DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
-           "plan_for"]
+__all__ = ["PLACEHOLDER", "DeclarationGap", "SglangGraphPolicyError", "check_host_locks",
+           "plan_for", "sglang_placeholder"]
 
 #: resolve()'s errors that mean "no attnreg declaration serves this" (no plan at all),
 #: as opposed to a lock that breaks a hard rule.
@@ -68,13 +79,55 @@ def check_host_locks(locked: dict[Phase, GraphMode],
                           "(--cuda-graph-backend-prefill / --cuda-graph-config).")
 
 
+#: The backend name of :func:`sglang_placeholder`'s declarations.
+PLACEHOLDER = "sglang"
+_SPARSE_FORMATS = {DType.BF16: SparseKVFormat.BF16, DType.FP8_E4M3: SparseKVFormat.FP8_DS_MLA}
+
+
+def sglang_placeholder(phase: Phase, facts: SglangFacts) -> Capabilities | None:
+    """A stand-in for sglang's own backend in a phase attnreg does not decide, for a
+    sparse model; None for a dense one (attnreg's default backend stands in) or a
+    pool no sparse row format names.
+
+    resolve() plans both phases.  A dense model always has some declared backend to
+    stand in for the undecided phase; a sparse one may have none (no declared sparse
+    prefill kernel reads fp8_ds_mla rows, say), which would leave the decided phase
+    undecided too.  This declaration accepts exactly the model, serves the phase
+    eagerly and declares every capture mode UNSUPPORTED; the phase is planned
+    disabled, so it adds no capture memory, and the plan's entry for it is never used.
+    It is never registered and never runs.
+    """
+    model, engine = facts.model, facts.engine
+    if model is None or not model.sparse:
+        return None
+    fmt = _SPARSE_FORMATS.get(model.kv_dtype)
+    if fmt is None or model.act_dtype is None:
+        return None
+    why = f"sglang's own rules decide {phase}: attnreg has no declaration of its kernel"
+    label = f"sglang's own {phase} backend (a placeholder: attnreg does not decide it)"
+    pages = (engine.page_size,) if engine.page_size else (1,)
+    sparse = SparseKernel(frozenset({phase}), frozenset({model.act_dtype}), fmt,
+                          page_sizes=pages, head_counts=(model.num_heads,),
+                          top_k_sizes=(int(model.sparse_top_k or 1),), kernel=label)
+    # resolve() counts a declaration without dense kernels as one that runs nowhere,
+    # so the placeholder names the same kernel in dense form (the sparse model never
+    # plans it: the policy plans a sparse model with sparse_view()).
+    modes = tuple(GraphModeSupport(phase, mode, CaptureSupport.unsupported(why))
+                  for mode in VALID_GRAPH_MODES[phase])
+    return Capabilities(
+        backend=PLACEHOLDER, platform=facts.platform, vendors=frozenset({facts.platform.vendor}),
+        kernels=(sparse.as_dense_constraints(),), graph_modes=modes,
+        sparse_kernels=(sparse,), sparse_graph_modes=modes, notes=(why,))
+
+
 def plan_for(facts: SglangFacts, phases: frozenset[Phase] | None = None) -> GraphPlan:
     """attnreg's plan for the ``phases`` it decides (default: every phase without a gap).
 
     A phase outside ``phases`` is sglang's: resolve() sees it disabled and
-    unlocked, with attnreg's default backend for it as a placeholder, so it
-    adds no capture memory and no lock; the caller uses only the decided
-    phases' modes and decisions.
+    unlocked, with attnreg's default backend for it as a placeholder (for a
+    sparse model :func:`sglang_placeholder`, since no declared backend may fit
+    it), so it adds no capture memory and no lock; the caller uses only the
+    decided phases' modes and decisions.
 
     Raises :class:`SglangGraphPolicyError` when a locked mode breaks a hard
     rule or is one the host lacks (every reason listed), and
@@ -86,7 +139,8 @@ def plan_for(facts: SglangFacts, phases: frozenset[Phase] | None = None) -> Grap
     decided = facts.decidable_phases if phases is None else phases
     if not decided:
         raise ValueError("plan_for needs a phase to decide: " + "; ".join(facts.all_gaps))
-    backends = tuple(facts.backends[p].attnreg if p in decided else None for p in _PHASES)
+    backends = tuple(facts.backends[p].attnreg if p in decided
+                     else sglang_placeholder(p, facts) for p in _PHASES)
     config = facts.config
     for phase in _PHASES:
         if phase not in decided:
@@ -96,7 +150,7 @@ def plan_for(facts: SglangFacts, phases: frozenset[Phase] | None = None) -> Grap
         # assume_installed: the kernels run inside sglang, whose install carries the
         # libraries; attnreg's own optional extras need not be present.
         plan = resolve(facts.platform, facts.model, backends, config, facts.features,
-                       facts.engine, assume_installed=True)
+                       facts.engine, registry=_facts.bridge_registry(), assume_installed=True)
     except GraphPolicyError as exc:
         if any(f"{rule}:" in reason for reason in exc.reasons for rule in _SELECTION_RULES):
             raise DeclarationGap(exc.reasons) from exc

@@ -35,13 +35,28 @@ from attnreg.graph_policy import (
     ModelFacts,
     ServerFeatures,
 )
-from attnreg.registry.capabilities import VALID_GRAPH_MODES, DType, GraphMode, Phase
+from attnreg.registry import AttnregError, BackendRegistry, get_registry
+from attnreg.registry.capabilities import (
+    VALID_GRAPH_MODES,
+    Capabilities,
+    DType,
+    GraphMode,
+    Phase,
+)
 from attnreg.registry.platform import Platform, Vendor
 
-from .names import BackendMapping, graph_mode_from_sglang, kv_dtype_from_sglang, map_backend
+from .names import (
+    BackendMapping,
+    DeclarationLookup,
+    graph_mode_from_sglang,
+    kv_dtype_from_sglang,
+    map_phase,
+)
 
 __all__ = [
     "SglangFacts",
+    "bridge_registry",
+    "declaration_lookup",
     "host_modes",
     "read_facts",
     "read_platform",
@@ -74,6 +89,8 @@ class SglangFacts:
     locked: frozenset[Phase]
     backends_by_user: frozenset[Phase] = frozenset()
     architecture: str = ""
+    #: Phases whose ``--dsa-<phase>-backend`` the user named (sglang's raw input).
+    dsa_backends_by_user: frozenset[Phase] = frozenset()
     gaps: tuple[str, ...] = field(default=())
     phase_gaps: dict[Phase, tuple[str, ...]] = field(default_factory=dict)
 
@@ -154,6 +171,36 @@ def read_platform() -> Platform:
     if plat.is_xpu:
         return Platform(Vendor.XPU)
     return Platform(Vendor.CPU)
+
+
+def bridge_registry() -> BackendRegistry:
+    """The attnreg registry the bridge maps sglang's backends with and plans with: the
+    process-wide one (built-ins and every ``attnreg.backends`` entry point, so the
+    ``flashmla`` mapping needs the attnreg-flashmla plugin installed)."""
+    return get_registry()
+
+
+def declaration_lookup(platform: Platform,
+                       registry: BackendRegistry | None = None) -> DeclarationLookup:
+    """attnreg declarations on ``platform`` by name, for :func:`.names.map_phase`: the
+    declaration, or why there is none (not registered, its plugin failed)."""
+    reg = registry if registry is not None else bridge_registry()
+    cache: dict[str, Capabilities | str] = {}
+
+    def lookup(name: str) -> Capabilities | str:
+        if name not in cache:
+            if name not in reg.specs:
+                err = next((e for e in reg.errors if e.backend == name), None)
+                cache[name] = (f"its plugin failed to load ({err})" if err is not None else
+                               f"no attnreg backend {name!r} is registered")
+            else:
+                try:
+                    cache[name] = reg.declaration(name, platform)
+                except AttnregError as exc:
+                    cache[name] = f"its declaration on {platform} failed ({exc})"
+        return cache[name]
+
+    return lookup
 
 
 def host_modes() -> dict[Phase, frozenset[GraphMode]]:
@@ -307,6 +354,30 @@ def _backends_by_user(server_args: Any) -> frozenset[Phase]:
     return frozenset(p for p in _PHASES if raw.get(f"{p.value}_attention_backend") or base)
 
 
+def _dsa_backends_by_user(server_args: Any) -> frozenset[Phase]:
+    """Phases whose ``--dsa-<phase>-backend`` the user named (sglang's raw input)."""
+    raw = getattr(server_args, "_raw_input", None) or {}
+    return frozenset(p for p in _PHASES if raw.get(f"dsa_{p.value}_backend"))
+
+
+def _map_backends(server_args: Any, platform: Platform,
+                  model: ModelFacts | None) -> dict[Phase, BackendMapping]:
+    """Each phase's sglang backend mapped to the attnreg declaration that describes it."""
+    view = resolved_view(server_args)
+    names = dict(zip(_PHASES, attention_backends_of(view)))
+    mc = model_config_of(server_args)
+    rope = getattr(mc, "qk_rope_head_dim", None)
+    lookup = declaration_lookup(platform)
+    return {phase: map_phase(
+        names[phase], phase,
+        dsa_backend=getattr(view, f"dsa_{phase.value}_backend", None),
+        kv_dtype=model.kv_dtype if model is not None else None,
+        sparse_top_k=model.sparse_top_k if model is not None else None,
+        rope_dim=int(rope) if isinstance(rope, int) else 64,
+        blackwell=platform.vendor is Vendor.CUDA and (platform.sm or 0) >= 100,
+        lookup=lookup) for phase in _PHASES}
+
+
 def read_facts(server_args: Any) -> SglangFacts:
     """Everything attnreg's policy needs, read from a resolving ``ServerArgs``.
 
@@ -315,17 +386,16 @@ def read_facts(server_args: Any) -> SglangFacts:
     """
     cfg = resolving_view(server_args)
     gaps: list[str] = []
-    prefill_name, decode_name = attention_backends_of(resolved_view(server_args))
-    backends = {Phase.PREFILL: map_backend(prefill_name), Phase.DECODE: map_backend(decode_name)}
-    # A backend without a declaration is that phase's gap only: the other phase
-    # stays attnreg's.
-    phase_gaps = {phase: (f"{phase} attention backend {mapping.sglang}: {mapping.reason}",)
-                  for phase, mapping in backends.items() if not mapping.mapped}
     platform = read_platform()
     if platform.arch_missing:
         gaps.append(f"sglang reports {platform} but its architecture could not be read "
                     "(neither torch nor the KFD topology named one)")
     model, arch = _read_model(server_args, cfg, gaps)
+    backends = _map_backends(server_args, platform, model)
+    # A backend without a declaration is that phase's gap only: the other phase
+    # stays attnreg's.
+    phase_gaps = {phase: (f"{phase} attention backend {mapping.label}: {mapping.reason}",)
+                  for phase, mapping in backends.items() if not mapping.mapped}
     cg = cfg.cuda_graph_config
     modes = {p: graph_mode_from_sglang(getattr(cg, p.value).backend) for p in _PHASES}
     sglang_locked: set[tuple[str, str]] = getattr(server_args, "_cuda_graph_config_locked", set())
@@ -343,6 +413,7 @@ def read_facts(server_args: Any) -> SglangFacts:
         sglang_modes=modes,
         locked=locked,
         backends_by_user=_backends_by_user(server_args),
+        dsa_backends_by_user=_dsa_backends_by_user(server_args),
         architecture=arch,
         gaps=tuple(gaps),
         phase_gaps=phase_gaps,

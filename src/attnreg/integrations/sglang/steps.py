@@ -86,7 +86,9 @@ class SglangOutcome:
         return {
             "platform": str(self.facts.platform),
             "architecture": self.facts.architecture,
-            "backends": {p.value: {"sglang": m.sglang, "attnreg": m.attnreg}
+            "backends": {p.value: {"sglang": m.sglang, "attnreg": m.attnreg,
+                                   **({"dsa_backend": m.dsa_backend}
+                                      if m.dsa_backend is not None else {})}
                          for p, m in self.facts.backends.items()},
             "engine": self.facts.engine.to_dict(),
             "gaps": list(self.facts.all_gaps),
@@ -225,9 +227,13 @@ def policy_step(server_args: Any) -> None:
     for phase, mapping in facts.backends.items():
         who = "the user" if phase in facts.backends_by_user else "sglang's defaults"
         target = f"attnreg's {mapping.attnreg}" if mapping.mapped else "no attnreg declaration"
+        sub = ""
+        if mapping.dsa_backend is not None:
+            sub_who = "the user" if phase in facts.dsa_backends_by_user else "sglang's defaults"
+            sub = f" with --dsa-{phase.value}-backend {mapping.dsa_backend} (chosen by {sub_who})"
         bridge.append(BridgeDecision("sglang.backend", phase, None, None,
-                                     f"sglang's {mapping.sglang} (chosen by {who}) -> {target}: "
-                                     f"{mapping.reason}"))
+                                     f"sglang's {mapping.sglang} (chosen by {who}){sub} -> "
+                                     f"{target}: {mapping.reason}"))
         _log_bridge(bridge[-1])
     plan, decided, gaps = _plan_phases(facts) if facts.decidable else \
         (None, frozenset(), list(facts.all_gaps))
