@@ -185,9 +185,10 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         md = None if state is None else state.captured_for(fmode, bs, num_tokens)
         if state is None or md is None:
             raise refusal_error(self.name, self.refusals.replay(state, fmode, bs, num_tokens))
-        self._validate_batch(batch)
-        self._refuse(self.refusals.graph_fit(state, md, batch))
-        state.fill(md, batch, self.config.page_size)
+        if not state.fill_packed(md, batch):  # else: checked per tensor, copied per tensor
+            self._validate_batch(batch)
+            self._refuse(self.refusals.graph_fit(state, md, batch))
+            state.fill(md, batch, self.config.page_size)
         self._init_replay_impl(md, batch)
         self.forward_metadata = md
 

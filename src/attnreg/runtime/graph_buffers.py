@@ -186,6 +186,33 @@ class GraphState(Generic[BuffersT]):
                             f"max_seq_len={self.max_seq_len}")
         return problems
 
+    def fill_packed(self, md: ForwardMetadata[Any], batch: ForwardBatch) -> bool:
+        """The replay path of a batch built in this state's :attr:`layout`: when it is still
+        what was packed, on this state's device, and fits ``md``'s shape (read from the
+        summary made when it was packed), copy its flat buffer whole and return True.
+        False (nothing copied) for any other batch: the caller then checks it per tensor
+        (``batch_problems``, :meth:`fit_problems`, whose messages say why) and
+        :meth:`fill`\ s it.  Everything this skips was checked by ``IndexLayout.pack``
+        (int32 views of one buffer, the shapes, seq = prefix + extend, the page table)."""
+        packed = batch.packed
+        flat = self.flat
+        if (packed is None or flat is None or batch.forward_mode is not md.forward_mode
+                or not (packed.layout is self.layout or packed.layout == self.layout)
+                or not packed.serves(batch) or packed.flat.device != flat.device):
+            return False
+        tokens, longest, fewest, most = packed.summary
+        q = md.max_extend_len
+        fm = md.forward_mode
+        if (len(packed.host_lens[0]) > md.batch_size or tokens > md.num_tokens
+                or longest > self.max_seq_len
+                or (fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
+                or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
+            return False
+        flat.copy_(packed.flat)
+        self.fills["packed"] += 1
+        md.batch = batch
+        return True
+
     def fill(self, md: ForwardMetadata[Any], batch: ForwardBatch, page_size: int) -> None:
         """Copy ``batch`` into the buffers of ``md``'s shape, padding the rest.
 
