@@ -313,8 +313,9 @@ def _platform_reason(ctx: DeclarationContext) -> str:
     if plat.sm != SM:
         if plat.sm >= 100:
             return (f"FlashMLA's dense MLA decode exists only in its legacy sm{SM} kernels; "
-                    f"its {plat.arch} kernels are sparse (DSA top-k) attention, which "
-                    f"attnreg's capability model cannot declare; this is {plat}")
+                    f"its {plat.arch} kernels are sparse (DSA top-k) attention over "
+                    f"DeepSeek's KV formats, not declared by this plugin (only sm{SM} was "
+                    f"run); this is {plat}")
         return f"FlashMLA's dense MLA decode needs sm{SM} (Hopper); this is {plat}"
     return ""
 
