@@ -114,3 +114,65 @@ def test_a_backend_without_sparse_kernels_refuses_indices() -> None:
     backend.init_forward_metadata(sw.work.batch)
     with pytest.raises(UnsupportedError, match="declares no sparse MLA kernel for decode"):
         forward(backend, pool, sw, sw.indices)
+
+
+def _sparse_capturable_reference():  # type: ignore[no-untyped-def]
+    """The reference with its sparse prefill declared NATIVE under BREAKABLE (its dense
+    prefill stays UNSUPPORTED there): a phase only sparse kernels can capture."""
+    from dataclasses import replace
+
+    from attnreg.backends.reference import ReferenceBackend
+    from attnreg.registry import CaptureSupport, GraphModeSupport
+
+    caps = get_registry().declaration("reference", "cpu")
+    modes = tuple(GraphModeSupport(e.phase, e.mode, CaptureSupport.native("test"))
+                  if (e.phase, e.mode) == (Phase.PREFILL, GraphMode.BREAKABLE) else e
+                  for e in caps.sparse_graph_modes)
+    sparse_caps = replace(caps, sparse_graph_modes=modes)
+    assert sparse_caps.graph_support(Phase.PREFILL, GraphMode.BREAKABLE).capture.is_unsupported
+    combo = Combo(ForwardMethod.MLA, Phase.PREFILL, DType.BF16, DType.BF16, 16, 2, (576, 512))
+    config = make_config(combo, "cpu")
+    return ReferenceBackend(config, capabilities=sparse_caps), config
+
+
+def test_a_sparse_capture_reads_the_sparse_graph_modes() -> None:
+    backend, config = _sparse_capturable_reference()
+    modes = {Phase.PREFILL: GraphMode.BREAKABLE}
+    with pytest.raises(UnsupportedError, match="prefill under breakable graph capture"):
+        backend.init_cuda_graph_state(4, 32, graph_modes=modes)       # the dense declaration
+    backend.init_cuda_graph_state(4, 32, graph_modes=modes, sparse=True)
+    assert backend.graph_state is not None and backend.graph_state.sparse
+    backend.init_forward_metadata_capture(2, 16, forward_mode="extend")   # bound, sparse
+    dense = _sparse_capturable_reference()[0]
+    with pytest.raises(UnsupportedError, match="sparse path is declared eagerly only"):
+        dense.init_cuda_graph_state(4, 32, graph_modes={Phase.DECODE: GraphMode.FULL},
+                                    sparse=True)                # sparse decode FULL: not declared
+
+
+def test_a_sparse_only_prefill_is_captured_and_replayed_through_the_session() -> None:
+    from attnreg.runtime import GraphSession, StepInputs
+
+    backend, config = _sparse_capturable_reference()
+    case = SPARSE_CASES[Phase.PREFILL][0]
+    pool = make_pool(config, [case.spec()], spare_pages=4)
+    sw = make_sparse_workload(config, pool, case, seed=11)
+    rows = sw.work.batch.num_tokens
+    static_idx = torch.full((rows + 2, sw.indices.shape[1]), -1, dtype=torch.int32)
+    static_idx[:rows] = sw.indices
+
+    def step(s):  # type: ignore[no-untyped-def]
+        n = s.inputs.q[0].shape[0]
+        backend.forward_sparse(s.inputs.q[0], s.inputs.latent_new[0], s.inputs.rope_new[0],
+                               pool, s.batch, out=s.outputs[0], topk_indices=static_idx[:n])
+
+    with pytest.raises(UnsupportedError, match="prefill under breakable"):
+        GraphSession(backend, pool, phase="prefill", mode="breakable", buckets=[rows + 2],
+                     step=step, device_graphs=False, warmup=0)     # dense: not capturable
+    session = GraphSession(backend, pool, phase="prefill", mode="breakable",
+                           buckets=[rows + 2], step=step, device_graphs=False, warmup=0,
+                           max_requests=sw.work.batch.batch_size + 1,
+                           max_seq_len=sw.work.batch.max_seq_len, sparse=True)
+    inputs = StepInputs.one(sw.work.q, sw.work.latent_new, sw.work.rope_new)
+    session.capture(batches={rows + 2: sw.work.batch}, inputs={rows + 2: inputs})
+    outs = session.replay(sw.work.batch, inputs, bucket=rows + 2)
+    assert compare(outs[0], sw.expected, DType.BF16, sw.spec) is None

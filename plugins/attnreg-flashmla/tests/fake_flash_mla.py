@@ -15,7 +15,14 @@ real one that the runtime must get right:
   the blocks the schedule gives each sequence, so a schedule computed for
   other lengths (frozen at capture) gives wrong outputs, as on the device;
 * outputs allocated per call, zero rows and ``+inf`` LSE for empty sequences,
-  a bf16 output from the fp8 path.
+  a bf16 output from the fp8 path;
+* the legacy sparse (DSA) kernels: sparse decode over V3.2's 656-byte rows
+  (``indices`` with ``is_fp8_kvcache=True``, ``use_legacy=True``; the rows
+  unpacked here, by this module's own code: 512 e4m3 latent values, 4 float32
+  scales of 128 values each, 64 bf16 rope values) and ``flash_mla_sparse_fwd``
+  over bf16 rows, with their checks (64 or 128 heads, top-k a multiple of 64,
+  page size 64, ``kv_format``) and their index rule: only -1 is invalid, and an
+  index past the cache raises here where the device would read out of bounds.
 
 Every call is recorded in :data:`CALLS` so tests can assert that a refused
 request never reached the library.
@@ -45,6 +52,8 @@ class FlashMLASchedMeta:
     tile_scheduler_metadata: torch.Tensor | None = None
     num_splits: torch.Tensor | None = None
     have_initialized: bool = False
+    #: (b, s_q, h_q, topk) of the first sparse call: later calls must match (as upstream)
+    config: tuple[int, ...] | None = None
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -94,7 +103,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
     assert num_splits is None, "num_splits must be None"
     if is_fp8_kvcache is None:
         is_fp8_kvcache = indices is not None
-    assert indices is None, "the fake has no sparse path"
+    if indices is not None:
+        return _sparse_decode(q, k_cache, indices, head_dim_v, sched, softmax_scale, causal,
+                              is_fp8_kvcache, topk_length, use_legacy, kv_format)
     assert use_legacy, ("Sparse attention is required: `indices` must be provided. Dense MLA "
                         "decoding was removed from the current kernels; pass use_legacy=True")
     CALLS.append(("flash_mla_with_kvcache",
@@ -167,3 +178,124 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
         out[b] = torch.einsum("hsl,ld->shd", torch.softmax(scores, -1),
                               keys[:, :head_dim_v]).to(out_dtype)
     return out, lse
+
+
+# -- the legacy sparse kernels ------------------------------------------------------------
+
+#: bytes of a V3.2 row: 512 e4m3 latent, 4 float32 scales, 64 bf16 rope
+_V32_BYTES = 512 + 16 + 128
+_B_TOPK = 64
+
+
+def _unpack_v32(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, 656]`` V3.2 rows as float32 ``[N, 576]`` (this fake's own reading)."""
+    n = rows.shape[0]
+    latent = rows[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(n, 4, 128)
+    scales = rows[:, 512:528].contiguous().view(torch.float32).view(n, 4, 1)
+    rope = rows[:, 528:656].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(latent * scales).view(n, 512), rope], dim=-1)
+
+
+def _gather(keys: torch.Tensor, idx: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
+    """Rows ``keys[idx]`` (``[R, K, 576]``); an index past ``keys`` raises, as the device
+    would read out of bounds."""
+    flat = idx[~invalid]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= keys.shape[0]):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (an index "
+                           "that is neither -1 nor inside the KV cache)")
+    safe = torch.where(invalid, torch.zeros_like(idx), idx).long()
+    return keys[safe]
+
+
+def _attend(qf, keys, invalid, softmax_scale, d_v):  # type: ignore[no-untyped-def]
+    """float32 sparse attention: ``qf [R, H, D]``, ``keys [R, K, D]``; returns out [R, H,
+    d_v] and lse [R, H] (natural log, -inf for a row with no valid key)."""
+    scores = torch.einsum("rhd,rkd->rhk", qf, keys) * softmax_scale
+    scores = scores.masked_fill(invalid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse,
+                                           torch.zeros_like(lse))[..., None])
+    return torch.einsum("rhk,rkd->rhd", probs, keys[..., :d_v]), lse
+
+
+def _sparse_decode(q, k_cache, indices, head_dim_v, sched, softmax_scale, causal,  # type: ignore[no-untyped-def]
+                   is_fp8_kvcache, topk_length, use_legacy, kv_format):
+    assert not causal, "causal must be False when sparse attention is enabled"
+    assert is_fp8_kvcache, ("is_fp8_kvcache must be True, since only sparse attention with a "
+                            "quantized KV cache is supported")
+    CALLS.append(("flash_mla_with_kvcache",
+                  {"q_shape": tuple(q.shape), "sparse": True, "topk": indices.shape[-1],
+                   "page": k_cache.shape[1], "kv_format": kv_format}))
+    b, s_q, h_q, d = q.shape
+    topk = indices.shape[-1]
+    config = (b, s_q, h_q, topk)
+    if sched.config is None:
+        sched.config = config
+    else:
+        assert sched.config == config, ("Your input arguments are inconsistent with "
+                                        "sched_meta (b, s_q, h_q, topk)")
+    _check(use_legacy, "the current kernels read V4.1 rows only (this is sm90)")
+    _check(q.dtype == torch.bfloat16, "q must be bf16")
+    _check(h_q in (64, 128), "Expected h_q == 64 || h_q == 128 to be true, but got false.")
+    _check(d in (576, 512), "Only head_size_k == 576 or 512 is supported for sparse decoding")
+    _check(head_dim_v == 512, "Only head_size_v == 512 is supported for sparse decoding")
+    _check(k_cache.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn),
+           "k_cache must be float8_e4m3fn, int8 or uint8")
+    _check(k_cache.dim() == 4 and k_cache.shape[2] == 1,
+           "Currently only MQA (i.e. h_kv == 1) is supported for sparse decoding")
+    _check(k_cache.shape[-1] == _V32_BYTES and d == 576,
+           f"Unsupported KV cache formats for this implementation: kv {k_cache.shape[-1]}")
+    _check(kv_format in (None, "V32"), "Expected model_type == *kv_format_hint to be true")
+    _check(k_cache.shape[1] == 64, "Currently page_block_size must be 64")
+    _check(indices.dtype == torch.int32 and tuple(indices.shape) == (b, s_q, topk),
+           "indices must be int32 [b, s_q, topk]")
+    _check(topk % _B_TOPK == 0, f": topk ({topk}) mod B_TOPK ({_B_TOPK}) must be 0")
+    _check(topk_length is None, ": V3.2 does not support dynamic topk length")
+    _check(q.stride(-1) == 1, "q must be contiguous in its last dim")
+    if sched.tile_scheduler_metadata is None:
+        blocks = torch.full((b,), -(-topk // _B_TOPK), dtype=torch.int32, device=q.device)
+        sched.tile_scheduler_metadata, sched.num_splits = _schedule(blocks * 64, s_q * h_q)
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    keys_all = _unpack_v32(k_cache.view(torch.uint8).reshape(-1, _V32_BYTES))
+    rows = b * s_q
+    idx = indices.reshape(rows, topk)
+    invalid = idx == -1
+    keys = _gather(keys_all, idx, invalid)
+    out, lse = _attend(q.float().reshape(rows, h_q, d), keys, invalid, softmax_scale,
+                       head_dim_v)
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    return (out.to(torch.bfloat16).view(b, s_q, h_q, head_dim_v),
+            lse.view(b, s_q, h_q).transpose(1, 2).contiguous())
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                         use_legacy=False, return_log2_lse=None):
+    CALLS.append(("flash_mla_sparse_fwd",
+                  {"q_shape": tuple(q.shape), "topk": indices.shape[-1], "legacy": use_legacy,
+                   "lse": return_log2_lse}))
+    s_q, h_q, d_qk = q.shape
+    _check(use_legacy, "the current kernels are sm100 only (this is sm90)")
+    _check(q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16, "q and kv must be bf16")
+    _check(h_q in (64, 128), "Expected h_q == 64 || h_q == 128 to be true, but got false.")
+    _check(d_qk in (576, 512), "Expected d_qk == 576 || d_qk == 512 to be true")
+    _check(d_v == 512, "Expected d_v == 512 to be true, but got false.")
+    _check(kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d_qk,
+           "kv must be [s_kv, h_kv=1, d_qk]")
+    topk = indices.shape[-1]
+    _check(indices.dtype == torch.int32 and tuple(indices.shape) == (s_q, 1, topk),
+           "Expected indices.sizes().equals({s_q, h_kv, topk})")
+    _check(topk % _B_TOPK == 0, f": topk ({topk}) mod B_TOPK ({_B_TOPK}) must be 0")
+    _check(q.stride(1) == d_qk, "Expected q.stride(1) == d_qk to be true, but got false.")
+    idx = indices.reshape(s_q, topk)
+    # prefill: -1 or any index >= s_kv is invalid (its documented rule)
+    invalid = (idx == -1) | (idx >= kv.shape[0])
+    keys = _gather(kv[:, 0, :].float(), idx, invalid)
+    out, lse = _attend(q.float(), keys, invalid, sm_scale, d_v)
+    if return_log2_lse is False:
+        return out.to(torch.bfloat16), None, None
+    max_logits = torch.einsum("rhd,rkd->rhk", q.float(), keys).mul(sm_scale).masked_fill(
+        invalid[:, None, :], float("-inf")).amax(dim=-1)
+    if return_log2_lse:
+        return out.to(torch.bfloat16), max_logits / math.log(2), lse / math.log(2)
+    return out.to(torch.bfloat16), max_logits, lse

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from attnreg.registry import DeclarationContext, DType, ForwardMode, Platform
+from attnreg.registry import DeclarationContext, DType, ForwardMode, GraphMode, Phase, Platform
 from attnreg.testing.claims import Check, ClaimKind, expand_claims, kernel_q_compute_dtype
 from attnreg.testing.harness import Harness
 
@@ -28,15 +28,24 @@ CAPS = capabilities(DeclarationContext(SM90))
 #: device allocator sees, so that claim is checked on the GPU only.
 CLAIMS = [c for c in expand_claims(CAPS, "cpu")
           if not c.skip_reason and c.check is not Check.CAPTURE_MEMORY]
+#: The sparse (DSA) checks (attnreg.testing.sparse_checks): the stand-in runs the
+#: legacy sparse kernels' math, fp8_ds_mla rows unpacked by its own code.
+SPARSE_CHECKS = {Check.SPARSE, Check.SPARSE_INDEX, Check.SPARSE_REFUSES_CAPTURE,
+                 Check.SPARSE_REPLAY}
 
 
 def _undeclared_configuration(claim) -> bool:
     """A claim that should hold but names a configuration the declaration itself refuses."""
     combo = claim.combo
-    return claim.kind is not ClaimKind.REFUSAL and combo is not None and bool(
-        CAPS.check_request(combo.method, combo.phase, head_dims=combo.head_dims,
-                           q_dtype=combo.q_dtype, kv_dtype=combo.kv_dtype,
-                           page_size=combo.page_size, num_heads=combo.num_heads))
+    if claim.kind is ClaimKind.REFUSAL or combo is None:
+        return False
+    if claim.check in SPARSE_CHECKS:
+        return bool(CAPS.check_sparse_request(
+            combo.phase, q_dtype=combo.q_dtype, kv_dtype=combo.kv_dtype,
+            page_size=combo.page_size, num_heads=combo.num_heads))
+    return bool(CAPS.check_request(combo.method, combo.phase, head_dims=combo.head_dims,
+                                   q_dtype=combo.q_dtype, kv_dtype=combo.kv_dtype,
+                                   page_size=combo.page_size, num_heads=combo.num_heads))
 
 
 #: attnreg's claim builder (attnreg.testing.claims.multi_layer_combo, as merged with the
@@ -81,6 +90,20 @@ def test_the_cpu_run_covers_target_verify_eagerly_and_in_the_decode_graphs_only(
             (ClaimKind.CAPTURE, Check.CAPTURE_PATH, 8),
             (ClaimKind.CAPTURE, Check.PADDED_ROWS, 8)} <= verify
     assert not [c for c in CLAIMS if c.forward_mode is ForwardMode.DRAFT_EXTEND]
+
+
+def test_the_cpu_run_covers_every_sparse_kernel_eagerly_refusing_and_captured():
+    sparse = {(c.kind, c.check, c.combo.phase, c.combo.kv_dtype, c.graph_mode)
+              for c in CLAIMS if c.check in SPARSE_CHECKS}
+    for kv in (DType.FP8_E4M3, DType.BF16):   # fp8_ds_mla rows, bf16 rows
+        for phase in (Phase.DECODE, Phase.PREFILL):
+            assert (ClaimKind.EAGER, Check.SPARSE, phase, kv, GraphMode.DISABLED) in sparse
+        assert (ClaimKind.CAPTURE, Check.SPARSE_REPLAY, Phase.DECODE, kv,
+                GraphMode.FULL) in sparse
+        assert (ClaimKind.CAPTURE, Check.SPARSE_REPLAY, Phase.PREFILL, kv,
+                GraphMode.BREAKABLE) in sparse
+    refusals = [c.id for c in CLAIMS if c.check is Check.SPARSE_INDEX]
+    assert len(refusals) == len(set(refusals)) == 4, refusals
 
 
 def test_the_oracle_rounds_q_for_the_fp8_kernel_only():

@@ -167,7 +167,12 @@ def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
                   for c in capture if c.check is Check.REPLAY) == [
         ("None", "bf16", 1), ("None", "fp8_e4m3", 16),
         ("target_verify", "bf16", 1), ("target_verify", "fp8_e4m3", 16)]
-    assert all(c.combo.phase is Phase.DECODE for c in claims)
+    # dense claims are decode only; the sparse kernels (DSA) serve prefill too
+    sparse = {Check.SPARSE, Check.SPARSE_INDEX, Check.SPARSE_REFUSES_CAPTURE,
+              Check.SPARSE_REPLAY}
+    assert all(c.combo.phase is Phase.DECODE for c in claims if c.check not in sparse)
+    assert {c.combo.phase for c in claims if c.check in sparse} == {Phase.DECODE,
+                                                                    Phase.PREFILL}
     # the LSE is claimed where it is declared: the bf16 pool
     (lse,) = [c for c in claims if c.check is Check.LSE]
     assert lse.combo.kv_dtype is DType.BF16

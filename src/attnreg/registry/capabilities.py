@@ -833,10 +833,14 @@ class Capabilities:
                              q_dtype: DType | str | None = None,
                              kv_dtype: DType | str | None = None,
                              page_size: int | None = None,
-                             num_heads: int | None = None) -> list[str]:
+                             num_heads: int | None = None,
+                             kv_format: str | None = None) -> list[str]:
         """Reasons a sparse request falls outside every sparse kernel (empty = accepted).
 
-        ``top_k`` None: the width is not known (not checked).
+        ``top_k`` None: the width is not known (not checked).  ``kv_format``: what the
+        pool's rows are (``MLAKVLayer.row_format``: ``"fp8_ds_mla"``, else its kv dtype,
+        576 values of it); a kernel accepts only the rows its ``kv_format`` names.  None:
+        not checked (a plan, before any pool exists).
         """
         phase = Phase.parse(phase)
         candidates = self.sparse_kernels_for(phase)
@@ -854,6 +858,9 @@ class Capabilities:
             if kv_dtype is not None and DType.parse(kv_dtype) is not k.kv_dtype:
                 reasons.append(f"kv dtype {DType.parse(kv_dtype)} is not its "
                                f"{k.kv_format} rows' {k.kv_dtype}")
+            elif kv_format is not None and str(kv_format) != k.kv_format.value:
+                reasons.append(f"the pool holds {kv_format} rows; the kernel reads "
+                               f"{k.kv_format} rows ({k.kv_format.row_bytes} bytes)")
             if page_size is not None and page_size not in k.page_sizes:
                 reasons.append(f"page size {page_size} not in {list(k.page_sizes)}")
             if num_heads is not None and not k.accepts_heads(num_heads):

@@ -128,24 +128,26 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *,
                               max_seq_len: int | None = None,
-                              graph_modes: Mapping[Phase | str, GraphMode | str] | None = None
-                              ) -> None:
+                              graph_modes: Mapping[Phase | str, GraphMode | str] | None = None,
+                              sparse: bool = False) -> None:
         """Preallocate the buffers every captured shape uses (once), for shapes up to
         ``max_bs`` / ``max_num_tokens`` and sequences up to ``max_seq_len`` (default
         ``config.max_context_len``), for ``graph_modes`` only (default: the
-        ``capturing()`` mode, else every declared decode FULL / prefill BREAKABLE).
+        ``capturing()`` mode, else every declared decode FULL / prefill BREAKABLE); with
+        ``sparse`` (graphs of :meth:`forward_sparse`) as ``sparse_graph_modes`` declare them.
         UnsupportedError when a requested mode is declared UNSUPPORTED (or none is)."""
         if max_bs < 1 or max_num_tokens < max_bs:
             raise ValueError(f"need 1 <= max_bs <= max_num_tokens, got max_bs={max_bs}, "
                              f"max_num_tokens={max_num_tokens}")
-        modes, refused = self.refusals.capture_modes(graph_modes, current_capture())
+        modes, refused = self.refusals.for_sparse(sparse).capture_modes(graph_modes,
+                                                                        current_capture())
         self._refuse(refused)
         max_seq_len = int(max_seq_len or self.config.max_context_len)
         state: GraphState[BuffersT] = GraphState.allocate(
             max_bs=max_bs, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
             page_size=self.config.page_size, graph_modes=modes,
             capture_shape=self.capture_shape(max_bs, max_num_tokens, max_seq_len),
-            device=self.device)
+            device=self.device, sparse=sparse)
         self.graph_state = state
         self._init_graph_state_impl(state)
 
@@ -163,7 +165,8 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
             batch.forward_mode if batch is not None else ForwardMode.DECODE)
         phase = phase_of(fmode)
         mode = state.capture_mode(phase)
-        self._refuse(self.refusals.capture(state, fmode, phase, mode, bs, num_tokens))
+        self._refuse(self.refusals.for_sparse(state.sparse).capture(state, fmode, phase, mode,
+                                                                    bs, num_tokens))
         if batch is None:
             batch = state.dummy_batch(fmode, bs, num_tokens, self.config.page_size, self.device)
         self._validate_batch(batch)

@@ -98,12 +98,15 @@ class MLAConfig:
             else self.mha_head_dims
 
     def make_pool(self, num_pages: int, *, num_layers: int = 1,
-                  scale: float | Sequence[float] = 1.0) -> MLAKVPool:
+                  scale: float | Sequence[float] = 1.0,
+                  kv_format: str | None = None) -> MLAKVPool:
         """An :class:`~attnreg.runtime.MLAKVPool` of this config's page size, dtype and device.
 
         ``num_layers`` layers share the pages; ``scale`` is the FP8 scale of
-        every layer (a float) or of each (a sequence).
+        every layer (a float) or of each (a sequence); ``kv_format``
+        ``"fp8_ds_mla"``: 656-byte rows (an fp8 config; the scales are in the rows).
         """
         from .pool import MLAKVPool
 
-        return MLAKVPool.from_config(self, num_pages, num_layers=num_layers, scale=scale)
+        return MLAKVPool.from_config(self, num_pages, num_layers=num_layers, scale=scale,
+                                     kv_format=kv_format)

@@ -71,11 +71,14 @@ class GraphState(Generic[BuffersT]):
     #: replays filled by one copy / by the padded per-tensor copy (what the session benchmark
     #: and tests read to see which path ran)
     fills: dict[str, int] = field(default_factory=lambda: {"packed": 0, "padded": 0})
+    #: allocated for sparse (DSA) captures: the lifecycle's capture checks read the
+    #: declaration's ``sparse_graph_modes`` (``Capabilities.sparse_view()``)
+    sparse: bool = False
 
     @classmethod
     def allocate(cls, *, max_bs: int, max_num_tokens: int, max_seq_len: int, page_size: int,
                  graph_modes: Mapping[Phase, GraphMode], capture_shape: CaptureShape,
-                 device: torch.device) -> GraphState[Any]:
+                 device: torch.device, sparse: bool = False) -> GraphState[Any]:
         """Zeroed index buffers for captured shapes up to the given bounds."""
         max_pages = -(-max_seq_len // page_size)
         layout = IndexLayout(max_bs, max_num_tokens, max_pages, page_size, PADDING_PAGE)
@@ -86,7 +89,7 @@ class GraphState(Generic[BuffersT]):
             indices=indices,
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
             pad_mask=torch.zeros(max_num_tokens, dtype=torch.bool, device=device),
-            layout=layout, flat=flat)
+            layout=layout, flat=flat, sparse=sparse)
 
     def capture_mode(self, phase: Phase) -> GraphMode:
         """The mode ``phase`` is captured in: the ``capturing()`` mode, else the one this

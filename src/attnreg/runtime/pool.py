@@ -29,6 +29,19 @@ kernels read on the device.
 A forward works on one layer: :meth:`MLAKVPool.layer` returns an
 :class:`MLAKVLayer`, the view a backend's kernels read (its ``buffer``,
 ``kv_scale``, ``scale_tensor``, ``write``, ``read_slots``).
+
+Row formats
+-----------
+By default a row is the 576 values above in the pool's ``kv_dtype`` (dense
+rows, what every dense kernel reads).  A pool built with
+``kv_format="fp8_ds_mla"`` (:class:`~attnreg.registry.SparseKVFormat`) holds
+DeepSeek-V3.2's 656-byte rows instead (:mod:`attnreg.runtime.kv_formats`):
+``buffer`` is ``uint8 [num_pages, page_size, 656]``, ``write`` packs (one
+float32 scale per 128 latent values, computed on the device), ``read_slots``
+and ``dequantized`` unpack, and the per-layer ``scale`` is 1.0 (the scales are
+in the rows).  :attr:`MLAKVLayer.row_format` names a pool's rows
+(``"fp8_ds_mla"``, else its kv dtype): a sparse kernel is run only on the rows
+it declares, and a dense kernel never on ``fp8_ds_mla`` rows.
 """
 
 from __future__ import annotations
@@ -42,9 +55,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnreg.registry import DType, UnsupportedError
+from attnreg.registry import DType, SparseKVFormat, UnsupportedError
 
 from .dtypes import FP8_E4M3_MAX, dtype_from_torch, resolve_device, torch_dtype
+from .kv_formats import (
+    FP8_DS_MLA_TILE,
+    fp8_ds_mla_row_bytes,
+    pack_fp8_ds_mla,
+    unpack_fp8_ds_mla,
+)
 
 if TYPE_CHECKING:
     from .config import MLAConfig
@@ -55,8 +74,35 @@ __all__ = ["PADDING_PAGE", "MLAKVLayer", "MLAKVPool"]
 PADDING_PAGE = 0
 
 
-def _check_scale(scale: float, is_fp8: bool, kv_dtype: DType, where: str) -> float:
+def _parse_format(kv_format: SparseKVFormat | str | None, kv_dtype: DType | str | None,
+                  kv_lora_rank: int) -> tuple[DType, SparseKVFormat | None]:
+    """The pool's kv dtype and packed row format (None: dense 576-value rows)."""
+    fmt = None if kv_format is None else SparseKVFormat(kv_format)
+    if fmt is SparseKVFormat.BF16:
+        fmt = None                    # the dense bf16 row is that format
+        want = DType.BF16
+        if kv_dtype is not None and DType.parse(kv_dtype) is not want:
+            raise ValueError(f"kv_format bf16 is the dense bf16 row; kv_dtype "
+                             f"{DType.parse(kv_dtype)} contradicts it")
+        return want, None
+    if fmt is None:
+        return DType.parse(kv_dtype if kv_dtype is not None else DType.BF16), None
+    if kv_dtype is not None and DType.parse(kv_dtype) is not fmt.dtype:
+        raise ValueError(f"kv_format {fmt} rows are {fmt.dtype}; kv_dtype "
+                         f"{DType.parse(kv_dtype)} contradicts it (leave kv_dtype out)")
+    if kv_lora_rank % FP8_DS_MLA_TILE:
+        raise ValueError(f"kv_format {fmt} needs kv_lora_rank a multiple of "
+                         f"{FP8_DS_MLA_TILE} (one scale per {FP8_DS_MLA_TILE} latent values), "
+                         f"got {kv_lora_rank}")
+    return fmt.dtype, fmt
+
+
+def _check_scale(scale: float, is_fp8: bool, kv_dtype: DType, where: str,
+                 kv_format: SparseKVFormat | None = None) -> float:
     scale = float(scale)
+    if kv_format is not None and scale != 1.0:
+        raise ValueError(f"{where}: scale={scale}, but {kv_format} rows carry their own "
+                         "scales (one per 128 latent values); leave the pool's scale at 1.0")
     if not is_fp8 and scale != 1.0:
         raise ValueError(f"{where}: scale={scale} is only meaningful for an fp8 pool; "
                          f"this pool is {kv_dtype}")
@@ -73,6 +119,8 @@ class _PagedGeometry:
     rope_dim: int
     num_pages: int
     page_size: int
+    kv_dtype: DType
+    kv_format: SparseKVFormat | None
 
     @property
     def row_dim(self) -> int:
@@ -84,6 +132,24 @@ class _PagedGeometry:
         return self.num_pages * self.page_size
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes one token's row takes in the buffer (1152 for bf16, 656 for fp8_ds_mla)."""
+        if self.kv_format is SparseKVFormat.FP8_DS_MLA:
+            return fp8_ds_mla_row_bytes(self.kv_lora_rank, self.rope_dim)
+        return self.row_dim * torch_dtype(self.kv_dtype).itemsize
+
+    @property
+    def packed(self) -> bool:
+        """True for ``fp8_ds_mla`` rows (bytes, not 576 values)."""
+        return self.kv_format is not None
+
+    @property
+    def row_format(self) -> str:
+        """What a row is: ``"fp8_ds_mla"`` for packed rows, else the kv dtype (``"bf16"``,
+        ``"fp8_e4m3"`` ...): 576 values of it.  A sparse kernel's ``kv_format`` must name it."""
+        return self.kv_format.value if self.kv_format is not None else self.kv_dtype.value
+
+    @property
     def padding_slot(self) -> int:
         """The slot padded graph replays write their dummy tokens to."""
         return PADDING_PAGE * self.page_size
@@ -93,23 +159,28 @@ class MLAKVLayer(_PagedGeometry):
     """One layer of an :class:`MLAKVPool`: its buffer, its FP8 scale, reads and writes.
 
     What a backend's forward hooks receive as ``pool``: the kernels read
-    :attr:`buffer` (``[num_pages, page_size, 576]``) and :attr:`kv_scale` (a
-    float) or :attr:`scale_tensor` (the same value as a 1-element float32
-    device tensor, which a captured launch reads at replay time).  Geometry
-    (``page_size``, ``row_dim`` ...) is the pool's.  Build it with
-    :meth:`MLAKVPool.layer`, not directly.
+    :attr:`buffer` (``[num_pages, page_size, 576]``; ``uint8 [.., 656]`` for
+    ``fp8_ds_mla`` rows) and :attr:`kv_scale` (a float) or :attr:`scale_tensor`
+    (the same value as a 1-element float32 device tensor, which a captured
+    launch reads at replay time).  Geometry (``page_size``, ``row_dim`` ...) is
+    the pool's.  Build it with :meth:`MLAKVPool.layer`, not directly.
     """
 
     __slots__ = ("layer_id", "buffer", "scale", "scale_tensor", "kv_dtype", "is_fp8",
-                 "page_size", "num_pages", "kv_lora_rank", "rope_dim", "device")
+                 "page_size", "num_pages", "kv_lora_rank", "rope_dim", "device", "kv_format")
 
     def __init__(self, layer_id: int, buffer: torch.Tensor, scale: float, kv_dtype: DType,
-                 kv_lora_rank: int, rope_dim: int) -> None:
+                 kv_lora_rank: int, rope_dim: int,
+                 kv_format: SparseKVFormat | None = None) -> None:
         self.layer_id = int(layer_id)
         self.buffer = buffer
         self.kv_dtype = kv_dtype
-        self.is_fp8 = kv_dtype is DType.FP8_E4M3
-        self.scale = _check_scale(scale, self.is_fp8, kv_dtype, f"layer {layer_id}")
+        #: packed row format (``fp8_ds_mla``), None for dense 576-value rows
+        self.kv_format = kv_format
+        #: an fp8 pool of dense rows with one per-layer scale (not ``fp8_ds_mla`` rows)
+        self.is_fp8 = kv_dtype is DType.FP8_E4M3 and kv_format is None
+        self.scale = _check_scale(scale, self.is_fp8, kv_dtype, f"layer {layer_id}",
+                                  kv_format)
         self.num_pages, self.page_size = int(buffer.shape[0]), int(buffer.shape[1])
         self.kv_lora_rank = int(kv_lora_rank)
         self.rope_dim = int(rope_dim)
@@ -138,7 +209,8 @@ class MLAKVLayer(_PagedGeometry):
         layer's first write.  The device tensor is updated in place, so graphs
         that captured it read the new value.
         """
-        self.scale = _check_scale(scale, self.is_fp8, self.kv_dtype, f"layer {self.layer_id}")
+        self.scale = _check_scale(scale, self.is_fp8, self.kv_dtype, f"layer {self.layer_id}",
+                                  self.kv_format)
         self.scale_tensor.fill_(self.scale)
 
     # -- writes and reads ------------------------------------------------------------
@@ -148,7 +220,8 @@ class MLAKVLayer(_PagedGeometry):
 
         ``slots``: an int32 device tensor, or the list :meth:`MLAKVPool.slots`
         returns (copied to the device first, so eager code only).  Quantises for
-        an fp8 pool (``value / scale``, clamped to the e4m3 range).  With a
+        an fp8 pool (``value / scale``, clamped to the e4m3 range); packs for
+        ``fp8_ds_mla`` rows (a scale per 128 latent values, on the device).  With a
         tensor it reads no host value, so it can run inside a captured graph;
         its temporaries then come from the graph's private memory pool.
 
@@ -180,9 +253,16 @@ class MLAKVLayer(_PagedGeometry):
         if n == 0:
             return
         rows = torch.cat([latent, rope], dim=-1)
+        if self.kv_format is not None:
+            self._rows()[slots] = pack_fp8_ds_mla(rows, self.kv_lora_rank)
+            return
         if self.is_fp8:
             rows = (rows.float() * (1.0 / self.scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         self.buffer.view(self.num_slots, self.row_dim)[slots] = rows.to(self.buffer.dtype)
+
+    def _rows(self) -> torch.Tensor:
+        """The buffer as ``[num_slots, row]`` (a view; bytes for packed rows)."""
+        return self.buffer.view(self.num_slots, -1)
 
     def read_slots(self, slots: torch.Tensor, dtype: torch.dtype = torch.float32
                    ) -> torch.Tensor:
@@ -191,17 +271,37 @@ class MLAKVLayer(_PagedGeometry):
         ``dtype`` picks the result's dtype (e.g. the activations' bf16, for an
         engine that decompresses prefix rows with its own projection).
         """
-        rows = self.buffer.view(self.num_slots, self.row_dim)[slots.long()].float()
-        rows = rows * self.scale if self.is_fp8 else rows
+        if self.kv_format is not None:
+            rows = unpack_fp8_ds_mla(self._rows()[slots.long()], self.kv_lora_rank)
+        else:
+            rows = self.buffer.view(self.num_slots, self.row_dim)[slots.long()].float()
+            rows = rows * self.scale if self.is_fp8 else rows
         return rows if dtype == torch.float32 else rows.to(dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The whole layer as float32 ``[num_pages, page_size, 576]`` (a copy)."""
+        if self.kv_format is not None:
+            return unpack_fp8_ds_mla(self._rows(), self.kv_lora_rank).view(
+                self.num_pages, self.page_size, self.row_dim)
         full = self.buffer.float()
         return full * self.scale if self.is_fp8 else full
 
+    def fill(self, value: float) -> None:
+        """Make every row hold ``value`` in each of its 576 positions as stored: the raw
+        stored value for dense rows (for an fp8 pool it reads back as ``value * scale``),
+        the packed row of ``value`` for ``fp8_ds_mla`` rows (finite when unpacked)."""
+        if self.kv_format is None:
+            self.buffer.fill_(value)
+            return
+        row = torch.full((1, self.row_dim), float(value), device=self.device)
+        self._rows().copy_(pack_fp8_ds_mla(row, self.kv_lora_rank).expand(self.num_slots, -1))
+
     def quantize_roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """What reading back ``x`` after a write gives (float32): for exact references."""
+        if self.kv_format is not None:
+            flat = x.reshape(-1, self.row_dim)
+            return unpack_fp8_ds_mla(pack_fp8_ds_mla(flat, self.kv_lora_rank),
+                                     self.kv_lora_rank).view(x.shape)
         if self.is_fp8:
             q = (x.float() / self.scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
             return q.to(self.buffer.dtype).float() * self.scale
@@ -209,8 +309,9 @@ class MLAKVLayer(_PagedGeometry):
 
     def __repr__(self) -> str:
         scale = f", scale={self.scale}" if self.is_fp8 else ""
+        fmt = f", kv_format={self.kv_format}" if self.kv_format is not None else ""
         return (f"MLAKVLayer(layer_id={self.layer_id}, num_pages={self.num_pages}, "
-                f"page_size={self.page_size}, kv_dtype={self.kv_dtype}{scale})")
+                f"page_size={self.page_size}, kv_dtype={self.kv_dtype}{fmt}{scale})")
 
 
 def _whole_numbers(values: Sequence[int], what: str, *, minimum: int | None = None
@@ -265,8 +366,9 @@ class MLAKVPool(_PagedGeometry):
     num_layers : int
         Attention layers (default 1: a one-layer pool, whose :attr:`buffer` is
         its only buffer).
-    kv_dtype : DType or str
-        ``bf16``, ``fp16``, ``fp32`` or ``fp8_e4m3``.
+    kv_dtype : DType or str, optional
+        ``bf16`` (the default), ``fp16``, ``fp32`` or ``fp8_e4m3``; with
+        ``kv_format`` it may be left out (it is the format's).
     device : str or torch.device
     kv_lora_rank, rope_dim : int
         Widths of the latent and rope parts (512 and 64 for DeepSeek).
@@ -276,6 +378,10 @@ class MLAKVPool(_PagedGeometry):
     buffers : sequence of Tensor, optional
         Existing per-layer buffers to use instead of allocating (see
         :meth:`wrap`).
+    kv_format : SparseKVFormat or str, optional
+        ``"fp8_ds_mla"``: every layer holds DeepSeek-V3.2's 656-byte rows
+        (``uint8 [num_pages, page_size, 656]``; see the module docstring);
+        None (default) or ``"bf16"``: dense 576-value rows.
 
     Examples
     --------
@@ -289,10 +395,11 @@ class MLAKVPool(_PagedGeometry):
     """
 
     def __init__(self, num_pages: int, page_size: int, *, num_layers: int = 1,
-                 kv_dtype: DType | str = DType.BF16, device: str | torch.device = "cpu",
+                 kv_dtype: DType | str | None = None, device: str | torch.device = "cpu",
                  kv_lora_rank: int = 512, rope_dim: int = 64,
                  scale: float | Sequence[float] = 1.0,
-                 buffers: Sequence[torch.Tensor] | None = None) -> None:
+                 buffers: Sequence[torch.Tensor] | None = None,
+                 kv_format: SparseKVFormat | str | None = None) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page {PADDING_PAGE} is reserved for "
                              f"padding), got {num_pages}")
@@ -300,8 +407,8 @@ class MLAKVPool(_PagedGeometry):
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.kv_dtype = DType.parse(kv_dtype)
-        self.is_fp8 = self.kv_dtype is DType.FP8_E4M3
+        self.kv_dtype, self.kv_format = _parse_format(kv_format, kv_dtype, int(kv_lora_rank))
+        self.is_fp8 = self.kv_dtype is DType.FP8_E4M3 and self.kv_format is None
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.num_layers = int(num_layers)
@@ -309,15 +416,15 @@ class MLAKVPool(_PagedGeometry):
         self.rope_dim = int(rope_dim)
         self.device = resolve_device(device)
         scales = _scales(scale, self.num_layers)
-        shape = (self.num_pages, self.page_size, self.row_dim)
+        shape = (self.num_pages, self.page_size, self._row_width)
         if buffers is None:
-            tensors = [torch.zeros(shape, dtype=torch_dtype(self.kv_dtype), device=self.device)
+            tensors = [torch.zeros(shape, dtype=self._storage_dtype, device=self.device)
                        for _ in range(self.num_layers)]
         else:
             tensors = self._adopt(buffers, shape)
         #: The per-layer views (buffer, scale, reads and writes), in layer order.
         self.layers: tuple[MLAKVLayer, ...] = tuple(
-            MLAKVLayer(i, t, s, self.kv_dtype, self.kv_lora_rank, self.rope_dim)
+            MLAKVLayer(i, t, s, self.kv_dtype, self.kv_lora_rank, self.rope_dim, self.kv_format)
             for i, (t, s) in enumerate(zip(tensors, scales)))
         # Free pages as a stack (the next page handed out is at the end, so a fresh pool
         # hands out 1, 2, 3, ...) and one flag byte per page: allocate and free are O(1)
@@ -326,6 +433,15 @@ class MLAKVPool(_PagedGeometry):
         self._is_free = bytearray(self.num_pages)
         self._is_free[PADDING_PAGE + 1:] = b"\x01" * (self.num_pages - 1 - PADDING_PAGE)
 
+    @property
+    def _storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.kv_format is not None else torch_dtype(self.kv_dtype)
+
+    @property
+    def _row_width(self) -> int:
+        """Elements of one row in the buffer (576 values, or 656 bytes)."""
+        return self.row_bytes if self.kv_format is not None else self.row_dim
+
     def _adopt(self, buffers: Sequence[torch.Tensor], shape: tuple[int, int, int]
                ) -> list[torch.Tensor]:
         """Views ``[num_pages, page_size, row]`` of the caller's buffers (no copy)."""
@@ -333,14 +449,16 @@ class MLAKVPool(_PagedGeometry):
         if len(tensors) != self.num_layers:
             raise ValueError(f"{len(tensors)} buffers for num_layers={self.num_layers}: give "
                              "one per layer")
-        want = torch_dtype(self.kv_dtype)
+        want = self._storage_dtype
         out = []
         for i, t in enumerate(tensors):
             if self.is_fp8 and t.dtype == torch.uint8:
                 t = t.view(want)  # engines keep fp8 pools as uint8 storage (index_put)
             problems = []
             if t.dtype != want:
-                problems.append(f"dtype {t.dtype}, the pool's kv_dtype {self.kv_dtype} is {want}")
+                held = f"kv_format {self.kv_format}" if self.kv_format is not None else \
+                    f"kv_dtype {self.kv_dtype}"
+                problems.append(f"dtype {t.dtype}, the pool's {held} is {want}")
             if resolve_device(t.device) != self.device:
                 problems.append(f"on {t.device}, the pool on {self.device}")
             if t.numel() != math.prod(shape):
@@ -356,7 +474,8 @@ class MLAKVPool(_PagedGeometry):
     @classmethod
     def wrap(cls, buffers: Sequence[torch.Tensor], page_size: int, *,
              kv_dtype: DType | str | None = None, scale: float | Sequence[float] = 1.0,
-             kv_lora_rank: int = 512, rope_dim: int = 64) -> MLAKVPool:
+             kv_lora_rank: int = 512, rope_dim: int = 64,
+             kv_format: SparseKVFormat | str | None = None) -> MLAKVPool:
         """A pool over an engine's existing per-layer buffers, without copying them.
 
         Each buffer holds ``num_slots x (kv_lora_rank + rope_dim)`` values in
@@ -378,11 +497,26 @@ class MLAKVPool(_PagedGeometry):
             Default: from the buffers' dtype (``uint8`` must say ``fp8_e4m3``).
         scale
             The layers' FP8 scales (one float for all, or one per layer).
+        kv_format
+            ``"fp8_ds_mla"``: the buffers hold 656-byte rows (``uint8``), e.g.
+            vLLM's ``fp8_ds_mla`` cache.
         """
         tensors = list(buffers)
         if not tensors:
             raise ValueError("wrap() needs one buffer per layer, got none")
         first = tensors[0]
+        fmt = _parse_format(kv_format, kv_dtype, kv_lora_rank)[1]
+        if fmt is not None:
+            row = fp8_ds_mla_row_bytes(kv_lora_rank, rope_dim)
+            slots, rest = divmod(first.numel() * first.element_size(), row)
+            if rest or slots % page_size:
+                raise ValueError(f"a buffer of {first.numel() * first.element_size()} bytes "
+                                 f"is not a whole number of pages of {page_size} {fmt} rows "
+                                 f"of {row} bytes")
+            return cls(slots // page_size, page_size, num_layers=len(tensors),
+                       device=first.device, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                       scale=scale, buffers=[t.view(torch.uint8) for t in tensors],
+                       kv_format=fmt)
         if kv_dtype is None:
             found = dtype_from_torch(first.dtype)
             if found is None:
@@ -400,12 +534,14 @@ class MLAKVPool(_PagedGeometry):
 
     @classmethod
     def from_config(cls, config: MLAConfig, num_pages: int, *, num_layers: int = 1,
-                    scale: float | Sequence[float] = 1.0) -> MLAKVPool:
-        """A pool shaped for an :class:`~attnreg.runtime.MLAConfig`."""
+                    scale: float | Sequence[float] = 1.0,
+                    kv_format: SparseKVFormat | str | None = None) -> MLAKVPool:
+        """A pool shaped for an :class:`~attnreg.runtime.MLAConfig` (``kv_format``: its
+        rows' format, e.g. ``"fp8_ds_mla"`` for an fp8 config; None: dense rows)."""
         return cls(num_pages, config.page_size, num_layers=num_layers,
                    kv_dtype=config.kv_dtype, device=config.device,
                    kv_lora_rank=config.kv_lora_rank,
-                   rope_dim=config.qk_rope_head_dim, scale=scale)
+                   rope_dim=config.qk_rope_head_dim, scale=scale, kv_format=kv_format)
 
     # -- layers ----------------------------------------------------------------------
     def layer(self, layer_id: int) -> MLAKVLayer:
@@ -595,6 +731,7 @@ class MLAKVPool(_PagedGeometry):
     def __repr__(self) -> str:
         scale = f", scales={list(self.scales)}" if self.is_fp8 else ""
         layers = f", num_layers={self.num_layers}" if self.num_layers > 1 else ""
+        fmt = f", kv_format={self.kv_format}" if self.kv_format is not None else ""
         return (f"MLAKVPool(num_pages={self.num_pages}, page_size={self.page_size}{layers}, "
-                f"kv_dtype={self.kv_dtype}, row_dim={self.row_dim}, "
+                f"kv_dtype={self.kv_dtype}{fmt}, row_dim={self.row_dim}, "
                 f"device={self.device}{scale})")

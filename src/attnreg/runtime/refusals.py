@@ -138,6 +138,19 @@ class RequestChecker:
         #: the declaration restricted to the kernels that return the log-sum-exp
         self._lse_caps = dataclasses.replace(
             capabilities, kernels=tuple(k for k in capabilities.kernels if k.lse))
+        self._sparse_checker: RequestChecker | None = None
+
+    def for_sparse(self, sparse: bool = True) -> RequestChecker:
+        """The checker of the declaration as a sparse (DSA) capture sees it
+        (``Capabilities.sparse_view()``: the sparse kernels, ``sparse_graph_modes`` as the
+        graph modes), for the capture lifecycle of sparse forwards (built once); this
+        checker itself when ``sparse`` is False."""
+        if not sparse:
+            return self
+        if self._sparse_checker is None:
+            self._sparse_checker = RequestChecker(self.name, self.capabilities.sparse_view(),
+                                                  self.config, self.device)
+        return self._sparse_checker
 
     # -- the backend itself ------------------------------------------------------------
     def page_size(self) -> list[Refusal]:
@@ -293,6 +306,20 @@ class RequestChecker:
             return []
         return _if("KV pool", validation.pool_problems(kv, self.config, self.device), _POOL_HINT)
 
+    @staticmethod
+    def dense_rows(kv: MLAKVLayer | None, what: str) -> list[Refusal]:
+        """A dense kernel asked to read packed (``fp8_ds_mla``) rows: only a sparse kernel
+        that declares that format reads them."""
+        if kv is None or kv.kv_format is None:
+            return []
+        return [Refusal.of(f"{what} over {kv.row_format} rows",
+                           f"the pool holds {kv.row_format} rows ({kv.row_bytes} bytes: "
+                           "fp8 latent with one scale per 128 values, bf16 rope); dense "
+                           f"kernels read 576 values of the pool's kv dtype",
+                           "attend these rows with forward_sparse on a backend whose "
+                           "sparse_kernels declare kv_format fp8_ds_mla, or build the pool "
+                           "with dense rows")]
+
     def query(self, q: torch.Tensor, rows: int, dim: int) -> list[Refusal]:
         return _if("q tensor", validation.query_problems(q, (rows, self.config.num_heads, dim),
                                                          self.device, "q"), _SHAPES_HINT)
@@ -355,6 +382,8 @@ class RequestChecker:
         if mode is not GraphMode.DISABLED:
             refused += self.graph_mode(Phase.DECODE, mode, ForwardMethod.MLA)
         refused += self.pool(kv)
+        if kv.kv_format is not None:
+            refused += self.dense_rows(kv, "dense MLA decode")
         refused += self.query(q, md.batch_size, cfg.kv_row_dim)
         if latent is not None or rope is not None:
             refused += self.new_rows(kv, latent, rope, md.num_tokens)
@@ -394,6 +423,7 @@ class RequestChecker:
                 refused += self.declared(method, phase, q, (q.shape[-1], kv.kv_lora_rank),
                                          kv_dtype=kv.kv_dtype, page_size=kv.page_size,
                                          lse=want_lse)
+                refused += self.dense_rows(kv, f"dense MLA {phase}")
             refused += self.query(q, md.num_tokens, cfg.kv_row_dim)
         else:
             qk_dim, v_dim = cfg.mha_head_dims
@@ -432,7 +462,7 @@ class RequestChecker:
         top_k = int(indices.shape[-1]) if indices.dim() == 2 else None
         reasons = self.capabilities.check_sparse_request(
             phase, top_k=top_k, q_dtype=q_dt, kv_dtype=kv.kv_dtype, page_size=kv.page_size,
-            num_heads=q.shape[1])
+            num_heads=q.shape[1], kv_format=kv.row_format)
         if reasons:
             refused.append(Refusal.of(f"sparse MLA {phase} request", reasons,
                                       "`attnreg backends --json` lists each backend's "

@@ -135,6 +135,12 @@ class GraphSession:
         syncs inside the graph, a hook before every replay (allocator churn),
         ``device_graphs=False`` on a cpu (capture runs once, replay re-runs),
         side-stream warm-up runs per bucket, a fake recorder in tests.
+    sparse : bool
+        The step runs :meth:`~AttentionBackend.forward_sparse` (DSA; its own ``step``
+        reads a static top-k index tensor): the graph state is allocated and each
+        shape bound against the declaration's ``sparse_graph_modes``
+        (``init_cuda_graph_state(sparse=True)``), so a backend whose phase only
+        sparse kernels serve is captured.
 
     Examples
     --------
@@ -153,8 +159,11 @@ class GraphSession:
                  mempool: Any = None,
                  forbid_sync: bool = False, before_replay: Callable[[], object] | None = None,
                  device_graphs: bool | None = None, capture_error_mode: str = "global",
-                 warmup: int = 1, recorder: GraphRecorder | None = None) -> None:
+                 warmup: int = 1, recorder: GraphRecorder | None = None,
+                 sparse: bool = False) -> None:
         self.backend = backend
+        #: the step runs forward_sparse (DSA): capture checks read sparse_graph_modes
+        self.sparse = bool(sparse)
         self.pool = pool
         self.phase = Phase.parse(phase)
         self.mode = GraphMode.parse(mode)
@@ -183,7 +192,9 @@ class GraphSession:
         if self.layers > pool.num_layers:
             raise ValueError(f"{self.layers} layers asked, the pool has {pool.num_layers}")
         # an explicit method is the caller's (the suite checks the backend refuses it)
+        # (sparse attention is absorbed MLA: nothing to pin)
         self.method = ForwardMethod.parse(method) if method is not None else (
+            ForwardMethod.MLA if self.sparse else
             backend.forward_method_for(self.phase, self.mode) or ForwardMethod.MLA)
         self.max_seq_len = int(max_seq_len or backend.config.max_context_len)
         self.max_requests = int(max_requests) if max_requests else None
@@ -334,15 +345,16 @@ class GraphSession:
         max_tokens = max(max(nt for _, nt in self._shapes.values()), max_bs)
         state = self.backend.graph_state
         if (state is not None and state.graph_modes.get(self.phase) is self.mode
-                and state.max_bs >= max_bs and state.max_num_tokens >= max_tokens
-                and state.max_seq_len >= self.max_seq_len):
+                and state.sparse is self.sparse and state.max_bs >= max_bs
+                and state.max_num_tokens >= max_tokens and state.max_seq_len >= self.max_seq_len):
             # another session of this backend allocated state that covers this one: a new
             # init_cuda_graph_state would drop the metadata its graphs replay with
             self._state_ready = True
             return
         with capturing(self.mode):
             self.backend.init_cuda_graph_state(max_bs, max_tokens, max_seq_len=self.max_seq_len,
-                                               graph_modes={self.phase: self.mode})
+                                               graph_modes={self.phase: self.mode},
+                                               sparse=self.sparse)
         self._state_ready = True
 
     def bind(self, key: BucketKey, batch: ForwardBatch | None = None) -> None:

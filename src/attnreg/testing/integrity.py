@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnreg.registry import DType
+from attnreg.registry import DType, SparseKVFormat
 from attnreg.runtime import PADDING_PAGE, MLAKVPool, torch_dtype
+from attnreg.runtime.kv_formats import pack_fp8_ds_mla
 
 from .batches import BatchSpec
 
@@ -60,7 +61,8 @@ _LEDGERS: weakref.WeakKeyDictionary[MLAKVPool, KVLedger] = weakref.WeakKeyDictio
 
 def guarded_pool(num_pages: int, page_size: int, *, num_layers: int, kv_dtype: DType | str,
                  device: torch.device | str, kv_lora_rank: int, rope_dim: int,
-                 scale: float | Sequence[float], fill: float = -3.0) -> MLAKVPool:
+                 scale: float | Sequence[float], fill: float = -3.0,
+                 kv_format: SparseKVFormat | str | None = None) -> MLAKVPool:
     """An :class:`MLAKVPool` whose layers are views into one allocation with guard pages.
 
     Each layer is ``[num_pages, page_size, row]`` with :data:`GUARD_PAGES` pages of
@@ -69,16 +71,26 @@ def guarded_pool(num_pages: int, page_size: int, *, num_layers: int, kv_dtype: D
     row (guards included) starts as ``fill``: finite on purpose, since a kernel that
     loads a whole tile and masks the scores multiplies the masked values by a zero
     probability (harmless for a finite value, NaN for a NaN).  The pool's ledger
-    (:func:`ledger_of`) is created with it.
+    (:func:`ledger_of`) is created with it.  ``kv_format="fp8_ds_mla"``: the layers
+    hold 656-byte rows (``kv_dtype`` must be fp8_e4m3, ``scale`` 1.0), every row the
+    packed row of ``fill``.
     """
     g = GUARD_PAGES
-    dtype = torch_dtype(kv_dtype)
-    storage = torch.full((num_layers, g + num_pages + g, page_size, kv_lora_rank + rope_dim),
-                         fill, dtype=dtype, device=device)
+    fmt = None if kv_format is None or SparseKVFormat(kv_format) is SparseKVFormat.BF16 \
+        else SparseKVFormat(kv_format)
+    if fmt is None:
+        storage = torch.full((num_layers, g + num_pages + g, page_size,
+                              kv_lora_rank + rope_dim),
+                             fill, dtype=torch_dtype(kv_dtype), device=device)
+    else:
+        row = pack_fp8_ds_mla(torch.full((1, kv_lora_rank + rope_dim), float(fill)),
+                              kv_lora_rank)
+        storage = row.to(device).expand(num_layers * (g + num_pages + g) * page_size, -1) \
+            .reshape(num_layers, g + num_pages + g, page_size, -1).contiguous()
     views = [storage[i, g:g + num_pages] for i in range(num_layers)]
     pool = MLAKVPool(num_pages, page_size, num_layers=num_layers, kv_dtype=kv_dtype,
                      device=device, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
-                     scale=scale, buffers=views)
+                     scale=scale, buffers=views, kv_format=fmt)
     _BACKINGS[pool] = _Backing(storage, g)
     _LEDGERS[pool] = KVLedger(pool)
     return pool

@@ -42,9 +42,10 @@ class Canary:
 
     @classmethod
     def fill(cls, pool: MLAKVPool, value: float = -3.0) -> Canary:
-        """Fill every slot of every layer of ``pool`` with ``value``."""
+        """Fill every slot of every layer of ``pool`` with ``value`` (for ``fp8_ds_mla``
+        rows: the packed row of ``value``, see :meth:`MLAKVLayer.fill`)."""
         for layer in pool.layers:
-            layer.buffer.fill_(value)
+            layer.fill(value)
         return cls(pool, pool.layers[0].buffer[0, 0].clone())
 
     def corrupted_slots(self, written: Sequence[int] | torch.Tensor = (), *,
@@ -60,7 +61,7 @@ class Canary:
         ref = self.pattern.view(torch.uint8)
         changed = torch.zeros(pool.num_slots, dtype=torch.bool, device=pool.device)
         for layer in layers:
-            flat = layer.buffer.view(pool.num_slots, pool.row_dim).view(torch.uint8)
+            flat = layer.buffer.view(pool.num_slots, -1).view(torch.uint8)
             changed |= (flat != ref).any(dim=1)
         changed[: (PADDING_PAGE + 1) * pool.page_size] = False
         if isinstance(written, torch.Tensor):

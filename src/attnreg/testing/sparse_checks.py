@@ -26,7 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from attnreg.registry import Capabilities, ForwardMode, GraphMode, Phase, SparseKernel
+from attnreg.registry import (
+    Capabilities,
+    ForwardMode,
+    GraphMode,
+    Phase,
+    SparseKernel,
+    SparseKVFormat,
+)
 
 from .checks import ConformanceCheck, register_check
 from .claims import Check, Claim, ClaimKind, Combo, Expansion, combos_of
@@ -183,7 +190,7 @@ class SparseMatches(_SparseCheck):
 
         backend, config, kernel, cases = _setup(harness, claim)
         assert claim.combo is not None
-        pool = make_pool(config, [c.spec() for c in cases])
+        pool = make_pool(config, [c.spec() for c in cases], kv_format=kernel.kv_format)
         problems: list[str] = []
         for i, case in enumerate(cases):
             sw = make_sparse_workload(config, pool, case, seed=200 + i)
@@ -218,7 +225,11 @@ class SparseIndexRefused(_SparseCheck):
         return [self.claim(
             x, ClaimKind.REFUSAL, site.base,
             f"sparse {site.phase}: an index neither -1 nor a pool slot, and int64 indices, "
-            "are refused with UnsupportedError before the kernel", batches=site.names[:1])]
+            f"are refused with UnsupportedError before the kernel ({site.kernel.kv_format} "
+            "rows)", batches=site.names[:1],
+            # one claim per row format of a phase (the bf16 one keeps its first id)
+            refused="sparse_index" if site.kernel.kv_format is SparseKVFormat.BF16
+            else f"sparse_index_{site.kernel.kv_format}")]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         import torch
@@ -229,8 +240,8 @@ class SparseIndexRefused(_SparseCheck):
         from .sparse import make_sparse_workload
         from .workload import make_pool
 
-        backend, config, _, cases = _setup(harness, claim)
-        pool = make_pool(config, [c.spec() for c in cases])
+        backend, config, kernel, cases = _setup(harness, claim)
+        pool = make_pool(config, [c.spec() for c in cases], kv_format=kernel.kv_format)
         sw = make_sparse_workload(config, pool, cases[0], seed=300)
         backend.init_forward_metadata(sw.work.batch)
         slots = pool.layer(0).num_slots
@@ -287,8 +298,8 @@ class SparseRefusesCapture(_SparseCheck):
         from .sparse import make_sparse_workload
         from .workload import make_pool
 
-        backend, config, _, cases = _setup(harness, claim)
-        pool = make_pool(config, [c.spec() for c in cases])
+        backend, config, kernel, cases = _setup(harness, claim)
+        pool = make_pool(config, [c.spec() for c in cases], kv_format=kernel.kv_format)
         sw = make_sparse_workload(config, pool, cases[0], seed=400)
         backend.init_forward_metadata(sw.work.batch)   # planned eagerly, run "captured"
         try:
@@ -332,10 +343,11 @@ class SparseReplay(_SparseCheck):
         from .sparse import make_sparse_workload
         from .workload import compare, make_pool
 
-        backend, config, _, cases = _setup(harness, claim)
+        backend, config, kernel, cases = _setup(harness, claim)
         assert claim.combo is not None
         phase, mode = claim.combo.phase, claim.graph_mode
-        pool = make_pool(config, [c.spec() for c in cases], spare_pages=4)
+        pool = make_pool(config, [c.spec() for c in cases], spare_pages=4,
+                         kv_format=kernel.kv_format)
         works = [make_sparse_workload(config, pool, c, seed=500 + i)
                  for i, c in enumerate(cases)]
         problems: list[str] = []
@@ -375,6 +387,7 @@ class SparseReplay(_SparseCheck):
 
         longest = max(sw.work.batch.max_seq_len for sw in works)
         session = GraphSession(backend, pool, phase=phase, mode=mode, buckets=[bucket],
+                               sparse=True,
                                forward_modes={fm: 1} if decode else None,
                                max_seq_len=longest, max_requests=max(
                                    sw.work.batch.batch_size for sw in works) + 1,

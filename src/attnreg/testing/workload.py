@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from attnreg.registry import DType, ForwardMethod, ForwardMode
+from attnreg.registry import DType, ForwardMethod, ForwardMode, SparseKVFormat
 from attnreg.runtime import (
     FP8_E4M3_MAX,
     ForwardBatch,
@@ -114,18 +114,22 @@ def layer_scales(config: MLAConfig, num_layers: int = 1) -> list[float]:
 
 
 def make_pool(config: MLAConfig, specs: Sequence[BatchSpec], *, spare_pages: int = 2,
-              num_layers: int = 1) -> MLAKVPool:
+              num_layers: int = 1, kv_format: SparseKVFormat | str | None = None) -> MLAKVPool:
     """A pool big enough for every spec at once (pages are never reused between them).
 
     Guarded and ledgered (:func:`~attnreg.testing.integrity.guarded_pool`): every
     row starts as a finite fill value, and :func:`~attnreg.testing.integrity.kv_problems`
-    checks a step against a byte copy of the whole pool.
+    checks a step against a byte copy of the whole pool.  ``kv_format``: the rows'
+    format (``fp8_ds_mla``: 656-byte rows with their own scales, for a sparse kernel
+    that declares them; None: dense rows of ``config.kv_dtype``).
     """
     pages = sum(-(-n // config.page_size) for s in specs for n in s.seq_lens)
+    packed = kv_format is not None and SparseKVFormat(kv_format) is SparseKVFormat.FP8_DS_MLA
     return guarded_pool(1 + pages + spare_pages, config.page_size, num_layers=num_layers,
                         kv_dtype=config.kv_dtype, device=config.device,
                         kv_lora_rank=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim,
-                        scale=layer_scales(config, num_layers))
+                        scale=1.0 if packed else layer_scales(config, num_layers),
+                        kv_format=SparseKVFormat.FP8_DS_MLA if packed else None)
 
 
 @dataclass

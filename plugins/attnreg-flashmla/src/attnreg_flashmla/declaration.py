@@ -48,6 +48,37 @@ and the dense decode entry it calls; measured on an H200 on 2026-12-01):
   (``out_accum`` / ``lse_accum``, ``batch + num_sm_parts`` rows); under a CUDA
   graph they come from the graph's memory pool.  :func:`decode_call_bytes`
   is that arithmetic.
+
+Sparse (DSA) MLA, ``Capabilities.sparse_kernels`` (docs/sparse.md), from the
+library's interface (``flash_mla_interface.py``, and the checks its legacy
+extension makes) and the H200 run of attnreg issue 32 (2026-12-01: sparse
+decode on V3.2's 656-byte rows within 1.5% of a float64 oracle, captured and
+replayed in a CUDA graph, at 64 heads and top-k 2048; sparse prefill on bf16
+rows within 0.4%):
+
+* Sparse decode, ``flash_mla_with_kvcache(indices=..., is_fp8_kvcache=True,
+  use_legacy=True, kv_format="V32")``: the ``fp8_ds_mla`` rows (kv cache
+  ``[pages, 64, 1, 656]`` bytes), q ``[rows, 1, H, 576]`` bf16, indices
+  ``[rows, 1, top_k]`` int32 pool slots, -1 = none (the only value it treats
+  as invalid: anything else out of range reads out of bounds, so attnreg
+  refuses it first).  ``h_q`` 64 or 128; page size 64; top-k a multiple of the
+  kernel's 64-index block (``topk mod B_TOPK must be 0``), up to 2048 (V3.2's
+  ``index_topk``, the largest run); no per-row top-k length for V3.2.  Each
+  query row is attended on its own (no causal mask, no lengths): a decode
+  batch is ``rows = B``; an extend batch runs as ``rows = T`` one-token rows
+  (what vLLM does with this kernel for prefill).
+* Its split-KV schedule is a function of the shapes only (rows, heads,
+  top-k: the sparse op takes no lengths): the first call of a step computes
+  it on the device (the library's own scheduler, inside the graph when
+  captured), every later layer of the step reuses it.  Nothing is read on the
+  host, so FULL decode and BREAKABLE prefill capture are declared NATIVE.
+* Sparse prefill, ``flash_mla_sparse_fwd(q [rows, H, 576], kv [slots, 1,
+  576], indices [rows, 1, top_k], use_legacy=True)`` over the pool's bf16
+  rows: the same heads, top-k and no host read; it returns the natural-log
+  LSE (declared).  The decode kernel's LSE was not compared with an oracle:
+  not declared.  Both kernels serve decode and extend batches (one query row
+  per index row); rows whose indices are all -1 are zeroed (LSE ``-inf``) by
+  the runtime, whatever the kernel leaves there.
 """
 
 from __future__ import annotations
@@ -67,6 +98,8 @@ from attnreg.registry import (
     KernelConstraints,
     Phase,
     Requirement,
+    SparseKernel,
+    SparseKVFormat,
     SplitKV,
     Vendor,
 )
@@ -74,6 +107,12 @@ from attnreg.registry import (
 __all__ = [
     "BACKEND_NAME",
     "DECODE_FORWARD_MODES",
+    "SPARSE_DECODE_KERNEL",
+    "SPARSE_HEAD_COUNTS",
+    "SPARSE_KV_FORMAT_V32",
+    "SPARSE_MAX_TOP_K",
+    "SPARSE_PREFILL_KERNEL",
+    "SPARSE_TOP_K_MULTIPLE",
     "FLASH_MLA",
     "FP8_HEAD_COUNTS",
     "FP8_KERNEL",
@@ -128,6 +167,17 @@ DECODE_FORWARD_MODES = (
 KERNEL = "flash_mla_with_kvcache (legacy dense decode, sm90)"
 FP8_KERNEL = "flash_mla_with_kvcache(is_fp8_kvcache=True) (legacy dense fp8 decode, sm90)"
 
+#: Query heads the legacy sparse kernels take (``h_q == 64 || h_q == 128``).
+SPARSE_HEAD_COUNTS = (64, 128)
+#: Top-k widths: multiples of the kernels' 64-index block, up to V3.2's index_topk.
+SPARSE_TOP_K_MULTIPLE = 64
+SPARSE_MAX_TOP_K = 2048
+#: The ``kv_format`` name of DeepSeek-V3.2's 656-byte rows in the legacy kernels.
+SPARSE_KV_FORMAT_V32 = "V32"
+SPARSE_DECODE_KERNEL = ("flash_mla_with_kvcache(indices, is_fp8_kvcache=True, kv_format=V32) "
+                        "(legacy sparse fp8 decode, sm90)")
+SPARSE_PREFILL_KERNEL = "flash_mla_sparse_fwd (legacy sparse bf16 prefill, sm90)"
+
 #: SMs of the largest sm90 part (H100 SXM, H200): the scheduler's partition count
 #: grows with the SM count, so capture memory is declared for the largest.
 MAX_SM90_SMS = 132
@@ -143,6 +193,10 @@ _DECODE_ONLY = ("FlashMLA serves MLA decode only: its dense prefill is Blackwell
                 "(flash_attn_varlen_func, sm100) and its sparse prefill needs DSA top-k "
                 "indices; pair it with a prefill backend (e.g. --prefill-backend "
                 "flashinfer_mla)")
+_SPARSE_CAPTURE_NOTE = ("sparse: indices are a device tensor and the fp8 kernel's split-KV "
+                        "schedule depends only on (rows, heads, top-k), computed on the device "
+                        "by the step's first call (inside the graph); no host value is read")
+_SPARSE_PIECEWISE_NOTE = "sparse attention runs eagerly between the captured pieces"
 _SCHEDULER_NOTE = ("split-KV schedule re-planned before every replay: the scheduler kernel "
                    "runs on the replay's device sequence lengths into the buffers the graph "
                    "reads (never frozen at capture: sglang #26019)")
@@ -259,8 +313,9 @@ def _platform_reason(ctx: DeclarationContext) -> str:
     if plat.sm != SM:
         if plat.sm >= 100:
             return (f"FlashMLA's dense MLA decode exists only in its legacy sm{SM} kernels; "
-                    f"its {plat.arch} kernels are sparse (DSA top-k) attention, which "
-                    f"attnreg's capability model cannot declare; this is {plat}")
+                    f"its {plat.arch} kernels are sparse (DSA top-k) attention over "
+                    f"DeepSeek's KV formats, not declared by this plugin (only sm{SM} was "
+                    f"run); this is {plat}")
         return f"FlashMLA's dense MLA decode needs sm{SM} (Hopper); this is {plat}"
     return ""
 
@@ -277,6 +332,8 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     plat = ctx.platform
     reason = _platform_reason(ctx)
     kernels: tuple[KernelConstraints, ...] = ()
+    sparse: tuple[SparseKernel, ...] = ()
+    sparse_modes: tuple[GraphModeSupport, ...] = ()
     unavailable: tuple[tuple[str, str], ...] = ()
     if not reason:
         bf16 = frozenset({DType.BF16})
@@ -294,6 +351,25 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                               split_kv=SplitKV.HOST_PLANNED, q_compute_dtype=DType.FP8_E4M3),
         )
         unavailable = (("prefill / extend", _DECODE_ONLY),)
+        both = frozenset({Phase.DECODE, Phase.PREFILL})
+        sparse = (
+            SparseKernel(both, bf16, SparseKVFormat.FP8_DS_MLA, page_sizes=(PAGE_SIZE,),
+                         max_heads=max(SPARSE_HEAD_COUNTS), head_counts=SPARSE_HEAD_COUNTS,
+                         top_k_multiple=SPARSE_TOP_K_MULTIPLE, max_top_k=SPARSE_MAX_TOP_K,
+                         kernel=SPARSE_DECODE_KERNEL, lse=False),
+            SparseKernel(both, bf16, SparseKVFormat.BF16, page_sizes=(PAGE_SIZE,),
+                         max_heads=max(SPARSE_HEAD_COUNTS), head_counts=SPARSE_HEAD_COUNTS,
+                         top_k_multiple=SPARSE_TOP_K_MULTIPLE, max_top_k=SPARSE_MAX_TOP_K,
+                         kernel=SPARSE_PREFILL_KERNEL, lse=True),
+        )
+        sparse_modes = (
+            GraphModeSupport(Phase.DECODE, GraphMode.FULL,
+                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE)),
+            GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE,
+                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE)),
+            GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
+                             CaptureSupport.native(_SPARSE_PIECEWISE_NOTE)),
+        )
     unserved = CaptureSupport.unsupported(_DECODE_ONLY)
     modes = (
         GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(_SCHEDULER_NOTE),
@@ -305,6 +381,7 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     return Capabilities(
         backend=BACKEND_NAME, platform=plat, vendors=frozenset({Vendor.CUDA}),
         kernels=kernels, graph_modes=modes,
+        sparse_kernels=sparse, sparse_graph_modes=sparse_modes,
         unavailable_kernels=unavailable, platform_reason=reason,
         # Above flashinfer_mla (30), its sm90 alternative: on the H200 FlashMLA
         # decoded the P1 shapes in 0.975x fa3's time (geometric mean).  Below
@@ -319,5 +396,10 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                "causal) are one kernel call of s_q tokens per sequence, eagerly and in the "
                "decode graphs; draft-extend batches (ragged accepted lengths) are not served",
                "log-sum-exp (return_lse) from the bf16-pool kernel only",
-               _SCHEDULER_NOTE),
+               _SCHEDULER_NOTE,
+               f"sparse (DSA) MLA, decode and extend, heads "
+               f"{', '.join(map(str, SPARSE_HEAD_COUNTS))}, top-k multiples of "
+               f"{SPARSE_TOP_K_MULTIPLE} up to {SPARSE_MAX_TOP_K}: fp8_ds_mla rows (656 bytes) "
+               "through the sparse fp8 decode kernel, bf16 rows through the sparse prefill "
+               "kernel (with its LSE); captured in decode FULL and prefill BREAKABLE graphs"),
     )

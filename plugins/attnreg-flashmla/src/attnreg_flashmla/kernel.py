@@ -17,10 +17,10 @@ from types import ModuleType
 import torch
 from attnreg.registry import BackendUnavailableError
 
-from .declaration import BACKEND_NAME, FLASH_MLA
+from .declaration import BACKEND_NAME, FLASH_MLA, SPARSE_KV_FORMAT_V32
 
 __all__ = ["FP8_MAX", "Schedule", "decode", "load_library", "quantize_q", "schedule",
-           "store_lse"]
+           "sparse_decode", "sparse_prefill", "store_lse"]
 
 #: Largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
@@ -171,3 +171,49 @@ def store_lse(lse: torch.Tensor, into: torch.Tensor) -> None:
     # launch, no temporary; NaN and -inf are kept as they are (each needs saying).
     inf = float("inf")
     torch.nan_to_num(into, nan=float("nan"), posinf=-inf, neginf=-inf, out=into)
+
+
+def sparse_decode(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
+                  sched_meta: object, *, softmax_scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA of ``q [rows, H, 576]`` bf16 over ``fp8_ds_mla`` rows: FlashMLA's legacy
+    sparse fp8 decode, one query token per row (a decode sequence or an extend token).
+
+    ``cache`` is one layer's pool buffer ``uint8 [pages, 64, 656]`` (V3.2's rows);
+    ``indices`` int32 ``[rows, top_k]`` pool slots or -1, already checked.
+    ``sched_meta`` is a ``FlashMLASchedMeta`` (``lib.get_mla_metadata()[0]``): empty,
+    the call fills it on the device (the sparse schedule depends on rows, heads and
+    top-k only); the later calls of the step pass the same one back.
+
+    Returns ``(out [rows, H, 512] bf16, lse [rows, H, 1] float32)`` as the library
+    allocated them (the LSE is not declared for this kernel).
+    """
+    rows, heads, dim = q.shape
+    q4 = q.view(rows, 1, heads, dim)
+    k4 = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[-1])
+    idx = indices.view(rows, 1, indices.shape[-1])
+    out, lse = lib.flash_mla_with_kvcache(q4, k4, None, None, _LATENT, sched_meta,
+                                          softmax_scale=softmax_scale, is_fp8_kvcache=True,
+                                          indices=idx, use_legacy=True,
+                                          kv_format=SPARSE_KV_FORMAT_V32)
+    return out.view(rows, heads, _LATENT), lse
+
+
+def sparse_prefill(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor,
+                   indices: torch.Tensor, *, softmax_scale: float, want_lse: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sparse MLA of ``q [rows, H, 576]`` bf16 over the pool's bf16 rows: FlashMLA's legacy
+    sparse prefill (``flash_mla_sparse_fwd``), one query token per row.
+
+    ``cache`` is one layer's buffer ``[pages, page_size, 576]`` bf16, read as
+    ``[slots, 1, 576]`` (an index is a flat slot); ``indices`` int32 ``[rows,
+    top_k]``, already checked.  Returns ``(out [rows, H, 512] bf16, lse [rows, H]
+    float32 natural log, or None when not wanted: the kernel then skips it)``.
+    """
+    rows = q.shape[0]
+    kv = cache.view(-1, 1, cache.shape[-1])
+    idx = indices.view(rows, 1, indices.shape[-1])
+    out, _max_logits, lse = lib.flash_mla_sparse_fwd(
+        q, kv, idx, softmax_scale, d_v=_LATENT, use_legacy=True,
+        return_log2_lse=None if want_lse else False)
+    return out, lse

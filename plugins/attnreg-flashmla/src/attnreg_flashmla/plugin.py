@@ -18,7 +18,8 @@ def attnreg_register_backends(register: Callable[[BackendSpec], None]) -> None:
     """Register ``flashmla``: its declaration and, by dotted path, its runtime class."""
     register(BackendSpec(
         name=BACKEND_NAME,
-        summary="FlashMLA dense MLA decode (sgl-flash-mla, sm90): bf16 or fp8 pool, page size 64",
+        summary=("FlashMLA dense MLA decode and sparse (DSA) MLA (sgl-flash-mla, sm90): "
+                 "bf16 or fp8 pool, page size 64"),
         capabilities=capabilities,
         # A string, not the class: torch and flash_mla are imported only when an
         # engine instantiates the backend, never by `attnreg backends` or `compat`.

@@ -19,11 +19,22 @@ buffers allocated once and recomputed from the replayed sequence lengths in
 (declared ``split_kv: host_planned``).  One plan serves every layer of a
 step: the forward hooks receive the layer (:class:`~attnreg.runtime.MLAKVLayer`)
 and read its buffer and FP8 scale.
+
+Sparse (DSA) MLA (``forward_sparse``; docs/sparse.md) runs on decode and extend
+batches alike, one query row per index row: over ``fp8_ds_mla`` rows through
+the sparse fp8 decode kernel, over bf16 rows through the sparse prefill kernel
+(:func:`~attnreg_flashmla.kernel.sparse_decode` / ``sparse_prefill``).  The
+runtime has refused every index that is neither -1 nor a pool slot before a
+hook here runs.  The fp8 kernel's schedule depends only on (rows, heads,
+top-k): the plan holds one library schedule object per top-k width, filled on
+the device by the step's first call and reused by its other layers; under
+capture it is filled inside the graph, so nothing is read on the host and
+nothing is frozen that a replay would need changed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +44,7 @@ from attnreg.registry import (
     ForwardMethod,
     ForwardMode,
     Phase,
+    SparseKVFormat,
     UnsupportedError,
 )
 from attnreg.runtime import (
@@ -65,11 +77,15 @@ class FlashMLAPlan:
     batch, views of :class:`FlashMLAGraphBuffers` for a captured shape.
     ``tokens_per_seq``: the query tokens per sequence the call is made for
     (1 for decode, the draft tokens for target verify): the schedule depends
-    on it (``s_q * H`` query rows).
+    on it (``s_q * H`` query rows).  An extend batch (served by the sparse
+    kernels only) has no dense schedule (None).
     """
 
-    schedule: kernel.Schedule
+    schedule: kernel.Schedule | None
     tokens_per_seq: int = 1
+    #: the sparse fp8 kernel's schedule objects (``FlashMLASchedMeta``) by top-k width,
+    #: filled by the first sparse call of the step, reused by its other layers
+    sparse_meta: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,7 +115,8 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         When ``flash_mla`` cannot be imported or has no legacy kernels.
     UnsupportedError
         When ``config`` asks for what the declaration does not cover (page
-        size other than 64, a head count not run on the device, fp16).
+        size other than 64, a head count not run on the device, fp16): neither
+        the dense decode kernels nor a sparse kernel accepts it.
     """
 
     def __init__(self, config: MLAConfig, *, capabilities: Capabilities,
@@ -109,6 +126,16 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
             ForwardMethod.MLA, Phase.DECODE, head_dims=config.mla_head_dims,
             q_dtype=config.q_dtype, kv_dtype=config.kv_dtype, page_size=config.page_size,
             num_heads=config.num_heads)
+        if reasons and capabilities.sparse_kernels:
+            # a configuration only the sparse kernels serve (a DSA model) is accepted too
+            sparse = [capabilities.check_sparse_request(
+                phase, q_dtype=config.q_dtype, kv_dtype=config.kv_dtype,
+                page_size=config.page_size, num_heads=config.num_heads)
+                for phase in (Phase.DECODE, Phase.PREFILL)]
+            if config.mla_head_dims == (576, 512) and not all(sparse):
+                reasons = []
+            else:
+                reasons = reasons + [f"sparse MLA: {r}" for r in sparse[0]]
         if reasons:
             raise UnsupportedError(self.name, "configuration", reasons,
                                    "see `attnreg backends --json` for what flashmla "
@@ -128,8 +155,12 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
 
         Decode: 1.  Target verify: every sequence's draft tokens (uniform: the
         batch builder and the base class's forward-mode check insist), the
-        captured draft tokens for graph metadata.
+        captured draft tokens for graph metadata.  Extend: 0 (no dense kernel
+        call; the sparse kernels serve it, one row per token).
         """
+        if md.forward_mode is ForwardMode.EXTEND and self.capabilities.serves_sparse(
+                Phase.PREFILL):
+            return 0
         if md.forward_mode not in _SERVED_MODES:
             why = _DRAFT_EXTEND_WHY if md.forward_mode is ForwardMode.DRAFT_EXTEND else \
                 "flashmla has no prefill kernel"
@@ -140,10 +171,11 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
 
     def _init_metadata_impl(self, md: ForwardMetadata[FlashMLAPlan]) -> None:
         tokens = self._tokens_per_seq(md)
-        md.plan = FlashMLAPlan(self._schedule(md.seq_lens, tokens), tokens)
+        md.plan = FlashMLAPlan(self._schedule(md.seq_lens, tokens) if tokens else None, tokens)
 
     def _init_graph_state_impl(self, state: GraphState[FlashMLAGraphBuffers]) -> None:
-        if Phase.DECODE not in state.graph_modes:
+        # sparse graphs read no dense schedule (their own is filled inside the graph)
+        if Phase.DECODE not in state.graph_modes or state.sparse:
             return
         # The shape the declaration's capture memory is asked about: one source of the
         # SM count (the device's; the largest sm90 part's where torch cannot tell).
@@ -159,6 +191,11 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
 
     def _init_capture_impl(self, md: ForwardMetadata[FlashMLAPlan]) -> None:
         tokens = self._tokens_per_seq(md)
+        if not tokens or self._require_graph_state().sparse:
+            # a sparse capture: the fp8 kernel's schedule is filled by the first call
+            # inside the graph (a fresh plan: nothing of an eager batch's is reused)
+            md.plan = FlashMLAPlan(None, tokens)
+            return
         # the capture batch's own schedule, so warm-up and capture read real values; its
         # shape (partitions for s_q * H rows, bs + 1 splits) is the library's
         fresh = self._schedule(md.seq_lens, tokens)
@@ -177,7 +214,8 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         # lengths (already in md.seq_lens) into the buffers the graph reads.  Never
         # frozen at capture (sglang #26019).
         plan = self._plan(md)
-        plan.schedule.refresh(self._schedule(md.seq_lens, plan.tokens_per_seq))
+        if plan.schedule is not None:  # sparse graphs recompute theirs inside the graph
+            plan.schedule.refresh(self._schedule(md.seq_lens, plan.tokens_per_seq))
 
     def _plan(self, md: ForwardMetadata[FlashMLAPlan]) -> FlashMLAPlan:
         if md.plan is None:  # the base class plans every metadata it hands out
@@ -209,6 +247,12 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         """One kernel call for ``s_q`` query tokens per sequence over ``layer``."""
         plan = self._plan(md)
         tokens = plan.tokens_per_seq
+        if plan.schedule is None:
+            raise UnsupportedError(self.name, "dense decode on sparse graph metadata",
+                                   "this shape was captured for forward_sparse (no dense "
+                                   "split-KV schedule was planned)",
+                                   "capture dense decode in a graph state allocated with "
+                                   "sparse=False")
         scale = self.config.softmax_scale
         q = q if q.is_contiguous() else q.contiguous()
         if self._fp8:
@@ -235,3 +279,40 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
             # (causal over a length-0 sequence), so those are zeroed here (two launches,
             # capture-safe; a no-op for eager metadata).  The base class sets their LSE.
             self.zero_padded_rows(out, md)
+
+    # ------------------------------------------------------------------------------
+    # sparse (DSA)
+    # ------------------------------------------------------------------------------
+    def _forward_sparse_impl(self, q: torch.Tensor, pool: MLAKVLayer,
+                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor,
+                             indices: torch.Tensor, *, lse: torch.Tensor | None = None) -> None:
+        """One library call for every query row: the fp8 kernel over ``fp8_ds_mla`` rows,
+        the prefill kernel over bf16 rows (the base class matched the pool's rows to a
+        declared kernel and checked every index)."""
+        plan = self._plan(md)
+        scale = self.config.softmax_scale
+        q = q if q.is_contiguous() else q.contiguous()
+        indices = indices if indices.is_contiguous() else indices.contiguous()
+        if pool.kv_format is SparseKVFormat.FP8_DS_MLA:
+            top_k = int(indices.shape[-1])
+            meta = plan.sparse_meta.get(top_k)
+            if meta is None:
+                meta = plan.sparse_meta[top_k] = self._lib.get_mla_metadata()[0]
+            result, lse_lib = kernel.sparse_decode(self._lib, q, pool.buffer, indices, meta,
+                                                   softmax_scale=scale)
+            lse_rows = None if lse_lib is None else lse_lib.view(q.shape[0], q.shape[1])
+        else:
+            result, lse_rows = kernel.sparse_prefill(self._lib, q, pool.buffer, indices,
+                                                     softmax_scale=scale,
+                                                     want_lse=lse is not None)
+        out.copy_(result)
+        # a row whose indices are all -1 attends nothing: 0 and -inf, whatever the kernel
+        # left there (device ops only: capture-safe)
+        empty = (indices == -1).all(dim=-1)
+        out.masked_fill_(empty[:, None, None], 0.0)
+        if lse is not None:
+            assert lse_rows is not None
+            lse.copy_(lse_rows)
+            inf = float("inf")
+            torch.nan_to_num(lse, nan=float("nan"), posinf=-inf, neginf=-inf, out=lse)
+            lse.masked_fill_(empty[:, None], -inf)
