@@ -182,8 +182,7 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         """Copy ``batch`` into the graph buffers of the captured shape, outside the graph,
         before the replay (missing sequences get length 0, missing tokens the padding
         slot); refused when no graph was captured for it, or the batch does not fit."""
-        fmode = ForwardMode.parse(forward_mode) if forward_mode is not None \
-            else batch.forward_mode
+        fmode = batch.forward_mode if forward_mode is None else ForwardMode.parse(forward_mode)
         state = self.graph_state
         md = None if state is None else state.captured_for(fmode, bs, num_tokens)
         if state is None or md is None:
