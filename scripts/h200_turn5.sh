@@ -56,12 +56,15 @@ case $step in
     echo "rc=$?" >>"$OUT/gpu-tests.log"
     ;;
   sparse)
-    timeout $(left 200) python3 scripts/probe_flashmla_sparse.py >"$OUT/probe.log" 2>&1
-    echo "rc=$?" >>"$OUT/probe.log"
+    for b in ${REST_TOO:-}; do  # another backend's non-capture claims beside these
+      conf "$b-rest" 540 --backend $b -k "not capture" &
+    done
+    (timeout $(left 300) python3 scripts/probe_flashmla_sparse.py >"$OUT/probe.log" 2>&1; \
+      echo "rc=$?" >>"$OUT/probe.log") &
     conf flashmla 520 --plugin attnreg_flashmla.plugin --backend flashmla &
     (cd tests/conformance && conf sparse-planted 520 --plugin planted.sparse -k sparse \
       --backend dsa_control --backend planted_dsa_ignores_indices \
-      --backend planted_dsa_reads_invalid ${PLANTED_EXTRA:-}) &
+      --backend planted_dsa_reads_invalid --backend planted_dsa_wrong_scale_block) &
     timeout $(left 520) python3 -m pytest plugins/attnreg-flashmla/tests -m gpu -q -rs \
       -p no:cacheprovider -p no:xdist >"$OUT/plugin-gpu-tests.log" 2>&1 &
     wait
