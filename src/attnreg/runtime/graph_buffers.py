@@ -195,7 +195,7 @@ class GraphState(Generic[BuffersT]):
         summary made when it was packed), copy its flat buffer whole and return True.
         False (nothing copied) for any other batch: the caller then checks it per tensor
         (``batch_problems``, :meth:`fit_problems`, whose messages say why) and
-        :meth:`fill`\ s it.  Everything this skips was checked by ``IndexLayout.pack``
+        copies it with :meth:`fill`.  Everything this skips was checked by ``IndexLayout.pack``
         (int32 views of one buffer, the shapes, seq = prefix + extend, the page table)."""
         packed = batch.packed
         flat = self.flat
