@@ -7,7 +7,8 @@
 # bench:  the graph-session benchmark three times (three processes), then the runtime's GPU
 #         tests.
 # sparse: the FlashMLA plugin's sparse probe, its conformance (dense and sparse claims), the
-#         planted sparse defects under real graphs, the plugin's GPU tests.
+#         planted sparse defects under real graphs, the plugin's GPU tests; with FA4=1 also
+#         flash_attn_cute's conformance (stage .gpu/fa4-1 and .gpu/fa4-2 in two calls first).
 # Every step tars its results to $OUT/results-<step>.tgz and removes the rest (a device call
 # brings back only a few files, the first in name order).
 set -u
@@ -67,11 +68,15 @@ case $step in
       --backend planted_dsa_reads_invalid --backend planted_dsa_wrong_scale_block) &
     timeout $(left 520) python3 -m pytest plugins/attnreg-flashmla/tests -m gpu -q -rs \
       -p no:cacheprovider -p no:xdist >"$OUT/plugin-gpu-tests.log" 2>&1 &
+    if [ -n "${FA4:-}" ]; then  # flash-attn-4 staged by two calls before (see .gpu/setup.sh)
+      conf flash_attn_cute 520 --backend flash_attn_cute &
+    fi
     wait
     ;;
 esac
 # the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
 [ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
-tar czf "$OUT/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null \
-  && find "$OUT" -type f ! -name '*.tgz' -delete && find "$OUT" -mindepth 1 -type d -empty -delete
+tar czf "/tmp/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
+find "$OUT" -mindepth 1 ! -name fi-cache.tgz -delete
+mv "/tmp/results-$step.tgz" "$OUT/"
 ls -la "$OUT"
