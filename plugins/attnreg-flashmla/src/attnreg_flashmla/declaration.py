@@ -132,6 +132,8 @@ __all__ = [
     "num_sm_parts",
     "scheduler_bytes",
     "scheduler_shapes",
+    "sparse_call_bytes",
+    "sparse_capture_bytes",
 ]
 
 BACKEND_NAME = "flashmla"
@@ -303,6 +305,53 @@ _CAPTURE_MEMORY = CaptureMemory(
              "rounded to fp8 [B, s_q H, 576]"))
 
 
+def sparse_call_bytes(rows: int, num_heads: int, *, fp8_rows: bool,
+                      num_sms: int = MAX_SM90_SMS) -> dict[str, int]:
+    """What one sparse call allocates, by name (bytes, allocator-rounded), for ``rows``
+    query rows: inside a captured graph these come from its memory pool.
+
+    The fp8 decode kernel (``fp8_rows``): bf16 out ``[rows, H, 512]``, fp32 LSE
+    ``[rows, H]``, its schedule (``[num_sm_parts(H), 8]`` and ``[rows + 1]`` int32)
+    and, as the dense decode kernel allocates them, the split-KV accumulators for
+    ``rows + num_sm_parts(H)`` splits.  The prefill kernel: bf16 out, fp32 max
+    logits and LSE.  Both: the runtime's mask of rows with no valid index.  The
+    sparse kernels' allocations were not measured on a device: this is the
+    interface's shapes and the dense kernel's accumulator scheme.
+    """
+    heads = num_heads
+    if fp8_rows:
+        parts = num_sm_parts(heads, 1, num_sms)
+        splits = rows + parts
+        sizes = {"out": rows * heads * _LATENT * 2, "lse": rows * heads * 4,
+                 "tile_scheduler_metadata": parts * SCHEDULER_INTS * 4,
+                 "num_splits": (rows + 1) * 4,
+                 "lse_accum": splits * heads * 4, "out_accum": splits * heads * _LATENT * 4}
+    else:
+        sizes = {"out": rows * heads * _LATENT * 2, "max_logits": rows * heads * 4,
+                 "lse": rows * heads * 4}
+    sizes["empty_rows"] = rows
+    return {name: _granules(n) for name, n in sizes.items()}
+
+
+def sparse_capture_bytes(shape: CaptureShape) -> int:
+    """Capture memory of a sparse graph at ``shape``: one sparse call of
+    ``max_num_tokens`` rows (decode: the batch; prefill: the tokens), by the kernel
+    the pool's KV dtype selects (fp8: ``fp8_ds_mla`` rows).  Layers reuse it."""
+    fp8 = DType.parse(shape.kv_dtype) is DType.FP8_E4M3
+    return sum(sparse_call_bytes(max(shape.max_num_tokens, shape.max_batch_size),
+                                 shape.num_heads, fp8_rows=fp8,
+                                 num_sms=shape.num_sms or MAX_SM90_SMS).values())
+
+
+_SPARSE_CAPTURE_MEMORY = CaptureMemory(
+    bytes_fn=sparse_capture_bytes,
+    formula=("one sparse call of R = max_num_tokens rows: fp8_ds_mla rows (fp8 decode "
+             "kernel): bf16 out [R, H, 512], fp32 lse [R, H], schedule int32 "
+             "[num_sm_parts(H, 1), 8] + [R+1], fp32 split-KV accumulators [R + "
+             "num_sm_parts(H, 1), H, 512 + 1]; bf16 rows (prefill kernel): bf16 out, fp32 "
+             "max logits and lse [R, H]; not measured on a device"))
+
+
 def _platform_reason(ctx: DeclarationContext) -> str:
     plat = ctx.platform
     if plat.vendor is not Vendor.CUDA:
@@ -364,9 +413,11 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         )
         sparse_modes = (
             GraphModeSupport(Phase.DECODE, GraphMode.FULL,
-                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE)),
+                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE),
+                             capture_memory=_SPARSE_CAPTURE_MEMORY),
             GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE,
-                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE)),
+                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE),
+                             capture_memory=_SPARSE_CAPTURE_MEMORY),
             GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
                              CaptureSupport.native(_SPARSE_PIECEWISE_NOTE)),
         )
