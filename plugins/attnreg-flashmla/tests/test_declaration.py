@@ -268,7 +268,10 @@ def test_sparse_kernels_are_declared_on_sm90_only_with_their_capture_support():
     for k in caps.sparse_kernels:
         assert k.phases == {Phase.DECODE, Phase.PREFILL}
         assert k.head_counts == SPARSE_HEAD_COUNTS and k.page_sizes == (PAGE_SIZE,)
-        assert k.accepts_top_k(2048) and k.accepts_top_k(64) and not k.accepts_top_k(100)
+        assert k.accepts_top_k(2048) and k.accepts_top_k(128) and not k.accepts_top_k(100)
+    # the sm90 prefill kernel asserts topk % 128 == 0 (top-k 64 reached it on the H200)
+    assert formats[SparseKVFormat.FP8_DS_MLA].accepts_top_k(64)
+    assert not formats[SparseKVFormat.BF16].accepts_top_k(64)
     assert formats[SparseKVFormat.BF16].lse and not formats[SparseKVFormat.FP8_DS_MLA].lse
     # a DSA model with an fp8 pool gets the fp8_ds_mla kernel, a bf16 one the prefill kernel
     assert caps.check_sparse_request("decode", top_k=2048, kv_dtype="fp8_e4m3", num_heads=128,

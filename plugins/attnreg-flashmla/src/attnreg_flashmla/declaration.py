@@ -74,8 +74,9 @@ rows within 0.4%):
   host, so FULL decode and BREAKABLE prefill capture are declared NATIVE.
 * Sparse prefill, ``flash_mla_sparse_fwd(q [rows, H, 576], kv [slots, 1,
   576], indices [rows, 1, top_k], use_legacy=True)`` over the pool's bf16
-  rows: the same heads, top-k and no host read; it returns the natural-log
-  LSE (declared).  The decode kernel's LSE was not compared with an oracle:
+  rows: the same heads and no host read, top-k a multiple of 128 (its sm90
+  kernel asserts ``topk % (2 * B_TOPK) == 0``: top-k 64 reached that assert on
+  the H200, 2026-12-02); it returns the natural-log LSE (declared).  The decode kernel's LSE was not compared with an oracle:
   not declared.  Both kernels serve decode and extend batches (one query row
   per index row); rows whose indices are all -1 are zeroed (LSE ``-inf``) by
   the runtime, whatever the kernel leaves there.
@@ -112,6 +113,7 @@ __all__ = [
     "SPARSE_KV_FORMAT_V32",
     "SPARSE_MAX_TOP_K",
     "SPARSE_PREFILL_KERNEL",
+    "SPARSE_PREFILL_TOP_K_MULTIPLE",
     "SPARSE_TOP_K_MULTIPLE",
     "FLASH_MLA",
     "FP8_HEAD_COUNTS",
@@ -171,8 +173,12 @@ FP8_KERNEL = "flash_mla_with_kvcache(is_fp8_kvcache=True) (legacy dense fp8 deco
 
 #: Query heads the legacy sparse kernels take (``h_q == 64 || h_q == 128``).
 SPARSE_HEAD_COUNTS = (64, 128)
-#: Top-k widths: multiples of the kernels' 64-index block, up to V3.2's index_topk.
+#: Top-k widths of the fp8 decode kernel: multiples of its 64-index block, up to V3.2's
+#: index_topk (64 and 2048 ran on the H200, 2026-12-02).
 SPARSE_TOP_K_MULTIPLE = 64
+#: The sm90 sparse prefill kernel asserts ``topk % (2 * B_TOPK) == 0`` (phase1.cuh; top-k
+#: 64 reached that assert on the H200, 2048 ran): multiples of 128.
+SPARSE_PREFILL_TOP_K_MULTIPLE = 128
 SPARSE_MAX_TOP_K = 2048
 #: The ``kv_format`` name of DeepSeek-V3.2's 656-byte rows in the legacy kernels.
 SPARSE_KV_FORMAT_V32 = "V32"
@@ -408,8 +414,8 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                          kernel=SPARSE_DECODE_KERNEL, lse=False),
             SparseKernel(both, bf16, SparseKVFormat.BF16, page_sizes=(PAGE_SIZE,),
                          max_heads=max(SPARSE_HEAD_COUNTS), head_counts=SPARSE_HEAD_COUNTS,
-                         top_k_multiple=SPARSE_TOP_K_MULTIPLE, max_top_k=SPARSE_MAX_TOP_K,
-                         kernel=SPARSE_PREFILL_KERNEL, lse=True),
+                         top_k_multiple=SPARSE_PREFILL_TOP_K_MULTIPLE,
+                         max_top_k=SPARSE_MAX_TOP_K, kernel=SPARSE_PREFILL_KERNEL, lse=True),
         )
         sparse_modes = (
             GraphModeSupport(Phase.DECODE, GraphMode.FULL,
@@ -449,8 +455,9 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                "log-sum-exp (return_lse) from the bf16-pool kernel only",
                _SCHEDULER_NOTE,
                f"sparse (DSA) MLA, decode and extend, heads "
-               f"{', '.join(map(str, SPARSE_HEAD_COUNTS))}, top-k multiples of "
-               f"{SPARSE_TOP_K_MULTIPLE} up to {SPARSE_MAX_TOP_K}: fp8_ds_mla rows (656 bytes) "
-               "through the sparse fp8 decode kernel, bf16 rows through the sparse prefill "
-               "kernel (with its LSE); captured in decode FULL and prefill BREAKABLE graphs"),
+               f"{', '.join(map(str, SPARSE_HEAD_COUNTS))}, top-k up to {SPARSE_MAX_TOP_K}: "
+               f"fp8_ds_mla rows (656 bytes) through the sparse fp8 decode kernel (top-k "
+               f"multiples of {SPARSE_TOP_K_MULTIPLE}), bf16 rows through the sparse prefill "
+               f"kernel (multiples of {SPARSE_PREFILL_TOP_K_MULTIPLE}, with its LSE); captured "
+               "in decode FULL and prefill BREAKABLE graphs"),
     )
