@@ -148,7 +148,9 @@ def main() -> int:
     from attnreg.registry import DeclarationContext, DType, ForwardMode, Phase, Platform
     from attnreg.runtime import GraphSession, MLAConfig, StepInputs
     from attnreg.runtime.refusals import sparse_index_problems
+    from attnreg.testing import checks  # noqa: F401 - registers every check (sparse ones too)
     from attnreg.testing.sparse import make_sparse_workload, sparse_cases
+    from attnreg.testing.sparse_checks import claim_top_k
     from attnreg.testing.workload import compare, compare_lse, make_pool
 
     plat = Platform.parse(f"cuda:sm{cap[0]}{cap[1]}")
@@ -157,12 +159,38 @@ def main() -> int:
         print(f"FAIL: flashmla declares no sparse kernel on {plat}: {caps.platform_reason}",
               flush=True)
         return 1
-    top_ks = (64,) if args.quick else (64, 2048)
     failed_kernels: set[str] = set()
+
+    def refused_width(kernel: Any, kv_dtype: str, fmt: Any) -> dict[str, Any]:
+        """A width the kernel does not declare is refused before the library is called."""
+        from attnreg.registry import UnsupportedError
+        from attnreg.runtime import decode_batch
+
+        width = next(w for w in range(1, kernel.max_top_k) if not kernel.accepts_top_k(w)
+                     and w % 8 == 0)
+        cfg = MLAConfig(num_heads=kernel.head_counts[0], page_size=64, kv_dtype=kv_dtype,
+                        device=DEVICE)
+        be = FlashMLABackend(cfg, capabilities=caps)
+        pool = make_pool(cfg, [sparse_cases(Phase.DECODE, 64)[0].spec()], kv_format=fmt)
+        batch = decode_batch(pool, [70, 10])
+        idx = torch.full((2, width), -1, dtype=torch.int32, device=DEVICE)
+        idx[:, 0] = batch.out_cache_loc
+        q = torch.randn(2, cfg.num_heads, 576, device=DEVICE).bfloat16()
+        try:
+            be.forward_sparse(q, None, None, pool, batch, topk_indices=idx)
+        except UnsupportedError as exc:
+            return {"ok": f"top-k {width}" in str(exc), "width": width,
+                    "detail": str(exc)[:300]}
+        return {"ok": False, "width": width, "detail": "ran without UnsupportedError"}
 
     for kernel in caps.sparse_kernels:
         fmt = kernel.kv_format
         kv_dtype = "fp8_e4m3" if fmt.value == "fp8_ds_mla" else "bf16"
+        # the smallest width the kernel declares (the suite's) and DeepSeek-V3.2's 2048
+        top_ks = sorted({claim_top_k(kernel)} | (set() if args.quick else {2048}))
+        _guarded("refusal", f"{fmt}/top-k outside {kernel.describe_top_k()}",
+                 lambda kernel=kernel, kv_dtype=kv_dtype, fmt=fmt: refused_width(
+                     kernel, kv_dtype, fmt))
         for heads in kernel.head_counts:
             for top_k in top_ks:
                 for phase in sorted(kernel.phases, key=str):
@@ -299,7 +327,7 @@ def _raw_diagnosis(formats: set[str]) -> None:
     from attnreg.runtime.kv_formats import pack_fp8_ds_mla, unpack_fp8_ds_mla
 
     gen = torch.Generator().manual_seed(5)
-    heads, top_k, pages = 64, 64, 4
+    heads, top_k, pages = 64, 128, 4        # 128: a width both kernels take
     rows = torch.randn(pages * 64, 576, generator=gen)
     q = torch.randn(2, 1, heads, 576, generator=gen).bfloat16().to(DEVICE)
     idx = torch.randperm(pages * 64, generator=gen)[:2 * top_k].view(2, 1, top_k)

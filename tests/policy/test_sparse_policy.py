@@ -79,6 +79,16 @@ def test_a_dense_model_never_gets_a_sparse_only_backend() -> None:
     assert sim("cuda:sm90", V32, registry=reg).decode.backend == "sparse_only"
 
 
+def test_a_sparse_only_declaration_given_directly_runs_a_sparse_model() -> None:
+    only = with_sparse(declaration("sparse_only"), dense=False)
+    plan = sim("cuda:sm90", V32, only)
+    assert plan.decode.backend == plan.prefill.backend == "sparse_only"
+    assert plan.decode.mode is GraphMode.FULL   # its sparse_graph_modes, not its (no) dense ones
+    with pytest.raises(GraphPolicyError) as info:
+        sim("cuda:sm90", DENSE, only)
+    assert not any("backend.unavailable" in r for r in info.value.reasons), info.value.reasons
+
+
 def test_capture_follows_the_sparse_declaration_not_the_dense_one() -> None:
     caps = with_sparse(declaration("mixed"),
                        decode=CaptureSupport.unsupported("sparse decode not capturable"))

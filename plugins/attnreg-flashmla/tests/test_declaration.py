@@ -248,3 +248,48 @@ def test_the_declaration_and_the_hook_import_neither_torch_nor_the_library():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     assert proc.stdout.strip() == ""
+
+
+def test_sparse_kernels_are_declared_on_sm90_only_with_their_capture_support():
+    from attnreg.registry import SparseKVFormat
+
+    from attnreg_flashmla.declaration import (
+        SPARSE_HEAD_COUNTS,
+        sparse_call_bytes,
+        sparse_capture_bytes,
+    )
+
+    for platform in PLATFORMS:
+        caps = _caps(platform)
+        assert bool(caps.sparse_kernels) == (platform == "cuda:sm90"), platform
+    caps = _caps("cuda:sm90")
+    formats = {k.kv_format: k for k in caps.sparse_kernels}
+    assert set(formats) == {SparseKVFormat.FP8_DS_MLA, SparseKVFormat.BF16}
+    for k in caps.sparse_kernels:
+        assert k.phases == {Phase.DECODE, Phase.PREFILL}
+        assert k.head_counts == SPARSE_HEAD_COUNTS and k.page_sizes == (PAGE_SIZE,)
+        assert k.accepts_top_k(2048) and k.accepts_top_k(128) and not k.accepts_top_k(100)
+    # the sm90 prefill kernel asserts topk % 128 == 0 (top-k 64 reached it on the H200)
+    assert formats[SparseKVFormat.FP8_DS_MLA].accepts_top_k(64)
+    assert not formats[SparseKVFormat.BF16].accepts_top_k(64)
+    assert formats[SparseKVFormat.BF16].lse and not formats[SparseKVFormat.FP8_DS_MLA].lse
+    # a DSA model with an fp8 pool gets the fp8_ds_mla kernel, a bf16 one the prefill kernel
+    assert caps.check_sparse_request("decode", top_k=2048, kv_dtype="fp8_e4m3", num_heads=128,
+                                     page_size=64, kv_format="fp8_ds_mla") == []
+    assert caps.check_sparse_request("prefill", top_k=2048, kv_dtype="bf16", num_heads=64,
+                                     page_size=64, kv_format="bf16") == []
+    assert caps.check_sparse_request("decode", top_k=2048, kv_dtype="fp8_e4m3", num_heads=16,
+                                     page_size=64)
+    for phase, mode in ((Phase.DECODE, GraphMode.FULL), (Phase.PREFILL, GraphMode.BREAKABLE)):
+        entry = caps.sparse_graph_support(phase, mode)
+        assert not entry.capture.is_unsupported
+        shape = CaptureShape(max_batch_size=8, max_num_tokens=8, max_seq_len=8192,
+                             num_heads=128, page_size=64, kv_dtype="fp8_e4m3", num_sms=132)
+        assert entry.capture_memory.estimate(shape) == sparse_capture_bytes(shape) == sum(
+            sparse_call_bytes(8, 128, fp8_rows=True).values())
+    assert not caps.sparse_graph_support(Phase.PREFILL, GraphMode.TC_PIECEWISE) \
+        .capture.is_unsupported
+    # the fp8 kernel's split-KV accumulators: (rows + num_sm_parts(128) = 66) x 128 x 513 x 4
+    fp8 = sparse_call_bytes(8, 128, fp8_rows=True)
+    assert fp8["out_accum"] == (8 + num_sm_parts(128)) * 128 * 512 * 4
+    assert sum(sparse_call_bytes(8, 128, fp8_rows=False).values()) < sum(fp8.values())

@@ -86,7 +86,7 @@ class SelectedBackend:
 def _unavailable_reason(caps: Capabilities) -> str:
     if caps.platform_reason:
         return caps.platform_reason
-    if not caps.kernels:
+    if not (caps.kernels or caps.sparse_kernels):   # sparse-only backends run (DSA models)
         return f"no kernel of {caps.backend} runs on {caps.platform}"
     return ""
 

@@ -55,7 +55,7 @@ class TargetLookup:
         """The target's declaration here, or None and why it cannot serve."""
         if name in self.known:
             caps = self.known[name]
-            if caps.platform_reason or not caps.kernels:
+            if caps.platform_reason or not (caps.kernels or caps.sparse_kernels):
                 return None, (caps.platform_reason
                               or f"no kernel of {name} runs on {self.platform}")
             return caps, ""

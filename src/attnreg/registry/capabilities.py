@@ -848,6 +848,12 @@ class Capabilities:
             return [f"{self.backend} declares no sparse MLA kernel for {phase} on "
                     f"{self.platform}"]
         best: list[str] | None = None
+        if kv_dtype is not None:
+            # on a tie the kernel that reads the pool's rows explains the refusal
+            kv = DType.parse(kv_dtype)
+            fmt = None if kv_format is None else str(kv_format)
+            candidates = tuple(sorted(candidates, key=lambda k: (
+                k.kv_dtype is not kv, fmt is not None and fmt != k.kv_format.value)))
         for k in candidates:
             reasons: list[str] = []
             if top_k is not None and not k.accepts_top_k(top_k):

@@ -18,6 +18,9 @@ docs/sparse.md), never from the dense kernels:
   top-k index tensor) and replays every sparse batch: outputs match the oracle, the
   rows of padding sequences (all -1) come out zero, the new rows are written.
 
+Every claim of a kernel runs on a pool of the rows it declares
+(``make_pool(..., kv_format=kernel.kv_format)``: 656-byte ``fp8_ds_mla`` rows or
+bf16 ones), and a captured claim allocates its graph state with ``sparse=True``.
 Each check class is registered in :data:`attnreg.testing.checks.CHECKS`.
 """
 

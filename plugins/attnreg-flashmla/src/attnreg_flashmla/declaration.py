@@ -74,8 +74,9 @@ rows within 0.4%):
   host, so FULL decode and BREAKABLE prefill capture are declared NATIVE.
 * Sparse prefill, ``flash_mla_sparse_fwd(q [rows, H, 576], kv [slots, 1,
   576], indices [rows, 1, top_k], use_legacy=True)`` over the pool's bf16
-  rows: the same heads, top-k and no host read; it returns the natural-log
-  LSE (declared).  The decode kernel's LSE was not compared with an oracle:
+  rows: the same heads and no host read, top-k a multiple of 128 (its sm90
+  kernel asserts ``topk % (2 * B_TOPK) == 0``: top-k 64 reached that assert on
+  the H200, 2026-12-02); it returns the natural-log LSE (declared).  The decode kernel's LSE was not compared with an oracle:
   not declared.  Both kernels serve decode and extend batches (one query row
   per index row); rows whose indices are all -1 are zeroed (LSE ``-inf``) by
   the runtime, whatever the kernel leaves there.
@@ -112,6 +113,7 @@ __all__ = [
     "SPARSE_KV_FORMAT_V32",
     "SPARSE_MAX_TOP_K",
     "SPARSE_PREFILL_KERNEL",
+    "SPARSE_PREFILL_TOP_K_MULTIPLE",
     "SPARSE_TOP_K_MULTIPLE",
     "FLASH_MLA",
     "FP8_HEAD_COUNTS",
@@ -132,6 +134,8 @@ __all__ = [
     "num_sm_parts",
     "scheduler_bytes",
     "scheduler_shapes",
+    "sparse_call_bytes",
+    "sparse_capture_bytes",
 ]
 
 BACKEND_NAME = "flashmla"
@@ -169,8 +173,12 @@ FP8_KERNEL = "flash_mla_with_kvcache(is_fp8_kvcache=True) (legacy dense fp8 deco
 
 #: Query heads the legacy sparse kernels take (``h_q == 64 || h_q == 128``).
 SPARSE_HEAD_COUNTS = (64, 128)
-#: Top-k widths: multiples of the kernels' 64-index block, up to V3.2's index_topk.
+#: Top-k widths of the fp8 decode kernel: multiples of its 64-index block, up to V3.2's
+#: index_topk (64 and 2048 ran on the H200, 2026-12-02).
 SPARSE_TOP_K_MULTIPLE = 64
+#: The sm90 sparse prefill kernel asserts ``topk % (2 * B_TOPK) == 0`` (phase1.cuh; top-k
+#: 64 reached that assert on the H200, 2048 ran): multiples of 128.
+SPARSE_PREFILL_TOP_K_MULTIPLE = 128
 SPARSE_MAX_TOP_K = 2048
 #: The ``kv_format`` name of DeepSeek-V3.2's 656-byte rows in the legacy kernels.
 SPARSE_KV_FORMAT_V32 = "V32"
@@ -303,6 +311,53 @@ _CAPTURE_MEMORY = CaptureMemory(
              "rounded to fp8 [B, s_q H, 576]"))
 
 
+def sparse_call_bytes(rows: int, num_heads: int, *, fp8_rows: bool,
+                      num_sms: int = MAX_SM90_SMS) -> dict[str, int]:
+    """What one sparse call allocates, by name (bytes, allocator-rounded), for ``rows``
+    query rows: inside a captured graph these come from its memory pool.
+
+    The fp8 decode kernel (``fp8_rows``): bf16 out ``[rows, H, 512]``, fp32 LSE
+    ``[rows, H]``, its schedule (``[num_sm_parts(H), 8]`` and ``[rows + 1]`` int32)
+    and, as the dense decode kernel allocates them, the split-KV accumulators for
+    ``rows + num_sm_parts(H)`` splits.  The prefill kernel: bf16 out, fp32 max
+    logits and LSE.  Both: the runtime's mask of rows with no valid index.  The
+    sparse kernels' allocations were not measured on a device: this is the
+    interface's shapes and the dense kernel's accumulator scheme.
+    """
+    heads = num_heads
+    if fp8_rows:
+        parts = num_sm_parts(heads, 1, num_sms)
+        splits = rows + parts
+        sizes = {"out": rows * heads * _LATENT * 2, "lse": rows * heads * 4,
+                 "tile_scheduler_metadata": parts * SCHEDULER_INTS * 4,
+                 "num_splits": (rows + 1) * 4,
+                 "lse_accum": splits * heads * 4, "out_accum": splits * heads * _LATENT * 4}
+    else:
+        sizes = {"out": rows * heads * _LATENT * 2, "max_logits": rows * heads * 4,
+                 "lse": rows * heads * 4}
+    sizes["empty_rows"] = rows
+    return {name: _granules(n) for name, n in sizes.items()}
+
+
+def sparse_capture_bytes(shape: CaptureShape) -> int:
+    """Capture memory of a sparse graph at ``shape``: one sparse call of
+    ``max_num_tokens`` rows (decode: the batch; prefill: the tokens), by the kernel
+    the pool's KV dtype selects (fp8: ``fp8_ds_mla`` rows).  Layers reuse it."""
+    fp8 = DType.parse(shape.kv_dtype) is DType.FP8_E4M3
+    return sum(sparse_call_bytes(max(shape.max_num_tokens, shape.max_batch_size),
+                                 shape.num_heads, fp8_rows=fp8,
+                                 num_sms=shape.num_sms or MAX_SM90_SMS).values())
+
+
+_SPARSE_CAPTURE_MEMORY = CaptureMemory(
+    bytes_fn=sparse_capture_bytes,
+    formula=("one sparse call of R = max_num_tokens rows: fp8_ds_mla rows (fp8 decode "
+             "kernel): bf16 out [R, H, 512], fp32 lse [R, H], schedule int32 "
+             "[num_sm_parts(H, 1), 8] + [R+1], fp32 split-KV accumulators [R + "
+             "num_sm_parts(H, 1), H, 512 + 1]; bf16 rows (prefill kernel): bf16 out, fp32 "
+             "max logits and lse [R, H]; not measured on a device"))
+
+
 def _platform_reason(ctx: DeclarationContext) -> str:
     plat = ctx.platform
     if plat.vendor is not Vendor.CUDA:
@@ -359,14 +414,16 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                          kernel=SPARSE_DECODE_KERNEL, lse=False),
             SparseKernel(both, bf16, SparseKVFormat.BF16, page_sizes=(PAGE_SIZE,),
                          max_heads=max(SPARSE_HEAD_COUNTS), head_counts=SPARSE_HEAD_COUNTS,
-                         top_k_multiple=SPARSE_TOP_K_MULTIPLE, max_top_k=SPARSE_MAX_TOP_K,
-                         kernel=SPARSE_PREFILL_KERNEL, lse=True),
+                         top_k_multiple=SPARSE_PREFILL_TOP_K_MULTIPLE,
+                         max_top_k=SPARSE_MAX_TOP_K, kernel=SPARSE_PREFILL_KERNEL, lse=True),
         )
         sparse_modes = (
             GraphModeSupport(Phase.DECODE, GraphMode.FULL,
-                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE)),
+                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE),
+                             capture_memory=_SPARSE_CAPTURE_MEMORY),
             GraphModeSupport(Phase.PREFILL, GraphMode.BREAKABLE,
-                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE)),
+                             CaptureSupport.native(_SPARSE_CAPTURE_NOTE),
+                             capture_memory=_SPARSE_CAPTURE_MEMORY),
             GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
                              CaptureSupport.native(_SPARSE_PIECEWISE_NOTE)),
         )
@@ -398,8 +455,9 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                "log-sum-exp (return_lse) from the bf16-pool kernel only",
                _SCHEDULER_NOTE,
                f"sparse (DSA) MLA, decode and extend, heads "
-               f"{', '.join(map(str, SPARSE_HEAD_COUNTS))}, top-k multiples of "
-               f"{SPARSE_TOP_K_MULTIPLE} up to {SPARSE_MAX_TOP_K}: fp8_ds_mla rows (656 bytes) "
-               "through the sparse fp8 decode kernel, bf16 rows through the sparse prefill "
-               "kernel (with its LSE); captured in decode FULL and prefill BREAKABLE graphs"),
+               f"{', '.join(map(str, SPARSE_HEAD_COUNTS))}, top-k up to {SPARSE_MAX_TOP_K}: "
+               f"fp8_ds_mla rows (656 bytes) through the sparse fp8 decode kernel (top-k "
+               f"multiples of {SPARSE_TOP_K_MULTIPLE}), bf16 rows through the sparse prefill "
+               f"kernel (multiples of {SPARSE_PREFILL_TOP_K_MULTIPLE}, with its LSE); captured "
+               "in decode FULL and prefill BREAKABLE graphs"),
     )
