@@ -58,18 +58,18 @@ case $step in
     ;;
   sparse)
     for b in ${REST_TOO:-}; do  # another backend's non-capture claims beside these
-      conf "$b-rest" 540 --backend $b -k "not capture" &
+      conf "$b-rest" ${LIMIT:-540} --backend $b -k "not capture" &
     done
-    (timeout $(left 300) python3 scripts/probe_flashmla_sparse.py >"$OUT/probe.log" 2>&1; \
+    (timeout $(left ${LIMIT:-300}) python3 scripts/probe_flashmla_sparse.py >"$OUT/probe.log" 2>&1; \
       echo "rc=$?" >>"$OUT/probe.log") &
-    conf flashmla 520 --plugin attnreg_flashmla.plugin --backend flashmla &
-    (cd tests/conformance && conf sparse-planted 520 --plugin planted.sparse -k sparse \
+    conf flashmla ${LIMIT:-520} --plugin attnreg_flashmla.plugin --backend flashmla &
+    (cd tests/conformance && conf sparse-planted ${LIMIT:-520} --plugin planted.sparse -k sparse \
       --backend dsa_control --backend planted_dsa_ignores_indices \
       --backend planted_dsa_reads_invalid --backend planted_dsa_wrong_scale_block) &
-    timeout $(left 520) python3 -m pytest plugins/attnreg-flashmla/tests -m gpu -q -rs \
+    timeout $(left ${LIMIT:-520}) python3 -m pytest plugins/attnreg-flashmla/tests -m gpu -q -rs \
       -p no:cacheprovider -p no:xdist >"$OUT/plugin-gpu-tests.log" 2>&1 &
     if [ -n "${FA4:-}" ]; then  # flash-attn-4 staged by two calls before (see .gpu/setup.sh)
-      conf flash_attn_cute 520 --backend flash_attn_cute &
+      conf flash_attn_cute ${LIMIT:-520} --backend flash_attn_cute &
     fi
     wait
     ;;
