@@ -306,7 +306,7 @@ def test_sglang_flashmla_on_a_dsa_model_is_a_gap_dense_kernels_for_a_sparse_mode
     assert gap and "runs dense MLA kernels" in gap[0] and "top-k 2048" in gap[0]
 
 
-def test_the_plugins_own_sparse_declaration_maps_the_default_fp8_server(
+def test_the_plugins_own_sparse_declaration_maps_both_phases_of_the_default_fp8_server(
         run: Callable[..., dict[str, Any]], plugin_registered: BackendRegistry) -> None:
     caps = plugin_registered.declaration("flashmla", "cuda:sm90")
     if not any(k.kv_format is SparseKVFormat.FP8_DS_MLA
@@ -315,5 +315,11 @@ def test_the_plugins_own_sparse_declaration_maps_the_default_fp8_server(
                     "yet (issue 32, item 2); the test declaration stands in above")
     result = run(plugin_registered, 90, kv_cache_dtype="fp8_e4m3")
     outcome = _outcome(result)
-    assert Phase.DECODE in outcome.decided, _gap_messages(outcome)
-    assert "-> attnreg's flashmla" in _bridge(outcome, "sglang.backend", Phase.DECODE)[0]
+    # sglang's defaults for an fp8 pool on sm90 run flashmla_kv in both phases; the plugin
+    # declares its fp8 sparse kernel for decode and extend batches: the whole server is
+    # attnreg's
+    assert {Phase.DECODE, Phase.PREFILL} <= set(outcome.decided), _gap_messages(outcome)
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        assert "flashmla_kv" in _bridge(outcome, "sglang.backend", phase)[0]
+        assert "-> attnreg's flashmla" in _bridge(outcome, "sglang.backend", phase)[0]
+
