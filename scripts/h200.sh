@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# What the committed H200 results were run with, one step per device call:
+#   run(command="bash scripts/h200.sh <step>", carry=[".gpu/base", ".gpu/setup.sh", ".gpu/fi-cache.tgz"])
+# (../shared/gpu/README.md: the .gpu bundles; flash-attn-4 needs .gpu/fa4-1 and .gpu/fa4-2
+# staged by two calls first, then FA4=1.)
+#
+# conf     conformance of the sm90 backends (BACKENDS, default triton flashinfer_mla), each in
+#          two shards run at once (capture claims; the rest; ONLY_REST=1: the rest only),
+#          joined per backend with `attnreg conformance --merge`.
+# gpu      every `gpu` test of the project and the plugin.
+# bench    the graph-session benchmark three times (three processes), then the runtime's
+#          GPU tests.
+# peers    the raw-kernel peers benchmark (PEERS_SECTION, default peers).
+# sparse   the FlashMLA plugin: its sparse probe, its conformance (dense and sparse
+#          claims), its GPU tests; the planted sparse defects under real graphs; REST_TOO:
+#          other backends' non-capture claims beside; FA4=1: flash_attn_cute's conformance.
+# integrity the capture planted defects of the integrity set on cuda.
+# LIMIT bounds every job of a step (seconds); each step leaves one archive,
+# $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
+set -u
+step=${1:?usage: h200.sh conf|gpu|bench|peers|sparse|integrity}
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+source .gpu/setup.sh
+python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>&1 \
+  || echo "editable install failed (see pip.log); using PYTHONPATH=src"
+python3 -m pip install --no-deps --no-build-isolation -e plugins/attnreg-flashmla -q \
+  >>"$OUT/pip.log" 2>&1 || true
+export PYTHONPATH="$PWD/src:$PWD/plugins/attnreg-flashmla/src:$PWD/tests/conformance${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+start=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - start) )); }
+limit() { echo "${LIMIT:-$1}"; }
+conf() {  # conf <name> <limit> [attnreg conformance args...]: one run, its log and rc
+  local name=$1 lim=$2; shift 2
+  timeout $(left $lim) python3 -m attnreg conformance --device cuda --progress "$@" \
+    -o "$OUT/conf-$name.json" >"$OUT/conf-$name.log" 2>&1
+  echo "rc=$?" >>"$OUT/conf-$name.log"
+}
+gpu_tests() {  # gpu_tests <log name> <limit> <paths...>
+  local name=$1 lim=$2; shift 2
+  timeout $(left $lim) python3 -m pytest "$@" -m gpu -q -rs -p no:cacheprovider -p no:xdist \
+    >"$OUT/$name.log" 2>&1
+  echo "rc=$?" >>"$OUT/$name.log"
+}
+case $step in
+  conf)
+    for b in ${BACKENDS:-triton flashinfer_mla}; do
+      [ -z "${ONLY_REST:-}" ] && conf "$b-capture" $(limit 540) --backend $b -k capture &
+      conf "$b-rest" $(limit 540) --backend $b -k "not capture" &
+    done
+    wait
+    for b in ${BACKENDS:-triton flashinfer_mla}; do
+      [ -n "${ONLY_REST:-}" ] && continue
+      python3 -m attnreg conformance --merge "$OUT/conf-$b-capture.json" \
+        --merge "$OUT/conf-$b-rest.json" -o "$OUT/conf-$b.json" >"$OUT/merge-$b.log" 2>&1
+      echo "rc=$?" >>"$OUT/merge-$b.log"
+    done
+    ;;
+  gpu)
+    gpu_tests gpu-tests $(limit 560) tests plugins/attnreg-flashmla/tests
+    ;;
+  bench)
+    for i in 1 2 3; do
+      timeout $(left 420) python3 -m benchmarks --only session --out "$OUT/session$i" \
+        --no-render --no-jit-cache >"$OUT/session$i.log" 2>&1
+      echo "rc=$?" >>"$OUT/session$i.log"
+    done
+    gpu_tests gpu-tests $(limit 560) tests/runtime/test_session_gpu.py \
+      tests/runtime/test_bucket_sessions_gpu.py tests/runtime/test_engine_gpu.py
+    ;;
+  peers)
+    timeout $(left $(limit 560)) python3 -m benchmarks --only ${PEERS_SECTION:-peers} \
+      --out "$OUT/peers" --no-render --no-jit-cache >"$OUT/peers.log" 2>&1
+    echo "rc=$?" >>"$OUT/peers.log"
+    ;;
+  sparse)
+    for b in ${REST_TOO:-}; do
+      conf "$b-rest" $(limit 540) --backend $b -k "not capture" &
+    done
+    (timeout $(left $(limit 300)) python3 scripts/probe_flashmla_sparse.py >"$OUT/probe.log" 2>&1; \
+      echo "rc=$?" >>"$OUT/probe.log") &
+    conf flashmla $(limit 520) --plugin attnreg_flashmla.plugin --backend flashmla &
+    (cd tests/conformance && conf sparse-planted $(limit 520) --plugin planted.sparse -k sparse \
+      --backend dsa_control --backend planted_dsa_ignores_indices \
+      --backend planted_dsa_reads_invalid --backend planted_dsa_wrong_scale_block) &
+    gpu_tests plugin-gpu-tests $(limit 520) plugins/attnreg-flashmla/tests &
+    if [ -n "${FA4:-}" ]; then
+      conf flash_attn_cute $(limit 520) --backend flash_attn_cute &
+    fi
+    wait
+    ;;
+  integrity)
+    (cd tests/conformance && conf planted-integrity $(limit 560) --plugin planted.integrity \
+      --backend planted_prefix_overwrite --backend planted_nan_wide \
+      --backend planted_inplace_q -k "decode and (replay/ or capture_path)")
+    ;;
+  *)
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity)" >&2; exit 2
+    ;;
+esac
+echo "step $step: $(( $(date +%s) - start )) s"
+# the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
+[ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
+tar czf "/tmp/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
+find "$OUT" -mindepth 1 ! -name fi-cache.tgz -delete
+mv "/tmp/results-$step.tgz" "$OUT/"
+ls -la "$OUT"
