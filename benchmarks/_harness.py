@@ -62,8 +62,8 @@ class Section:
     Attributes
     ----------
     id : str
-        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec``, ``session``, ``peers`` or
-        ``pool``.
+        ``ceilings``, ``P1`` ... ``P6``, ``prefill``, ``spec``, ``session``, ``peers``,
+        ``sparse`` or ``pool``.
     title : str
     module : str
         The module under ``benchmarks`` that holds the three functions below.
@@ -79,6 +79,9 @@ class Section:
         Sections whose data it reads; they are run first when selected implicitly.
     results : str
         A host section's committed results file under ``benchmarks/results/``.
+    command : str
+        How a device section that is run on its own is run, for the page's "Not
+        measured yet" line ('': the whole device run's command).
     """
 
     id: str
@@ -90,6 +93,7 @@ class Section:
     where: str = "device"
     needs: tuple[str, ...] = ()
     results: str = ""
+    command: str = ""
 
     def __post_init__(self) -> None:
         if self.where == "host" and not self.results:
@@ -132,6 +136,9 @@ SECTIONS: tuple[Section, ...] = (
             "and 4-draft verify, graph vs eager, host time of a step", "session_step"),
     Section("peers", "Decode against the raw kernels in one process: wrapper overhead, FP8 vs "
             "bf16, per-bucket backends (issue 31)", "decode_peers"),
+    Section("sparse", "Sparse (DSA) MLA decode at top-k 2048 against dense decode at the same "
+            "KV length (issue 32)", "sparse_decode",
+            command="python -m benchmarks --only sparse --out bench-out/sparse --no-render"),
     Section("P5", "attnreg compat cold start vs python -c pass", "startup", where="host",
             results="cpu-startup.json"),
     Section("pool", "MLAKVPool.free: 100,000 pages of a 400,000-page pool", "pool_free",

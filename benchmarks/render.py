@@ -164,6 +164,11 @@ def _section(sec: Section, chosen: dict[str, tuple[ResultsFile, dict[str, Any]]]
              page: Page) -> list[str]:
     lines = [f"## {heading(sec)}", ""]
     if sec.id not in chosen:
+        if sec.where != "host" and sec.command:
+            return lines + [f"Not measured yet. Run on the H200, after the setup of "
+                            f"`benchmarks/README.md`: `{sec.command}`; bring its "
+                            "`results.json` back into `benchmarks/results/` as an "
+                            "`h200-*.json` file and re-render.", ""]
         where = sec.host_command if sec.where == "host" else DEVICE_COMMAND
         return lines + [f"Not measured yet. Run `{where}`.", ""]
     f, rec = chosen[sec.id]

@@ -27,6 +27,7 @@ from benchmarks import (
     prefill,
     render,
     session_step,
+    sparse_decode,
     speculative,
     split_kv,
 )
@@ -153,6 +154,14 @@ def synthetic_device_doc() -> dict[str, Any]:
     peers = {"rows": peer_rows, "dtypes": ["bf16", "fp8_e4m3"], "timing": SYNTHETIC,
              "planned": {}, "raw_skipped": {}, "rows_skipped": {}}
     peers["checks"] = [c.to_dict() for c in decode_peers.checks(peers)]
+    sparse_rows = [{"B": 16, "L": 8192, "H": 64, "top_k": 2048,
+                    "kv_rows": {"dense": 16 * 8192, "sparse": 16 * 2048},
+                    "sparse": {sparse_decode.SPARSE_FP8: {"us": 35.0, "correct": True}},
+                    "dense": {"bf16": {sparse_decode.PLUGIN: {"us": 66.0, "correct": True}},
+                              "fp8_e4m3": {}}}]
+    sparse = {"rows": sparse_rows, "top_k": 2048, "page_size": 64, "timing": SYNTHETIC,
+              "library": SYNTHETIC}
+    sparse["checks"] = [c.to_dict() for c in sparse_decode.checks(sparse)]
 
     def ok(data: dict[str, Any]) -> dict[str, Any]:
         return {"title": SYNTHETIC, "status": "ok", "seconds": 1.0, "data": data}
@@ -160,7 +169,7 @@ def synthetic_device_doc() -> dict[str, Any]:
     return {"schema": SCHEMA, "meta": _meta(), "sections": {
         "ceilings": ok(ceilings), "P1": ok(p1), "P2": ok(p2), "P3": ok(p3), "P4": ok(p4),
         "prefill": ok(pf), "P6": ok(p6), "spec": ok(spec), "session": ok(session),
-        "peers": ok(peers),
+        "peers": ok(peers), "sparse": ok(sparse),
         "P5": {"title": SYNTHETIC, "status": "skipped", "reason": "measured on the CPU machine",
                "data": {}}}}
 
