@@ -244,8 +244,12 @@ def _fake_trtllm_decode(calls: Calls) -> Any:
     def trtllm_batch_decode_with_kv_cache_mla(*, query: torch.Tensor, kv_cache: torch.Tensor,
                                               block_tables: torch.Tensor,
                                               seq_lens: torch.Tensor, out: torch.Tensor,
-                                              bmm1_scale: float, bmm2_scale: float,
+                                              bmm1_scale: float | torch.Tensor,
+                                              bmm2_scale: float,
                                               **kwargs: Any) -> torch.Tensor:
+        # 0.6.13 takes a float32 tensor bmm1_scale (trtllm-gen), anything else is refused
+        if isinstance(bmm1_scale, torch.Tensor) and bmm1_scale.dtype != torch.float32:
+            raise TypeError("bmm1_scale tensor must have dtype torch.float32")
         # the checks of flashinfer 0.6.13's _check_trtllm_gen_mla_shape and the dispatcher
         if query.ndim != 4:
             raise ValueError(f"Expected query.ndim == 4, got {query.ndim}")
@@ -261,14 +265,17 @@ def _fake_trtllm_decode(calls: Calls) -> Any:
                              f"{out.dtype} {tuple(out.shape)}")
         calls.trtllm_decode.append({"query": tuple(query.shape), "dtype": query.dtype,
                                     "tables": tuple(block_tables.shape),
-                                    "seq_lens": [int(n) for n in seq_lens], **kwargs})
+                                    "seq_lens": [int(n) for n in seq_lens],
+                                    "bmm1_scale": bmm1_scale, **kwargs})
+        scale = float(bmm1_scale.reshape(-1)[0]) if isinstance(bmm1_scale, torch.Tensor) \
+            else bmm1_scale
         cache = kv_cache.float() * bmm2_scale
         for b in range(query.shape[0]):
             keys = _paged_rows(cache, block_tables[b], int(seq_lens[b]))
             # [q_len, H, 576]: token i of q_len sees keys 0 .. seq_len - q_len + i (the
             # causal bound the kernel takes from seq_lens; flashinfer's test checks it
             # against its paged MLA planned causal)
-            o = _attend(query[b].float(), keys, keys[:, :512], bmm1_scale / bmm2_scale, True)
+            o = _attend(query[b].float(), keys, keys[:, :512], scale / bmm2_scale, True)
             out[b] = o.to(out.dtype)
         return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from attnreg.graph_policy.capture import (
     recording_served,
 )
 from attnreg.registry import (
+    DType,
     ForwardMethod,
     ForwardMode,
     GraphMode,
@@ -31,6 +33,7 @@ from attnreg.registry import (
     load_registry,
 )
 from attnreg.runtime import MLAConfig
+from attnreg.testing.workload import LARGE_Q_GAINS, round_q
 
 from ._cases import assert_close, expected, make_case, make_pool
 from .fakes import Calls, install_fake_flashinfer
@@ -191,8 +194,9 @@ def test_native_decode_matches_reference(reg, monkeypatch, kv_dtype: str,
     case = make_case(cfg, pool, [0, 70, 200], [1, 1, 1], decode=True, seed=4)
     got = trt.forward_decode(case.q, case.latent_new, case.rope_new, pool, case.batch)
     if kv_dtype == "fp8_e4m3":
-        # an fp8 pool gets an fp8 query: its rounding is part of the kernel's answer
-        case = dataclasses.replace(case, q=case.q.to(torch.float8_e4m3fn).to(case.q.dtype))
+        # an fp8 pool gets an fp8 query (attnreg's per-tensor rounding, declared as
+        # q_compute_dtype): its rounding is part of the kernel's answer
+        case = dataclasses.replace(case, q=round_q(case.q, DType.FP8_E4M3).to(case.q.dtype))
     assert_close(got, expected(cfg, case), what="trtllm decode")
     call = calls.trtllm_decode[-1]
     assert call["tables"][1] % (128 // page_size) == 0
@@ -258,7 +262,7 @@ def test_eager_verify_passes_one_query_length_per_request(reg, monkeypatch, kv_d
     with recording_served() as served:
         got = trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
     if kv_dtype == "fp8_e4m3":
-        case = dataclasses.replace(case, q=case.q.to(torch.float8_e4m3fn).to(case.q.dtype))
+        case = dataclasses.replace(case, q=round_q(case.q, DType.FP8_E4M3).to(case.q.dtype))
     # causal among the two drafts over the whole prefix (the reference's verify)
     assert_close(got, expected(cfg, case), what="trtllm verify")
     [call] = calls.trtllm_decode
@@ -386,3 +390,122 @@ def test_verify_claims_hold_through_the_conformance_harness(reg, monkeypatch,
     FakedHarness(reg, "cpu", platform).check(claim)
     assert calls.trtllm_decode and {c["query"][1] for c in calls.trtllm_decode} == {2}
     assert calls.mla_runs == []  # served by the trtllm kernel, not the fallback
+
+
+# -- an FP8 pool: q scaled per tensor before the fp8 cast --------------------------------
+
+
+def _large(case):
+    """``case`` with query rows gained as the suite's fp8_large_q claims gain them."""
+    gains = torch.tensor([LARGE_Q_GAINS[i % len(LARGE_Q_GAINS)]
+                          for i in range(case.q.shape[0])])
+    return dataclasses.replace(case, q=(case.q.float() * gains[:, None, None]).to(case.q.dtype))
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_large_queries_stay_finite_and_right_over_an_fp8_pool(reg, monkeypatch,
+                                                              verify: bool) -> None:
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32, kv_dtype="fp8_e4m3")
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 600)
+    if verify:
+        case = _large(make_case(cfg, pool, [0, 70, 200], [2, 2, 2], seed=17,
+                                forward_mode=VERIFY))
+        got = trt.forward_extend(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    else:
+        case = _large(make_case(cfg, pool, [0, 70, 200], [1, 1, 1], decode=True, seed=16))
+        got = trt.forward_decode(case.q, case.latent_new, case.rope_new, pool, case.batch)
+    assert case.q.abs().max().item() > 2000  # far beyond fp8 e4m3's 448
+    assert torch.isfinite(got).all()
+    rounded = dataclasses.replace(case, q=round_q(case.q, DType.FP8_E4M3).to(case.q.dtype))
+    assert_close(got, expected(cfg, rounded), what="large q over an fp8 pool")
+    [call] = calls.trtllm_decode
+    assert call["dtype"] == torch.float8_e4m3fn
+    scale = call["bmm1_scale"]
+    assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
+    # the descale is a power of two >= amax / 448, folded into sm_scale * kv_scale
+    # (a float32 product: equal to float32 precision)
+    descale = scale.item() / (cfg.softmax_scale * pool.kv_scale)
+    power = 2.0 ** round(math.log2(descale))
+    assert descale == pytest.approx(power, rel=1e-6)
+    assert case.q.abs().max().item() / power <= 448 < 2 * case.q.abs().max().item() / power
+
+
+def test_an_unscaled_cast_would_be_caught_by_the_same_comparison(reg, monkeypatch) -> None:
+    """The test above can fail: the plain cast it replaced gives a wrong answer."""
+    install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32, kv_dtype="fp8_e4m3")
+    pool = make_pool(cfg, 600)
+    case = _large(make_case(cfg, pool, [0, 70, 200], [1, 1, 1], decode=True, seed=16))
+    plain = dataclasses.replace(case, q=case.q.to(torch.float8_e4m3fn).to(case.q.dtype))
+    rounded = dataclasses.replace(case, q=round_q(case.q, DType.FP8_E4M3).to(case.q.dtype))
+    with pytest.raises(AssertionError):
+        assert_close(expected(cfg, plain), expected(cfg, rounded), what="plain cast")
+
+
+def test_captured_fp8_decode_passes_the_scale_as_a_tensor(reg, monkeypatch) -> None:
+    """Under capture the q scale is computed on the device (no host read) and reaches the
+    kernel as a float32 tensor; the graph's padded requests do not set it."""
+    calls = install_fake_flashinfer(monkeypatch)
+    cfg = MLAConfig(num_heads=16, page_size=32, kv_dtype="fp8_e4m3")
+    trt = backend(reg, cfg, sm=100)
+    pool = make_pool(cfg, 1200)
+    trt.init_cuda_graph_state(4, 4, max_seq_len=100, graph_modes={"decode": "full"})
+    first = make_case(cfg, pool, [10, 20, 30, 40], [1] * 4, decode=True, seed=5)
+    trt.init_forward_metadata_capture(4, 4, first.batch)
+    replay = _large(make_case(cfg, pool, [60, 3], [1, 1], decode=True, seed=6))
+    trt.init_forward_metadata_replay(4, 4, replay.batch)
+    q = torch.full((4, 16, 576), 60000.0, dtype=torch.bfloat16)  # stale padded rows
+    q[:2] = replay.q
+    lat = torch.zeros(4, 512, dtype=torch.bfloat16)
+    rope = torch.zeros(4, 64, dtype=torch.bfloat16)
+    lat[:2], rope[:2] = replay.latent_new, replay.rope_new
+    with capturing(GraphMode.FULL):
+        got = trt.forward_decode(q, lat, rope, pool)
+    assert torch.isfinite(got[:2]).all()
+    rounded = dataclasses.replace(replay, q=round_q(replay.q, DType.FP8_E4M3)
+                                  .to(replay.q.dtype))
+    assert_close(got[:2], expected(cfg, rounded), what="captured fp8 decode")
+    scale = calls.trtllm_decode[-1]["bmm1_scale"]
+    assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
+    assert scale.item() / (cfg.softmax_scale * pool.kv_scale) < 60000 / 448
+
+
+@pytest.mark.parametrize("where", ["eager/decode/mla/fp8_large_q",
+                                   "eager/decode/mla/target_verify/fp8_large_q",
+                                   "capture/decode/full/fp8_large_q",
+                                   "capture/decode/full/target_verify/fp8_large_q"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain_cast"])
+def test_fp8_large_q_claims_hold_and_catch_the_plain_cast(reg, monkeypatch, where: str,
+                                                          scaled: bool) -> None:
+    """The suite's fp8_large_q claims of the sm100 declaration, through its own harness
+    (trtllm kernel faked, device reported as sm100): they hold with the scaled q and are
+    refuted with the plain cast the backend used to do."""
+    import attnreg.backends.trtllm_mla as trt_module
+    from attnreg.registry import Platform
+    from attnreg.testing.claims import expand_claims
+    from attnreg.testing.errors import ClaimRefuted
+    from attnreg.testing.harness import Harness
+
+    install_fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(trt_module, "device_sm", lambda device: 100)
+    if not scaled:
+        def plain_cast(q, live):
+            return q.to(torch.float8_e4m3fn), torch.ones(1, dtype=torch.float32)
+        monkeypatch.setattr(trt_module, "quantize_q_fp8", plain_cast)
+    platform = Platform.parse("cuda:sm100")
+    caps = reg.declaration("trtllm_mla", platform)
+
+    class FakedHarness(Harness):
+        def create(self, claim, config):  # the registry would refuse: no flashinfer here
+            return trt_module.TRTLLMMLABackend(config, capabilities=caps)
+
+    [claim] = [c for c in expand_claims(caps, "cpu") if f"trtllm_mla/{where}/mla/" in c.id
+               or (c.id.startswith(f"trtllm_mla/{where}/") and "/mla/" in c.id)]
+    harness = FakedHarness(reg, "cpu", platform)
+    if scaled:
+        harness.check(claim)
+    else:
+        with pytest.raises(ClaimRefuted, match="without a scale"):
+            harness.check(claim)

@@ -19,7 +19,7 @@ from attnreg.registry import (
     get_registry,
 )
 from attnreg.testing.batches import eager_specs, quick_specs
-from attnreg.testing.checks import CPU_RUNNABLE_CAPTURE_CHECKS
+from attnreg.testing.checks import CPU_RUNNABLE_CAPTURE_CHECKS, FP8_LARGE_Q
 from attnreg.testing.claims import (
     YARN_SM_SCALE,
     Check,
@@ -97,7 +97,7 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     full = {c.check for c in claims if c.graph_mode is GraphMode.FULL and not c.speculative}
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                     Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
-                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER}
+                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q}
     breakable = {c.check for c in claims if c.graph_mode is GraphMode.BREAKABLE}
     assert Check.PINNING in breakable and Check.SPLIT_KV in breakable  # split extend
     # a replay claim per declared kv dtype of the pinned kernel (fp8 + graphs broke engines)
@@ -217,7 +217,7 @@ def test_full_decode_graphs_claim_each_declared_speculative_mode_at_its_draft_to
         capture = {c.check for c in spec if c.kind is ClaimKind.CAPTURE}
         assert capture == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                            Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
-                           Check.CAPTURE_MEMORY, Check.MULTI_LAYER}
+                           Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q}
         assert all(c.query_len == 8 and c.graph_mode in (GraphMode.FULL, GraphMode.DISABLED)
                    for c in spec)
         assert any(c.kind is ClaimKind.EAGER for c in spec)

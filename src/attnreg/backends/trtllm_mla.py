@@ -3,7 +3,9 @@
 Routing (the seed-000 defect 1 and the engines this is modelled on):
 
 * decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` over the
-  576-wide pool (sm100/sm103 only); an FP8 pool gets an FP8 query;
+  576-wide pool (sm100/sm103 only); an FP8 pool gets an FP8 query, scaled per
+  tensor on the device first (:func:`attnreg.backends._fp8.quantize_q_fp8`, declared
+  as ``q_compute_dtype`` fp8), its descale passed in ``bmm1_scale`` as a tensor;
 * target verify: the same kernel with the query ``[B, q_len, H, 576]`` (every
   request the same ``q_len`` draft tokens; the kernel masks each token causally
   from ``seq_lens``), eagerly and in the FULL decode graphs; a batch whose
@@ -48,6 +50,7 @@ from attnreg.runtime import (
     torch_dtype,
 )
 
+from ._fp8 import quantize_q_fp8
 from .declarations.trtllm_mla import BLACKWELL, WORKSPACE_BYTES, decode_table_width
 from .flashinfer_mla import (
     FlashInferGraphBuffers,
@@ -206,16 +209,25 @@ class TRTLLMMLABackend(AttentionBackend[TRTLLMPlan, TRTLLMGraphBuffers]):
         """One trtllm-gen decode launch of ``query [B, q_len, H, 576]`` into ``out
         [B, q_len, H, 512]`` (decode: q_len 1; verify: the draft tokens)."""
         cfg = self.config
-        if pool.is_fp8:
-            query = query.to(pool.dtype)  # the kernels pair an fp8 cache with an fp8 query
         tables, seq_lens = inputs
         scale = pool.kv_scale
+        bmm1_scale: float | torch.Tensor = cfg.softmax_scale * scale
+        if pool.is_fp8:
+            # The kernels pair an fp8 cache with an fp8 query.  A plain cast would turn
+            # every |q| > 448 into 448 or NaN (absorbed queries get there), so q is
+            # scaled per tensor first, on the device (declared: q_compute_dtype fp8),
+            # and the descale rides in bmm1_scale as a float32 tensor (flashinfer 0.6.13
+            # multiplies a tensor bmm1_scale by log2(e) itself).  Padded requests of a
+            # replayed graph (length 0) hold stale q and do not set the scale.
+            live = (md.seq_lens > 0)[:, None].expand(query.shape[0], query.shape[1])
+            query, descale = quantize_q_fp8(query, live)
+            bmm1_scale = descale * bmm1_scale
         with self.kernel_errors(what):
             self._decode_kernel(
                 query=query, kv_cache=pool.buffer, workspace_buffer=self.workspace,
                 qk_nope_head_dim=cfg.qk_nope_head_dim, kv_lora_rank=cfg.kv_lora_rank,
                 qk_rope_head_dim=cfg.qk_rope_head_dim, block_tables=tables, seq_lens=seq_lens,
-                max_seq_len=md.max_seq_len, out=out, bmm1_scale=cfg.softmax_scale * scale,
+                max_seq_len=md.max_seq_len, out=out, bmm1_scale=bmm1_scale,
                 bmm2_scale=scale)
 
     def _verify_query_len(self, md: ForwardMetadata[TRTLLMPlan]) -> int:

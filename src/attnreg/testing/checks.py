@@ -60,8 +60,9 @@ from .claims import (
 if TYPE_CHECKING:
     from .harness import Harness
 
-__all__ = ["CHECKS", "CHECK_MODULES", "CPU_RUNNABLE_CAPTURE_CHECKS", "ConformanceCheck",
-           "GraphOptions", "needs_device_graphs", "register_check"]
+__all__ = ["CHECKS", "CHECK_MODULES", "CPU_RUNNABLE_CAPTURE_CHECKS", "FP8_LARGE_Q",
+           "ConformanceCheck", "GraphOptions", "Fp8LargeQuery", "needs_device_graphs",
+           "register_check"]
 
 #: Modules whose import registers more checks (with :func:`register_check`), loaded
 #: after the built-ins: a new group of checks adds its module here.
@@ -784,6 +785,97 @@ class SplitKVCheck(_GraphCheck):
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_graph(claim, GraphOptions())
+
+
+# -- queries beyond the fp8 range -------------------------------------------------------
+#: The id of :class:`Fp8LargeQuery`'s claims.
+FP8_LARGE_Q = "fp8_large_q"
+
+
+@register_check
+class Fp8LargeQuery(ConformanceCheck):
+    """With an FP8 KV pool, queries beyond fp8 e4m3's range (|q| up to ~4000, as absorbed
+    MLA queries reach in real models) still give the oracle's output: a kernel that
+    rounds q to fp8 must scale it first (and declare ``q_compute_dtype``), never cast it
+    (an out-of-range cast is NaN: e4m3fn has no inf).
+
+    One claim per FP8-KV MLA configuration of each phase (the first only on cpu),
+    eagerly (and per speculative forward mode served eagerly) and at each capture site
+    whose method is MLA, on batches whose query rows are gained by
+    :data:`~attnreg.testing.workload.LARGE_Q_GAINS`.  The oracle rounds q as the
+    declared ``q_compute_dtype`` says and the output is held to that dtype's tolerance,
+    so a declared, correctly scaled rounding passes.
+    """
+
+    check = FP8_LARGE_Q
+    kinds = (ClaimKind.EAGER, ClaimKind.CAPTURE)
+
+    @staticmethod
+    def _fp8(x: Expansion, base: Combo, phase: Phase) -> list[Combo]:
+        combos = [c for c in x.dtype_variants(base, ForwardMethod.MLA, phase)
+                  if c.kv_dtype is DType.FP8_E4M3]
+        return combos if x.exhaustive or not x.on_cpu else combos[:1]
+
+    def declaration_claims(self, x: Expansion) -> list[Claim]:
+        claims: list[Claim] = []
+        for phase in (Phase.DECODE, Phase.PREFILL):
+            if ForwardMethod.MLA not in x.caps.methods(phase):
+                continue
+            base = x.base_combo(ForwardMethod.MLA, phase)
+            if base is None:
+                continue
+            specs = quick_specs(phase) if x.on_cpu else eager_specs(phase)
+            for combo in self._fp8(x, base, phase):
+                claims.append(self.claim(
+                    x, ClaimKind.EAGER, combo,
+                    f"{combo.describe()} with query rows of |q| up to ~4000 (beyond fp8 "
+                    f"e4m3's 448) gives finite outputs matching the float64 oracle on "
+                    f"{', '.join(specs)}", batches=specs))
+            if phase is not Phase.DECODE:
+                continue
+            for served in x.caps.eager_forward_modes:
+                if served.mode not in SPECULATIVE_MODES or served.max_query_len is None:
+                    continue
+                specs = eager_specs(Phase.DECODE, served.mode)
+                specs = specs[1:2] if x.on_cpu else specs
+                for combo in self._fp8(x, base, phase):
+                    claims.append(self.claim(
+                        x, ClaimKind.EAGER, combo,
+                        f"eager {served.mode} batches of {served.max_query_len} tokens per "
+                        f"sequence, {combo.describe()}, with query rows of |q| up to ~4000 "
+                        f"give finite outputs matching the float64 oracle on "
+                        f"{', '.join(specs)}", batches=specs, forward_mode=served.mode,
+                        query_len=served.max_query_len))
+        return claims
+
+    def capture_claims(self, x: Expansion, site: CaptureSite) -> list[Claim]:
+        if site.method is not ForwardMethod.MLA:
+            return []
+        replay = site.replay[:2] if x.on_cpu else site.replay
+        return [self.capture_claim(
+            x, site, f"{site.where}, {site.method} {combo.describe()} with query rows of "
+            f"|q| up to ~4000 (beyond fp8 e4m3's 448) runs {site.how} and gives finite "
+            f"outputs matching the oracle on {', '.join(replay)}", combo=combo,
+            batches=replay) for combo in self._fp8(x, site.base, site.phase)]
+
+    def run(self, harness: Harness, claim: Claim) -> None:
+        from .errors import ClaimRefuted
+        from .workload import LARGE_Q_GAINS  # torch: only when a claim runs
+
+        try:
+            with harness.query_gains(LARGE_Q_GAINS):
+                if claim.kind is ClaimKind.EAGER:
+                    harness.check_eager(claim)
+                elif claim.graph_mode is GraphMode.TC_PIECEWISE:
+                    harness.check_piecewise(claim)
+                else:
+                    harness.check_graph(claim, GraphOptions())
+        except ClaimRefuted as exc:
+            raise ClaimRefuted(
+                f"{exc} (query rows gained x{', x'.join(f'{g:g}' for g in LARGE_Q_GAINS)}, "
+                "|q| up to ~4000; a cast of q to fp8 e4m3 without a scale saturates at 448 "
+                "or gives NaN: scale q per tensor before the cast and declare "
+                "q_compute_dtype)") from exc
 
 
 # -- availability ------------------------------------------------------------------------

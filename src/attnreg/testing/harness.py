@@ -101,6 +101,19 @@ class Harness:
         self.platform = platform
         self.profile = "cpu" if device == "cpu" else "cuda"
         self.real_graphs = device == "cuda"
+        #: per-row q gains every workload this harness builds gets (None: plain N(0, 1)
+        #: queries); set for one check with :meth:`query_gains`
+        self.q_gains: tuple[float, ...] | None = None
+
+    @contextlib.contextmanager
+    def query_gains(self, gains: Sequence[float]) -> Iterator[None]:
+        """Every workload built inside gets ``make_workload(..., q_gains=gains)``: the
+        same procedures (eager, capture path, graphs, piecewise) on large queries."""
+        before, self.q_gains = self.q_gains, tuple(gains)
+        try:
+            yield
+        finally:
+            self.q_gains = before
 
     # ------------------------------------------------------------------------------
     def run(self, claim: Claim) -> None:
@@ -142,6 +155,8 @@ class Harness:
         """:func:`make_workload`, with this profile's prefix chunk size for chunked MHA."""
         if method is ForwardMethod.MHA_CHUNKED_KV:
             kwargs.setdefault("chunk_tokens", chunk_tokens(self.profile))
+        if self.q_gains is not None and method is ForwardMethod.MLA:
+            kwargs.setdefault("q_gains", self.q_gains)
         return make_workload(config, pool, spec, method, seed=seed, **kwargs)  # type: ignore[arg-type]
 
     def sync(self) -> None:
@@ -621,8 +636,10 @@ class Harness:
         pool = make_pool(config, specs)
         problems: list[str] = []
         served: Served = []
+        q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
         for i, spec in enumerate(specs):
-            work = self.workload(config, pool, spec, method, seed=300 + i)
+            work = self.workload(config, pool, spec, method, seed=300 + i,
+                                 q_compute_dtype=q_compute)
             inputs = InputGuard([work])
             with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
                 with capturing(GraphMode.TC_PIECEWISE), recording_served() as records:
@@ -677,7 +694,9 @@ class _Piecewise:
         combo, config = self.combo, self.config
         method = combo.method
         pool = make_pool(config, self.specs)
-        works = [self.h.workload(config, pool, s, method, seed=400 + i)
+        q_compute = kernel_q_compute_dtype(self.backend.capabilities, combo)
+        works = [self.h.workload(config, pool, s, method, seed=400 + i,
+                                 q_compute_dtype=q_compute)
                  for i, s in enumerate(self.specs)]
         rows = max(w.rows for w in works)
         kv_rows = max((w.k.shape[0] for w in works if w.k is not None), default=0)

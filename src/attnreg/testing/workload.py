@@ -38,6 +38,7 @@ from .integrity import guarded_pool, ledger_of, nonfinite_problem
 
 __all__ = [
     "FP8_POOL_SCALE",
+    "LARGE_Q_GAINS",
     "LSE_TOLERANCE",
     "TOLERANCES",
     "Tolerance",
@@ -79,6 +80,13 @@ class Tolerance:
 #: 2**-4): FlashMLA 1.0.0's dense FP8 decode on the H200 needed at most 0.062 over
 #: 384 configurations (16-128 heads, lengths 1-8000, two kv and q scales, three
 #: seeds; oracle rounding q as the kernel does), its bf16 path 0.005.
+#: Per-row gains of a large-query workload (``make_workload(..., q_gains=...)``), cycled
+#: over the query rows: absorbed MLA queries (q_nope @ W_UK) of real models reach
+#: |q| ~ 1000-4000, beyond fp8 e4m3's 448.  Powers of two, so the gained q is exact in
+#: every query dtype; the first row is always gained (a one-row batch has one).  A
+#: gained N(0, 1) row peaks near 4 x its gain.
+LARGE_Q_GAINS: tuple[float, ...] = (1024.0, 1.0, 256.0)
+
 TOLERANCES: dict[DType, Tolerance] = {
     DType.FP32: Tolerance(2e-4, 2e-4),
     DType.FP16: Tolerance(4e-3, 4e-3),
@@ -273,7 +281,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                   *, seed: int, q_dtype: DType | None = None, layer_id: int = 0,
                   pages: list[list[int]] | None = None, batch: ForwardBatch | None = None,
                   chunk_tokens: int | None = None,
-                  q_compute_dtype: DType | None = None) -> Workload:
+                  q_compute_dtype: DType | None = None,
+                  q_gains: Sequence[float] | None = None) -> Workload:
     """Write the prefixes of ``spec`` into layer ``layer_id`` of ``pool``, build the batch,
     compute the oracle.
 
@@ -282,7 +291,9 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     them) are given: another layer of the same step.  ``q_dtype`` overrides
     the config's (refusal claims pass undeclared dtypes through here).
     ``q_compute_dtype``: the declared kernel computes with q rounded to it
-    (:func:`round_q`), so the oracle does too.
+    (:func:`round_q`), so the oracle does too.  ``q_gains``: absorbed MLA queries
+    only, row ``i`` of q multiplied by ``q_gains[i % len(q_gains)]`` (e.g.
+    :data:`LARGE_Q_GAINS`) before the oracle sees it.
 
     Every sequence is built at once (one write of all prefixes, one rounding, one
     batched oracle): a 256-sequence batch costs about what a handful of sequences
@@ -320,7 +331,11 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     k = v = None
     decompress = None
     if method is ForwardMethod.MLA:
-        q = _randn(gen, rows, heads, pool.row_dim).to(qdt).to(dev)
+        q = _randn(gen, rows, heads, pool.row_dim)
+        if q_gains:
+            gains = torch.tensor([float(q_gains[i % len(q_gains)]) for i in range(rows)])
+            q = q * gains[:, None, None]
+        q = q.to(qdt).to(dev)
         expected, lse = oracle_mla(round_q(q, q_compute_dtype), stored, spec, lora,
                                    config.softmax_scale)
     elif method is ForwardMethod.MHA_CHUNKED_KV:

@@ -22,7 +22,9 @@ The conformance suite must refute each one, with a message pointing at the cause
   is declared, either way, and padding output rows left unwritten;
 * ``planted_fixed_scale`` / ``planted_heads_block8`` (k, l, ``config_facts``): the
   softmax scale fixed at 1/sqrt(192) whatever ``MLAConfig.sm_scale`` says, and
-  heads beyond the first 8 given the first 8's output.
+  heads beyond the first 8 given the first 8's output;
+* ``planted_fp8_q_unscaled`` (m, ``fp8_q_unscaled``): over an FP8 pool, q cast to fp8
+  e4m3 without a scale (|q| > 448 saturates or becomes NaN), as ``trtllm_mla`` did.
 
 Load one with ``--attnreg-plugin planted.<module>`` (``tests/conformance`` on
 ``PYTHONPATH``) or ``load_registry(extra_plugins=[("planted", module)])``.

@@ -5,11 +5,18 @@ Facts (SEEDS.md, and the flashinfer 0.6.13 sources):
 * the kernels are Blackwell-only (sm100/sm103) and load cubins at run time;
 * ``trtllm_batch_decode_with_kv_cache_mla`` takes a concatenated 576-wide
   query and cache, writes a **bf16** output (so the query is bf16, or fp8 for
-  an fp8 cache, which the backend casts to), pages of 32 or 64 tokens, and a
+  an fp8 cache), pages of 32 or 64 tokens, and a
   page table whose width is a multiple of ``128 / page_size``.  flashinfer's
   own tests run it with 128 query heads; engines run it with 16..128 heads per
   rank (tensor parallelism of DeepSeek / Kimi), and later flashinfer releases
   reject 64 < heads < 128 (the Q tile is 64 heads): declared 16, 32, 64, 128;
+* with an FP8 cache the decode kernel multiplies fp8 q by fp8 KV: the backend
+  rounds q to fp8 e4m3 on the device with attnreg's per-tensor power-of-two scale
+  (``q_compute_dtype`` fp8; a plain cast would make every ``|q| > 448`` 448 or NaN,
+  and absorbed queries reach that) and passes the descale inside ``bmm1_scale`` as
+  a float32 ``(1,)`` tensor, which 0.6.13's ``trtllm_batch_decode_with_kv_cache_mla``
+  accepts on the trtllm-gen backend (``mla/_core.py``: a float32 check, then
+  ``bmm1_scale * log2e`` for a tensor).  Not run on Blackwell yet;
 * ``trtllm_ragged_attention_deepseek`` accepts only the head dims
   (q/k, v) = (192, 128), (128, 128) or (256, 256) -- it asserts otherwise --
   so absorbed (576, 576, 512) tensors must never reach it.  Batches with a
@@ -144,9 +151,15 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
     if not reason:
         kernels = (
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS, _BF16,
-                              frozenset({DType.BF16, DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
+                              _BF16, page_sizes=PAGE_SIZES,
                               max_heads=128, head_counts=DECODE_HEAD_COUNTS,
                               kernel="trtllm_batch_decode_with_kv_cache_mla"),
+            # an FP8 pool: fp8 x fp8, q rounded on the device (module doc)
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS, _BF16,
+                              frozenset({DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
+                              max_heads=128, head_counts=DECODE_HEAD_COUNTS,
+                              kernel="trtllm_batch_decode_with_kv_cache_mla (fp8 q, scaled "
+                                     "per tensor)", q_compute_dtype=DType.FP8_E4M3),
             KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), RAGGED_DIMS, _BF16,
                               _BF16, max_heads=128,
                               kernel="trtllm_ragged_attention_deepseek "
