@@ -8,10 +8,9 @@ replay with the L2 flushed before every replay (:meth:`attnreg.profiling.Clock.c
   positions drawn at random, as a top-k indexer would pick them; unsorted):
 
   - the FlashMLA plugin's ``forward_sparse`` created through the registry,
-    captured through :class:`attnreg.runtime.GraphRunner` the way
-    ``plugins/attnreg-flashmla/tests/test_gpu_sparse.py`` does (``sparse=True``
-    graph state, capture metadata, the replay metadata filled once outside the
-    graph): over an ``MLAKVPool(kv_format="fp8_ds_mla")`` pool (DeepSeek-V3.2's
+    captured through :class:`attnreg.runtime.GraphSession` (``sparse=True``, its
+    step reading a static top-k tensor, the replay metadata filled once outside
+    the graph), as the conformance suite's sparse capture claims run it: over an ``MLAKVPool(kv_format="fp8_ds_mla")`` pool (DeepSeek-V3.2's
     656-byte rows: the legacy sparse fp8 decode kernel) and over a bf16 pool
     (the legacy sparse bf16 prefill kernel, one query row per sequence);
   - the raw kernels, called directly on the same pools and captured through
@@ -259,23 +258,31 @@ def raw_sparse_bf16(ctx: RunContext, pool: Any, q: Any, indices: Any, scale: flo
 
 def plugin_sparse(ctx: RunContext, platform: str, pool: Any, batch: Any, q: Any, indices: Any,
                   kv_dtype: str, seq_len: int) -> tuple[Any, Callable[[], None]]:
-    """The plugin's ``forward_sparse`` captured in a FULL decode graph: the graph's output
-    after one replay, and the replay."""
-    from attnreg.registry import get_registry
-    from attnreg.runtime import GraphRunner, MLAConfig
+    """The plugin's ``forward_sparse`` captured in a FULL decode graph through
+    GraphSession (``sparse=True``, one bucket = B, its step reading a static top-k
+    tensor, replay metadata prepared once): the graph's output after one replay, and
+    the graph's replay."""
+    from attnreg.registry import ForwardMode, get_registry
+    from attnreg.runtime import GraphSession, MLAConfig, StepInputs
 
-    torch = ctx.torch
     B, H = q.shape[0], q.shape[1]
     cfg = MLAConfig(num_heads=H, page_size=PAGE, kv_dtype=kv_dtype, device=ctx.device,
                     max_context_len=seq_len)
     be = get_registry().create("flashmla", cfg, platform=platform)
-    be.init_cuda_graph_state(B, B, max_seq_len=seq_len, sparse=True)
-    be.init_forward_metadata_capture(B, B)
-    out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=ctx.device)
-    graph = GraphRunner(ctx.device).capture(
-        lambda: be.forward_sparse(q, None, None, pool, None, out=out, topk_indices=indices))
-    be.init_forward_metadata_replay(B, B, batch)  # what an engine does before each replay
+
+    def step(s: Any) -> None:
+        assert s.inputs is not None
+        out = s.outputs[0] if s.outputs else None
+        be.forward_sparse(s.inputs.q[0], None, None, pool, s.batch, out=out,
+                          topk_indices=indices[:s.inputs.q[0].shape[0]])
+
+    ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B], writes_kv=False,
+                       sparse=True, max_seq_len=seq_len, step=step,
+                       device_graphs=None if ctx.cuda else False)
+    ses.capture(batches={B: batch}, inputs={B: StepInputs([q])})
+    out = ses.replay(batch, StepInputs([q]), bucket=B)[0]
     out.fill_(float("nan"))
+    graph = ses.graph((ForwardMode.DECODE, B))
     graph.replay()
     return out, graph.replay
 
