@@ -4,7 +4,7 @@ Routing (the seed-000 defect 1 and the engines this is modelled on):
 
 * decode: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` over the
   576-wide pool (sm100/sm103 only); an FP8 pool gets an FP8 query, scaled per
-  tensor on the device first (:func:`attnreg.backends._fp8.quantize_q_fp8`, declared
+  tensor on the device first (:func:`attnreg.runtime.quantize_q_fp8`, declared
   as ``q_compute_dtype`` fp8), its descale passed in ``bmm1_scale`` as a tensor;
 * target verify: the same kernel with the query ``[B, q_len, H, 576]`` (every
   request the same ``q_len`` draft tokens; the kernel masks each token causally
@@ -47,10 +47,10 @@ from attnreg.runtime import (
     MLAConfig,
     MLAKVPool,
     device_sm,
+    quantize_q_fp8,
     torch_dtype,
 )
 
-from ._fp8 import quantize_q_fp8
 from .declarations.trtllm_mla import BLACKWELL, WORKSPACE_BYTES, decode_table_width
 from .flashinfer_mla import (
     FlashInferGraphBuffers,

@@ -34,6 +34,7 @@ from .dtypes import (
     device_num_sms,
     device_sm,
     dtype_from_torch,
+    quantize_q_fp8,
     resolve_device,
     torch_dtype,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "dtype_from_torch",
     "extend_batch",
     "merge_attention_states",
+    "quantize_q_fp8",
     "replay_batch",
     "torch_dtype",
     "verify_batch",

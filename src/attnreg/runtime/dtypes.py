@@ -1,4 +1,5 @@
-"""torch helpers shared by the runtime and the backends: dtypes and devices."""
+"""torch helpers shared by the runtime and the backends: dtypes, devices, and the one way
+a kernel that computes in fp8 rounds q (``quantize_q_fp8``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ __all__ = [
     "device_num_sms",
     "device_sm",
     "dtype_from_torch",
+    "quantize_q_fp8",
     "resolve_device",
     "torch_dtype",
 ]
@@ -64,3 +66,34 @@ def device_num_sms(device: torch.device) -> int | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+#: attnreg's convention for a kernel that rounds q (``KernelConstraints.q_compute_dtype``
+#: fp8; docs/decisions.md, "A kernel that rounds q declares it"): one power-of-two scale
+#: per batch, the smallest ``s`` with ``max|q| / s <= 448`` over the batch's real query
+#: rows, then one round to nearest fp8 e4m3.  The conformance oracle
+#: (``attnreg.testing.workload.round_q``) rounds the same way, bit for bit.
+def quantize_q_fp8(q: torch.Tensor, live_rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_fp8, descale)``: ``q`` rounded to float8_e4m3fn with one power-of-two scale.
+
+    ``live_rows`` (bool, ``q``'s leading dims before the last two: one entry per query
+    row) says which rows set the scale (padded rows of a replayed graph hold stale
+    values, possibly inf or NaN, and are left out).  ``descale`` is float32 ``(1,)``
+    with ``q ~ q_fp8 * descale``; ``max|q| = 0`` gives the smallest normal float32
+    scale, never 0.  No host read: it runs inside a captured graph.
+    """
+    row_amax = q.abs().amax(dim=(-2, -1)).float()
+    # torch.where, not a product: a stale padded row holding inf or NaN must not leak in
+    amax = torch.where(live_rows, row_amax, torch.zeros_like(row_amax)).amax()
+    ratio = torch.clamp(amax / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power is kept
+    # 2**exponent from its float32 bits: exact on every device (pow / exp2 need not be)
+    descale = ((exponent.to(torch.int32) + 127) << 23).view(torch.float32).reshape(1)
+    # a power of two scales exactly in any dtype with float32's exponent range (bf16,
+    # fp32): q is multiplied in its own dtype, no float32 copy; fp16's range is not
+    # float32's (2**k may not fit), so fp16 is scaled in float32
+    wide = q if q.dtype in (torch.bfloat16, torch.float32) else q.float()
+    q_fp8 = (wide * torch.reciprocal(descale).to(wide.dtype)).to(torch.float8_e4m3fn)
+    return q_fp8, descale

@@ -16,6 +16,7 @@ from types import ModuleType
 
 import torch
 from attnreg.registry import BackendUnavailableError
+from attnreg.runtime.dtypes import FP8_E4M3_MAX, quantize_q_fp8
 
 from .declaration import BACKEND_NAME, FLASH_MLA, SPARSE_KV_FORMAT_V32
 
@@ -23,7 +24,7 @@ __all__ = ["FP8_MAX", "Schedule", "decode", "load_library", "quantize_q", "sched
            "sparse_decode", "sparse_prefill", "store_lse"]
 
 #: Largest finite float8_e4m3fn value.
-FP8_MAX = 448.0
+FP8_MAX = FP8_E4M3_MAX
 _LATENT = 512
 
 
@@ -100,29 +101,10 @@ def schedule(lib: ModuleType, seq_lens: torch.Tensor, num_heads: int, *,
     return Schedule(meta, splits)
 
 
-def quantize_q(q: torch.Tensor, live_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round ``q`` to float8_e4m3fn with one power-of-two scale, on the device.
-
-    The scale is the smallest power of two ``s`` with ``amax / s <= 448``, where
-    ``amax`` is the largest ``|q|`` over the rows where ``live_rows`` is True
-    (padded rows of a replayed graph hold stale values and are left out).  A
-    power of two makes ``q / s`` exact in q's own dtype, so the only rounding
-    is the one to fp8 and the conformance oracle can repeat it bit for bit
-    (attnreg's convention for a kernel whose ``q_compute_dtype`` is fp8).
-
-    Returns ``(q_fp8, descale)``: ``descale`` float32 ``(1,)`` with ``q ~ q_fp8 * descale``.
-    No host read, so it runs inside a captured graph.
-    """
-    row_amax = q.abs().amax(dim=tuple(range(1, q.dim()))).float()
-    # torch.where, not a product: a stale padded row holding inf or NaN must not leak in
-    amax = torch.where(live_rows, row_amax, torch.zeros_like(row_amax)).amax()
-    ratio = torch.clamp(amax / FP8_MAX, min=torch.finfo(torch.float32).tiny)
-    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
-    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is kept
-    # 2**exponent built from its float32 bits: exact on every device (pow/exp2 need not be)
-    descale = ((exponent.to(torch.int32) + 127) << 23).view(torch.float32).reshape(1)
-    q_fp8 = (q * torch.reciprocal(descale).to(q.dtype)).to(torch.float8_e4m3fn)
-    return q_fp8, descale
+#: q rounded to fp8 with one power-of-two scale over the live rows, on the device
+#: (attnreg's convention for a kernel whose ``q_compute_dtype`` is fp8; the one
+#: implementation is the runtime's): ``quantize_q(q, live_rows) -> (q_fp8, descale)``.
+quantize_q = quantize_q_fp8
 
 
 def decode(lib: ModuleType, q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
