@@ -109,14 +109,11 @@ def sglang_placeholder(phase: Phase, facts: SglangFacts) -> Capabilities | None:
     sparse = SparseKernel(frozenset({phase}), frozenset({model.act_dtype}), fmt,
                           page_sizes=pages, head_counts=(model.num_heads,),
                           top_k_sizes=(int(model.sparse_top_k or 1),), kernel=label)
-    # resolve() counts a declaration without dense kernels as one that runs nowhere,
-    # so the placeholder names the same kernel in dense form (the sparse model never
-    # plans it: the policy plans a sparse model with sparse_view()).
     modes = tuple(GraphModeSupport(phase, mode, CaptureSupport.unsupported(why))
                   for mode in VALID_GRAPH_MODES[phase])
     return Capabilities(
         backend=PLACEHOLDER, platform=facts.platform, vendors=frozenset({facts.platform.vendor}),
-        kernels=(sparse.as_dense_constraints(),), graph_modes=modes,
+        kernels=(), graph_modes=modes,
         sparse_kernels=(sparse,), sparse_graph_modes=modes, notes=(why,))
 
 
