@@ -15,10 +15,16 @@
 #          claims), its GPU tests; the planted sparse defects under real graphs; REST_TOO:
 #          other backends' non-capture claims beside; FA4=1: flash_attn_cute's conformance.
 # integrity the capture planted defects of the integrity set on cuda.
+# sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
+# claims   conformance of BACKENDS (default triton reference flashmla) restricted to K (a
+#          -k expression, default fp8_large_q), the FlashMLA plugin loaded.
+# Several steps run one after another in one call: `bash scripts/h200.sh peers sparsebench`.
 # LIMIT bounds every job of a step (seconds); each step leaves one archive,
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
-step=${1:?usage: h200.sh conf|gpu|bench|peers|sparse|integrity}
+call_start=$(date +%s)
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|sparsebench|claims)" >&2; exit 2; }
+steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 source .gpu/setup.sh
@@ -28,8 +34,14 @@ python3 -m pip install --no-deps --no-build-isolation -e plugins/attnreg-flashml
   >>"$OUT/pip.log" 2>&1 || true
 export PYTHONPATH="$PWD/src:$PWD/plugins/attnreg-flashmla/src:$PWD/tests/conformance${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-start=$(date +%s)
-left() { echo $(( $1 - ($(date +%s) - start) )); }
+start=$call_start
+# seconds a job may run: its own limit from the start of its step, never past the call's
+# BUDGET (default 560 s, under the device's 600 s per call, so the archive still gets made)
+left() {
+  local now own call; now=$(date +%s)
+  own=$(( $1 - (now - start) )); call=$(( ${BUDGET:-560} - (now - call_start) ))
+  echo $(( own < call ? own : call ))
+}
 limit() { echo "${LIMIT:-$1}"; }
 conf() {  # conf <name> <limit> [attnreg conformance args...]: one run, its log and rc
   local name=$1 lim=$2; shift 2
@@ -43,6 +55,8 @@ gpu_tests() {  # gpu_tests <log name> <limit> <paths...>
     >"$OUT/$name.log" 2>&1
   echo "rc=$?" >>"$OUT/$name.log"
 }
+for step in $steps; do
+start=$(date +%s)
 case $step in
   conf)
     for b in ${BACKENDS:-triton flashinfer_mla}; do
@@ -95,11 +109,23 @@ case $step in
       --backend planted_prefix_overwrite --backend planted_nan_wide \
       --backend planted_inplace_q -k "decode and (replay/ or capture_path)")
     ;;
+  sparsebench)
+    timeout $(left $(limit 400)) python3 -m benchmarks --only sparse --out "$OUT/sparse" \
+      --no-render --no-jit-cache >"$OUT/sparsebench.log" 2>&1
+    echo "rc=$?" >>"$OUT/sparsebench.log"
+    ;;
+  claims)
+    args=()
+    for b in ${BACKENDS:-triton reference flashmla}; do args+=(--backend "$b"); done
+    conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}"
+    ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|sparsebench|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"
+done
+step=${steps// /+}
 # the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
 [ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
 tar czf "/tmp/results-$step.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
