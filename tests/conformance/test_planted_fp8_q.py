@@ -13,16 +13,18 @@ pytest.importorskip("torch")
 
 B = "planted_fp8_q_unscaled"
 FP8 = "bf16-fp8_e4m3/p16/h2/576x512"
+# the large-query claims run at checks.LARGE_Q_SM_SCALE (1/(sqrt(192) * 1024))
+LQ = f"{FP8}/sm_scale7.048e-05"
 EXPECTED = {
-    f"eager/decode/mla/fp8_large_q/{FP8}",
-    f"eager/decode/mla/target_verify/fp8_large_q/{FP8}",
-    f"eager/decode/mla/draft_extend/fp8_large_q/{FP8}",
-    f"eager/prefill/mla/fp8_large_q/{FP8}",
-    f"capture/decode/full/fp8_large_q/mla/{FP8}",
-    f"capture/decode/full/target_verify/fp8_large_q/mla/{FP8}",
-    f"capture/decode/full/draft_extend/fp8_large_q/mla/{FP8}",
-    f"capture/prefill/breakable/fp8_large_q/mla/{FP8}",
-    f"capture/prefill/tc_piecewise/fp8_large_q/mla/{FP8}",
+    f"eager/decode/mla/fp8_large_q/{LQ}",
+    f"eager/decode/mla/target_verify/fp8_large_q/{LQ}",
+    f"eager/decode/mla/draft_extend/fp8_large_q/{LQ}",
+    f"eager/prefill/mla/fp8_large_q/{LQ}",
+    f"capture/decode/full/fp8_large_q/mla/{LQ}",
+    f"capture/decode/full/target_verify/fp8_large_q/mla/{LQ}",
+    f"capture/decode/full/draft_extend/fp8_large_q/mla/{LQ}",
+    f"capture/prefill/breakable/fp8_large_q/mla/{LQ}",
+    f"capture/prefill/tc_piecewise/fp8_large_q/mla/{LQ}",
 }
 
 
@@ -36,7 +38,7 @@ def test_the_unscaled_fp8_cast_is_refuted_by_fp8_large_q_only(tmp_path):
     for cid, msg in refuted.items():
         assert "output differs from the float64 oracle" in msg or "NaN" in msg, msg
         assert "without a scale" in msg, msg
-    assert "(bs=4, seq_lens=[1, 6, 17, 34])" in refuted[f"eager/decode/mla/fp8_large_q/{FP8}"]
+    assert "(bs=4, seq_lens=[1, 6, 17, 34])" in refuted[f"eager/decode/mla/fp8_large_q/{LQ}"]
     verified = by_status(data, "verified")
     # the same pool with ordinary queries: the multi-layer and eager fp8 claims hold
     assert f"{B}/eager/decode/mla/{FP8}" in verified
