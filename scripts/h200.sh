@@ -17,7 +17,8 @@
 # integrity the capture planted defects of the integrity set on cuda.
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # claims   conformance of BACKENDS (default triton reference flashmla) restricted to K (a
-#          -k expression, default fp8_large_q), the FlashMLA plugin loaded.
+#          -k expression, default fp8_large_q), the FlashMLA plugin loaded; in the
+#          background, beside the next step (put a timing step after one that waits).
 # Several steps run one after another in one call: `bash scripts/h200.sh peers sparsebench`.
 # LIMIT bounds every job of a step (seconds); each step leaves one archive,
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
@@ -127,7 +128,8 @@ case $step in
   claims)
     args=()
     for b in ${BACKENDS:-triton reference flashmla}; do args+=(--backend "$b"); done
-    conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}"
+    # in the background: a later step's `wait` (conf, sparse) or the call's end joins it
+    conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
     echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|sparsebench|claims)" >&2; exit 2
@@ -135,6 +137,7 @@ case $step in
 esac
 echo "step $step: $(( $(date +%s) - start )) s"
 done
+wait
 step=${steps// /-}  # one plain name: a device call brings back no name with odd characters
 # the flashinfer JIT cache, to carry as .gpu/fi-cache.tgz next time (no nvcc rebuild)
 [ -d ~/.cache/flashinfer ] && [ ! -f .gpu/fi-cache.tgz ] && tar czf "$OUT/fi-cache.tgz" -C ~/.cache flashinfer
