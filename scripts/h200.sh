@@ -16,7 +16,7 @@
 #          other backends' non-capture claims beside; FA4=1: flash_attn_cute's conformance.
 # integrity the capture planted defects of the integrity set on cuda.
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
-# claims   conformance of BACKENDS (default triton reference flashmla) restricted to K (a
+# claims   conformance of CLAIMS_BACKENDS (default triton reference flashmla) restricted to K (a
 #          -k expression, default fp8_large_q), the FlashMLA plugin loaded; in the
 #          background, beside the next step (put a timing step after one that waits).
 # Several steps run one after another in one call: `bash scripts/h200.sh peers sparsebench`.
@@ -127,7 +127,7 @@ case $step in
     ;;
   claims)
     args=()
-    for b in ${BACKENDS:-triton reference flashmla}; do args+=(--backend "$b"); done
+    for b in ${CLAIMS_BACKENDS:-triton reference flashmla}; do args+=(--backend "$b"); done
     # in the background: a later step's `wait` (conf, sparse) or the call's end joins it
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
