@@ -588,7 +588,8 @@ def render(data: dict[str, Any], page: Page) -> list[str]:
              f"{data.get('page_size', PAGE)}, top-k {data.get('top_k', TOP_K)} distinct "
              "random positions per sequence.  Sparse: the FlashMLA plugin's `forward_sparse` "
              "(fp8_ds_mla rows: sparse fp8 decode kernel; bf16 rows: sparse bf16 prefill "
-             "kernel) captured through GraphRunner, and the raw kernels called directly.  "
+             "kernel) captured through GraphSession (sparse=True), and the raw kernels called "
+             "directly (captured through GraphRunner).  "
              "Dense over all L tokens: attnreg's backends through GraphSession, raw "
              f"FlashMLA called directly.  Library: {data.get('library', '?')}.", ""]
     rows = data.get("rows", [])
