@@ -13,6 +13,12 @@ replay (:meth:`attnreg.profiling.Clock.calls`):
   ``attnreg_flashmla/kernel.py``), its scheduler run outside the graph and,
   for FP8, q rounded to FP8 outside the graph (the raw kernel takes it as
   input);
+* the overhead rows (:data:`OVERHEAD`, for ``peers.wrapper``): a raw call plus one piece
+  of what attnreg's captured decode adds beside the kernel -- fa3 with contiguous q
+  halves, with the padding-row zeroing (two launches, as before issue 31, and one, as
+  now), with attnreg's ``use_cuda_graph`` plan (a filler request); FlashMLA FP8 with q
+  rounded inside the graph by ``attnreg.runtime.quantize_q_fp8`` -- each beside its raw
+  call and attnreg's wrapper of it (``data["overhead"]``);
 * attnreg's backends created through the registry and captured through
   :class:`attnreg.runtime.GraphSession` (one bucket = B, replay metadata
   prepared once, then the graph alone timed): triton at page 1 and 64,
@@ -97,9 +103,20 @@ def _raw_reasons(ctx: RunContext) -> dict[str, str]:
     return out
 
 
-def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
+def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
+         contiguous_q: bool = False, zero_launches: int = 0, graph_wrapper: bool = False
          ) -> Callable[[], Any]:
-    """flashinfer's MLA wrapper (fa3), planned here once; the returned call is ``run``."""
+    """flashinfer's MLA wrapper (fa3), planned here once; the returned call is ``run``.
+
+    The overhead rows (:data:`OVERHEAD`) add, one at a time, what attnreg's captured
+    decode does beside the call: ``contiguous_q`` passes q's halves as two contiguous
+    tensors (made here, outside the graph) instead of two strided views of one
+    ``[B, H, 576]`` tensor; ``zero_launches`` adds the padding-row zeroing after the call
+    (2: the mask recomputed inside the graph then ``masked_fill_``, as attnreg did before
+    issue 31; 1: ``masked_fill_`` from a mask set outside the graph, as it does now);
+    ``graph_wrapper`` plans a ``use_cuda_graph=True`` wrapper over preallocated index
+    buffers with a ``B + 1``-th (filler, empty) request, as attnreg's captured plan.
+    """
     import flashinfer
 
     from attnreg.backends.declarations.flashinfer_mla import FLOAT_WORKSPACE_BYTES
@@ -109,30 +126,54 @@ def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
     ps = pool.page_size
     lens = [int(n) for n in batch.seq_lens_cpu]
     pages = [-(-n // ps) for n in lens]
+    qo = list(range(B + 1))
+    if graph_wrapper:  # attnreg's padded plan: one filler request owning the 0 padding rows
+        lens, pages, qo = lens + [0], pages + [0], qo + [B]
     indptr = [0]
     for n in pages:
         indptr.append(indptr[-1] + n)
     kv_indices = torch.cat([batch.page_table[b, :pages[b]] for b in range(B)]).to(torch.int32)
     workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
-    wrapper.plan(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
+    extra: dict[str, Any] = {}
+    if graph_wrapper:
+        ints = lambda n: torch.zeros(n, dtype=torch.int32, device=q.device)  # noqa: E731
+        extra = dict(use_cuda_graph=True, qo_indptr=ints(len(qo)), kv_indptr=ints(len(indptr)),
+                     kv_indices=ints(int(kv_indices.numel())), kv_len_arr=ints(len(lens)))
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="fa3", **extra)
+    wrapper.plan(qo_indptr=torch.tensor(qo, dtype=torch.int32),
                  kv_indptr=torch.tensor(indptr, dtype=torch.int32), kv_indices=kv_indices,
                  kv_len_arr=torch.tensor(lens, dtype=torch.int32), num_heads=H,
                  head_dim_ckv=512, head_dim_kpe=64, page_size=ps, causal=False, sm_scale=scale,
                  q_data_type=q.dtype, kv_data_type=pool.buffer.dtype)
     out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=q.device)
     buf = pool.buffer
+    q_nope, q_pe = q[..., :512], q[..., 512:]
+    if contiguous_q:
+        q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
+    # the zeroing's inputs as GraphState holds them: row numbers, the mask, qo_indptr
+    row_index = torch.arange(B, dtype=torch.int32, device=q.device)
+    pad_mask = torch.zeros(B, dtype=torch.bool, device=q.device)
+    qo_dev = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    torch.ge(row_index, qo_dev[-1:], out=pad_mask)  # the one-launch form: set outside
 
     def run() -> Any:
-        wrapper.run(q[..., :512], q[..., 512:], buf[..., :512], buf[..., 512:], out=out)
+        wrapper.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
+        if zero_launches == 2:
+            torch.ge(row_index, qo_dev[-1:], out=pad_mask)
+        if zero_launches:
+            out.masked_fill_(pad_mask.view(B, 1, 1), 0.0)
         return out
     return run
 
 
-def _flashmla(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
-              ) -> Callable[[], Any]:
-    """FlashMLA's legacy dense decode (sm90), scheduled here once; fp8: q rounded here."""
+def _flashmla(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
+              round_in_graph: bool = False) -> Callable[[], Any]:
+    """FlashMLA's legacy dense decode (sm90), scheduled here once; fp8: q rounded here,
+    or with ``round_in_graph`` inside the call by ``attnreg.runtime.quantize_q_fp8`` (what
+    the plugin's captured FP8 decode does: the overhead row of :data:`OVERHEAD`)."""
     import flash_mla
+
+    from attnreg.runtime import quantize_q_fp8
 
     torch = ctx.torch
     B, H = q.shape[0], q.shape[1]
@@ -155,8 +196,16 @@ def _flashmla(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
                  "descale_q": torch.full((1,), descale, dtype=torch.float32, device=q.device),
                  "descale_k": pool.scale_tensor}
     keep = (q4, k4, table, seq_lens, meta, extra)
+    q_bf16 = q.view(B, 1, H, 576)
+    live = torch.ones(B, 1, dtype=torch.bool, device=q.device)
 
     def run() -> Any:
+        if fp8 and round_in_graph:
+            q8, descale_q = quantize_q_fp8(q_bf16, live)
+            out, _ = flash_mla.flash_mla_with_kvcache(
+                q8, keep[1], keep[2], keep[3], 512, keep[4], softmax_scale=scale,
+                causal=False, use_legacy=True, **{**keep[5], "descale_q": descale_q})
+            return out.view(B, H, 512)
         out, _ = flash_mla.flash_mla_with_kvcache(keep[0], keep[1], keep[2], keep[3], 512,
                                                   keep[4], softmax_scale=scale, causal=False,
                                                   use_legacy=True, **keep[5])
@@ -164,7 +213,22 @@ def _flashmla(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float
     return run
 
 
-RAW_CALLS = {FA3_P1: _fa3, FA3_P64: _fa3, FLASHMLA_RAW: _flashmla}
+RAW_CALLS: dict[str, Callable[..., Callable[[], Any]]] = {
+    FA3_P1: _fa3, FA3_P64: _fa3, FLASHMLA_RAW: _flashmla}
+
+#: The overhead rows (issue 31, peers.wrapper): a raw call plus one piece of what attnreg's
+#: captured decode adds beside the kernel, so one run says which piece costs what.
+#: label -> (the raw row it adds to, its options, the KV dtype it runs with or None: both)
+OVERHEAD: dict[str, tuple[str, dict[str, Any], str | None]] = {}
+for _raw_label in (FA3_P1, FA3_P64):
+    for _what, _opts in (("contiguous q", {"contiguous_q": True}),
+                         ("+ zeroing x2", {"zero_launches": 2}),
+                         ("+ zeroing x1", {"zero_launches": 1}),
+                         ("graph plan", {"graph_wrapper": True}),
+                         ("graph plan + zeroing x1", {"graph_wrapper": True,
+                                                      "zero_launches": 1})):
+        OVERHEAD[f"{_raw_label} {_what}"] = (_raw_label, _opts, "bf16")
+OVERHEAD[f"{FLASHMLA_RAW} + q rounding"] = (FLASHMLA_RAW, {"round_in_graph": True}, "fp8_e4m3")
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,7 +251,8 @@ def _raw(ctx: RunContext, label: str, pool: Any, batch: Any, q: Any, ref: Any, d
          scale: float) -> dict[str, Any]:
     from attnreg.runtime import GraphRunner
 
-    call = RAW_CALLS[label](ctx, pool, batch, q, scale)
+    base, opts, _ = OVERHEAD.get(label, (label, {}, None))
+    call = RAW_CALLS[base](ctx, pool, batch, q, scale, **opts)
     out = call()  # eager once: compiles, and is checked
     graph = GraphRunner(ctx.device).capture(call)
     graph.replay()
@@ -234,6 +299,13 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
                 continue
             if raw_reasons[label]:
                 results[label] = {"skipped": raw_reasons[label]}
+            else:
+                jobs.append((label, None))
+        for label, (base, _, only) in OVERHEAD.items():
+            if RAW_PAGES[base] != page or only not in (None, dtype):
+                continue
+            if raw_reasons[base]:
+                results[label] = {"skipped": raw_reasons[base]}
             else:
                 jobs.append((label, None))
         for v in rows:
@@ -386,6 +458,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
             data["planned"][dtype] = planned(ctx, data["rows"], dtype, platform)
         except Exception as exc:  # noqa: BLE001 - the times stay
             data["planned"][dtype] = {"error": f"{type(exc).__name__}: {exc}"}
+    data["overhead"] = overhead(data)
     data["checks"] = [c.to_dict() for c in checks(data)]
 
 
@@ -453,6 +526,37 @@ def checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> li
     return out
 
 
+def overhead(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each overhead row's time beside the raw call it adds to, and beside attnreg's wrapper
+    of that call (us; None where either did not run)."""
+    wrapper_of = {raw: w for w, raw in WRAPS.items()}
+    out = []
+    for r in data.get("rows", []):
+        if not r.get("results"):
+            continue
+        for label, (base, _, _) in OVERHEAD.items():
+            us, raw = _us(r, label), _us(r, base)
+            if us is None:
+                continue
+            wrapped = _us(r, wrapper_of.get(base, ""))
+            out.append({"B": r["B"], "L": r["L"], "H": r["H"], "dtype": r["dtype"],
+                        "row": label, "us": us, "raw": base, "raw_us": raw,
+                        "added_us": us - raw if raw else None, "wrapper_us": wrapped})
+    return out
+
+
+def _render_overhead(data: dict[str, Any]) -> list[str]:
+    rows = [[f"{x['B']}, {x['L']}, {x['H']}", x["dtype"], x["row"], fmt(x["us"], ".1f"),
+             fmt(x["raw_us"], ".1f"), fmt(x["added_us"], "+.1f"), fmt(x["wrapper_us"], ".1f")]
+            for x in overhead(data)]
+    if not rows:
+        return []
+    return ["Overhead rows (peers.wrapper): the raw call plus one piece of what attnreg's "
+            "captured decode adds (us per decode of one layer).", "",
+            md_table(["(B, L, H)", "KV", "row", "us", "raw us", "added", "attnreg us"], rows),
+            ""]
+
+
 def render(data: dict[str, Any], page: Page) -> list[str]:
     labels = [FA3_P1, FA3_P64, FLASHMLA_RAW] + [v.label for v in ROWS]
     lines = [f"One process, {data.get('timing')}; us per decode of one layer.  Raw peers "
@@ -476,6 +580,7 @@ def render(data: dict[str, Any], page: Page) -> list[str]:
                               "skip" if "skipped" in res else "err" if res else "-"))
             rows.append([shape] + cells)
         lines += [f"**{dtype} KV**", "", md_table(["(B, L, H)", *labels], rows), ""]
+    lines += _render_overhead(data)
     r = _ratios(data)
     if r["wrapper"]:
         lines += ["Wrapper / raw: " + "; ".join(f"{k} {v:.3f}x" for k, v in r["wrapper"]), ""]

@@ -27,6 +27,12 @@ def test_the_dry_run_times_attnreg_through_the_session_and_skips_raw_peers(tmp_p
     data = rec["data"]
     assert set(data["raw_skipped"]) == {"raw fa3 p1", "raw fa3 p64", "raw FlashMLA"}
     assert all("no CUDA device" in why for why in data["raw_skipped"].values())
+    for row in data["rows"]:  # the overhead rows: each skipped with its raw call's reason
+        mine = {k for k, (_, _, only) in decode_peers.OVERHEAD.items()
+                if only in (None, row["dtype"])}
+        assert mine and mine <= set(row["results"]), row["results"].keys()
+        assert all("no CUDA device" in row["results"][k]["skipped"] for k in mine)
+    assert data["overhead"] == []
     assert {(r["B"], r["L"], r["H"], r["dtype"]) for r in data["rows"]} == {
         (*s, d) for s in decode_peers.DRY_SHAPES for d in decode_peers.DTYPES}
     for row in data["rows"]:
@@ -78,3 +84,18 @@ def test_ratios_plan_and_checks_from_made_up_times():
     assert checks["peers.planned_vs_raw"].measured == pytest.approx(
         planned_geo / (50.0 * 165.0) ** 0.5)
     assert checks["peers.planned_vs_fastest"].measured == pytest.approx(1.0)
+
+
+def test_overhead_rows_sit_beside_their_raw_call_and_the_wrapper_of_it():
+    shape = (8, 1024, 128)
+    row = _row(shape, "bf16", fa3_p1=24.3, fi1=30.5)
+    row["results"]["raw fa3 p1 + zeroing x2"] = _res(29.0)
+    row["results"]["raw fa3 p1 contiguous q"] = _res(24.1)
+    got = {x["row"]: x for x in decode_peers.overhead({"rows": [row]})}
+    assert set(got) == {"raw fa3 p1 + zeroing x2", "raw fa3 p1 contiguous q"}
+    z = got["raw fa3 p1 + zeroing x2"]
+    assert z["raw"] == "raw fa3 p1" and z["wrapper_us"] == 30.5
+    assert z["added_us"] == pytest.approx(4.7)
+    text = "\n".join(decode_peers._render_overhead({"rows": [row]}))
+    assert "raw fa3 p1 + zeroing x2" in text and "+4.7" in text
+    assert all(label.startswith(base) for label, (base, _, _) in decode_peers.OVERHEAD.items())

@@ -45,9 +45,9 @@ class GraphState(Generic[BuffersT]):
     """Device buffers shared by every captured shape (graphs replay one at a time).
 
     ``indices`` mirrors :class:`~attnreg.runtime.ForwardBatch`'s index tensors at
-    the largest captured shape; ``row_index`` (0, 1, 2, ...) and ``pad_mask`` let
-    a backend zero the output rows of padding inside the graph
-    (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's
+    the largest captured shape; ``pad_mask`` (rows of padding, set from ``row_index``
+    = 0, 1, 2, ... by every fill) lets a backend zero the output rows of padding
+    inside the graph (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's
     declared ``CaptureMemory`` is asked about, and what ``buffers`` was sized
     from.  ``captured`` holds the metadata of every shape captured since this
     state was allocated.
@@ -213,6 +213,7 @@ class GraphState(Generic[BuffersT]):
             return False
         flat.copy_(packed.flat)
         self.fills["packed"] += 1
+        self.mark_padding(md)
         md.batch = batch
         return True
 
@@ -237,16 +238,26 @@ class GraphState(Generic[BuffersT]):
                                       num_kv_tokens=batch.num_kv_tokens, pad_page=PADDING_PAGE,
                                       pad_slot=PADDING_PAGE * page_size)
             self.fills["padded"] += 1
+        self.mark_padding(md)
         md.batch = batch
+
+    def mark_padding(self, md: ForwardMetadata[Any]) -> None:
+        """Set :attr:`pad_mask` for the shape of ``md`` from the buffers just filled:
+        row ``r`` is padding when ``r >= qo_indptr[bs]`` (the real tokens of the batch;
+        padded sequences own no rows).  One device op per fill, outside the graph and
+        never waited on, so every layer's :meth:`zero_padded_rows` inside the graph is one
+        launch instead of two (issue 31: the mask was recomputed per layer).  Called by
+        :meth:`fill` and :meth:`fill_packed`, the only writers of the graph buffers."""
+        torch.ge(self.row_index, md.qo_indptr[-1:], out=self.pad_mask)
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[Any]) -> None:
         """Zero the rows of ``out`` that belong to padding, inside the graph.
 
         Row ``r`` is padding when ``r >= qo_indptr[bs]`` (the real tokens of the
-        replayed batch; padded sequences own no rows).  Computed on the device
-        from the buffers a replay fills, so it is right for every replay, and
-        it neither allocates nor syncs: two launches, capture-safe.  A no-op
-        for eager metadata, which has no padding.
+        replayed batch; padded sequences own no rows): :attr:`pad_mask`, which
+        every fill of the buffers sets on the device (:meth:`mark_padding`), so it
+        is right for every replay.  One launch reading it; it neither allocates
+        nor syncs, capture-safe.  A no-op for eager metadata, which has no padding.
         """
         self.fill_padded_rows(out, md, 0.0)
 
@@ -256,8 +267,7 @@ class GraphState(Generic[BuffersT]):
         if not md.is_graph:
             return
         rows = t.shape[0]
-        mask = self.pad_mask[:rows]
-        torch.ge(self.row_index[:rows], md.qo_indptr[-1:], out=mask)
+        mask = self.pad_mask[:rows]  # set by the fill of md's shape (mark_padding)
         t.masked_fill_(mask.view((rows,) + (1,) * (t.dim() - 1)), value)
 
 

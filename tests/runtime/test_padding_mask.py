@@ -1,0 +1,79 @@
+"""The padding rows of a replayed graph (issue 31, peers.wrapper): every fill of the graph
+buffers sets ``GraphState.pad_mask`` once, outside the graph, and a backend's
+``zero_padded_rows`` is then one launch per layer (it was two: the mask recomputed per
+layer).  Checked on CPU: the rows it zeroes after fills of different sizes, through the
+packed and the per-tensor copy, and the ops one zeroing runs."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from attnreg.registry import CaptureShape, DType, ForwardMode, GraphMode, Phase  # noqa: E402
+from attnreg.runtime import ForwardBatch  # noqa: E402
+from attnreg.runtime.graph_buffers import GraphState  # noqa: E402
+
+PAGE, BS, MAX_SEQ = 4, 4, 32
+
+
+def _state() -> GraphState:
+    shape = CaptureShape(max_batch_size=BS, max_num_tokens=BS, max_seq_len=MAX_SEQ,
+                         num_heads=2, page_size=PAGE, kv_dtype=DType.parse("bf16"), num_sms=0)
+    return GraphState.allocate(max_bs=BS, max_num_tokens=BS, max_seq_len=MAX_SEQ,
+                               page_size=PAGE, graph_modes={Phase.DECODE: GraphMode.FULL},
+                               capture_shape=shape, device=torch.device("cpu"))
+
+
+def _batch(state: GraphState, n: int, packed: bool) -> ForwardBatch:
+    table = torch.arange(1, 1 + n * state.max_pages, dtype=torch.int32).view(n, -1)
+    loc = [int(table[b, 0]) * PAGE + 2 for b in range(n)]
+    return ForwardBatch.build(ForwardMode.DECODE, [2] * n, [1] * n, table, loc,
+                              layout=state.layout if packed else None)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_each_fill_sets_the_mask_the_zeroing_reads(packed: bool):
+    state = _state()
+    md = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
+    for n in (BS, 1, 3, BS, 2):  # shrinking and growing: every fill resets the mask
+        batch = _batch(state, n, packed)
+        if packed:
+            assert state.fill_packed(md, batch)
+        else:
+            state.fill(md, batch, PAGE)
+        out = torch.ones(BS, 2, 8)
+        lse = torch.zeros(BS, 2)
+        state.zero_padded_rows(out, md)
+        state.fill_padded_rows(lse, md, float("-inf"))
+        assert out[:n].eq(1).all() and out[n:].eq(0).all(), (n, out[:, 0, 0])
+        assert lse[:n].eq(0).all() and lse[n:].eq(float("-inf")).all()
+    assert state.fills["packed" if packed else "padded"] == 5
+
+
+def test_one_zeroing_is_one_op_and_eager_metadata_none():
+    state = _state()
+    md = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
+    state.fill(md, _batch(state, 2, False), PAGE)
+    out = torch.ones(BS, 2, 8)
+    with _Ops() as seen:
+        state.zero_padded_rows(out, md)
+    compute = [op for op in seen.ops if op not in ("aten.slice", "aten.view")]
+    assert compute == ["aten.masked_fill_"], seen.ops
+    eager = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
+    eager.graph_mode = GraphMode.DISABLED
+    with _Ops() as seen:
+        state.zero_padded_rows(out, eager)
+    assert seen.ops == []
