@@ -97,7 +97,8 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     full = {c.check for c in claims if c.graph_mode is GraphMode.FULL and not c.speculative}
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                     Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
-                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q}
+                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q,
+                    Check.SPARSE_REPLAY}  # its sparse decode is declared FULL native
     breakable = {c.check for c in claims if c.graph_mode is GraphMode.BREAKABLE}
     assert Check.PINNING in breakable and Check.SPLIT_KV in breakable  # split extend
     # a replay claim per declared kv dtype of the pinned kernel (fp8 + graphs broke engines)
