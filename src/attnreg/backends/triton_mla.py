@@ -12,6 +12,9 @@
 * speculative batches (target verify, draft extend): ``mla_extend`` with the
   prefix, eagerly and in the FULL decode graphs (see the class docstring).
 
+* sparse (DSA) decode: ``mla_sparse_decode``, each sequence's query attends the pool
+  slots of its top-k index row (bf16 rows; docs/sparse.md).
+
 Every kernel writes the log-sum-exp when asked (``return_lse=True``).
 
 Under capture the split counts and the workspaces are fixed in
@@ -48,6 +51,7 @@ from ._triton_kernels import (
     mla_decode_workspace,
     mla_extend,
     mla_extend_workspace,
+    mla_sparse_decode,
 )
 from .declarations.triton_sizing import (
     LATENT,
@@ -168,6 +172,9 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
         shape, options = state.capture_shape, self.split_options
         heads = self.config.num_heads
         buffers = TritonGraphBuffers()
+        if state.sparse:  # sparse graphs run mla_sparse_decode: no split-KV workspace
+            state.buffers = buffers
+            return
 
         def floats(n: int) -> torch.Tensor:
             return torch.empty(n, dtype=torch.float32, device=self.device)
@@ -186,6 +193,9 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
 
     def _init_capture_impl(self, md: ForwardMetadata[TritonPlan]) -> None:
         state = self._require_graph_state()
+        if state.sparse:  # mla_sparse_decode: one launch, nothing planned
+            md.plan = TritonPlan(1)
+            return
         buffers = self._require_buffers()
         heads, latent = self.config.num_heads, LATENT
         if md.phase is Phase.PREFILL:
@@ -270,6 +280,16 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
                             max_q_len=md.max_extend_len, lse=lse)
         # rows of padding tokens belong to no sequence: the kernels never write them
         self.zero_padded_rows(out, md)
+
+    def _forward_sparse_impl(self, q: torch.Tensor, pool: MLAKVLayer,
+                             md: ForwardMetadata[TritonPlan], out: torch.Tensor,
+                             indices: torch.Tensor, *, lse: torch.Tensor | None = None) -> None:
+        # forward_sparse checked the request against the sparse declaration and every
+        # index (eagerly; under capture whoever fills the static index tensor does).
+        # Padding rows of a captured bucket have all -1 indices: the kernel writes zeros.
+        with self.kernel_errors("sparse decode inputs"):
+            mla_sparse_decode(q, pool.buffer, indices, out,
+                              sm_scale=self.config.softmax_scale, lse=lse)
 
     def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    md: ForwardMetadata[TritonPlan], chunk: PrefixChunk,

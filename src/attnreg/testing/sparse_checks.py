@@ -87,7 +87,7 @@ def sparse_sites(x: Expansion) -> list[SparseSite]:
     caps = x.caps
     if not caps.sparse_kernels:
         return []
-    from .sparse import sparse_cases  # torch: only for a declaration with sparse kernels
+    from .sparse_cases import sparse_cases
 
     view = caps.sparse_view()
     sites: list[SparseSite] = []

@@ -25,6 +25,8 @@ from attnreg.registry import (
     GraphModeSupport,
     KernelConstraints,
     Phase,
+    SparseKernel,
+    SparseKVFormat,
     SplitKV,
     Vendor,
 )
@@ -109,10 +111,29 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         GraphModeSupport(Phase.PREFILL, GraphMode.TC_PIECEWISE,
                          CaptureSupport.native("attention runs eagerly between pieces")),
     )
+    # Sparse (DSA) decode over the pool's bf16 rows: mla_sparse_decode (one program per
+    # sequence and head block, gathering its top-k slots; any width, the last tile
+    # masked).  Decode only: the same kernel would serve extend rows, but no extend
+    # claim was run.  FULL capture: grid and loop bound are shape facts, indices device
+    # tensors, nothing allocated in the captured region.  Declared on cpu (the
+    # interpreter) only: that is where its claims have run.  On cuda it is not declared
+    # until an H200 run of `python scripts/probe_triton_sparse.py` and `attnreg
+    # conformance --device cuda --backend triton -k sparse` proves it (docs/sparse.md).
+    sparse: tuple[SparseKernel, ...] = ()
+    sparse_modes: tuple[GraphModeSupport, ...] = ()
+    if not reason and plat.vendor is Vendor.CPU:
+        sparse = (SparseKernel(frozenset({Phase.DECODE}), frozenset({DType.BF16}),
+                               SparseKVFormat.BF16, page_sizes=PAGE_SIZES, max_heads=128,
+                               max_top_k=2048, kernel="triton mla_sparse_decode", lse=True),)
+        sparse_modes = (GraphModeSupport(
+            Phase.DECODE, GraphMode.FULL,
+            CaptureSupport.native("indices are device tensors; grid and loop bound are "
+                                  "shape facts; no workspace")),)
     return Capabilities(
         backend="triton", platform=plat, vendors=frozenset({Vendor.CUDA, Vendor.CPU}),
         kernels=kernels, graph_modes=modes, platform_reason=reason,
         priority=20, eager_forward_modes=SPECULATIVE_EAGER_MODES,
+        sparse_kernels=sparse, sparse_graph_modes=sparse_modes,
         notes=(f"speculative batches (<= {MAX_DRAFT_TOKENS} draft tokens per sequence) run "
                "the extend kernel, in the decode graphs too",),
     )
