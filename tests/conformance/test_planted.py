@@ -44,6 +44,9 @@ CPU_DEFECTS: dict[str, dict[str, str]] = {
     } | {
         f"capture/prefill/breakable/capture_path/mla/{P}": "seed 000 defect 3",
         f"capture/prefill/breakable/pinning/mla/{P}": "released the storage of latent_new",
+        # triton's sparse decode (declared on cpu): the freed latent_new reaches the
+        # session's next load of the static inputs (its size is now 0)
+        f"capture/decode/full/sparse_replay/mla/{P}": "The size of tensor a (0)",
     },
     # (d) split plan frozen at capture: caught on cpu too, in the capture-mode path
     "planted_frozen_splits": {
@@ -203,7 +206,9 @@ def config_run(tmp_path_factory):
     # the claims that vary the scale and the head count, and the base configuration's
     # decode claim as the control both defects pass
     args = ["--device", "cpu", "--plugin", "planted.config_facts",
-            "-k", "(planted_fixed_scale and sm_scale) or (planted_heads_block8 and "
+            # fp8_large_q claims have a scale of their own (they refute a fixed scale too)
+            "-k", "(planted_fixed_scale and sm_scale and not fp8_large_q) or "
+                  "(planted_heads_block8 and "
                   "eager/ and mla/bf16-bf16/p16/ and not sm_scale) or "
                   "eager/decode/mla/bf16-bf16/p16/h2/576x512"]
     for name in CONFIG_DEFECTS:

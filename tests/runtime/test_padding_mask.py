@@ -10,11 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from attnreg.registry import CaptureShape, DType, ForwardMode, GraphMode, Phase  # noqa: E402
 from attnreg.runtime import ForwardBatch  # noqa: E402
 from attnreg.runtime.graph_buffers import GraphState  # noqa: E402
+
+from ._dispatch_ops import RecordOps  # noqa: E402
 
 PAGE, BS, MAX_SEQ = 4, 4, 32
 
@@ -33,15 +33,6 @@ def _batch(state: GraphState, n: int, packed: bool) -> ForwardBatch:
     return ForwardBatch.build(ForwardMode.DECODE, [2] * n, [1] * n, table, loc,
                               layout=state.layout if packed else None)
 
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -68,12 +59,12 @@ def test_one_zeroing_is_one_op_and_eager_metadata_none():
     md = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
     state.fill(md, _batch(state, 2, False), PAGE)
     out = torch.ones(BS, 2, 8)
-    with _Ops() as seen:
+    with RecordOps() as seen:
         state.zero_padded_rows(out, md)
     compute = [op for op in seen.ops if op not in ("aten.slice", "aten.view")]
     assert compute == ["aten.masked_fill_"], seen.ops
     eager = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
     eager.graph_mode = GraphMode.DISABLED
-    with _Ops() as seen:
+    with RecordOps() as seen:
         state.zero_padded_rows(out, eager)
     assert seen.ops == []

@@ -10,10 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from attnreg.runtime import quantize_q_fp8  # noqa: E402
 from attnreg.runtime.dtypes import FP8_E4M3_MAX  # noqa: E402
+
+from ._dispatch_ops import RecordOps  # noqa: E402
 
 FREE = {"aten.view", "aten.detach", "aten.reshape", "aten.scalar_tensor", "aten._unsafe_view"}
 
@@ -63,19 +63,10 @@ def test_a_live_non_finite_row_rounds_as_before(value: float):
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
 
 def test_twelve_device_ops_three_over_q():
     q, live = torch.randn(4, 1, 16, 576, dtype=torch.bfloat16), torch.ones(4, 1, dtype=torch.bool)
-    with _Ops() as seen:
+    with RecordOps() as seen:
         quantize_q_fp8(q, live)
     compute = [op for op in seen.ops if op not in FREE]
     assert len(compute) == 12, compute  # was 18 (_spec)
