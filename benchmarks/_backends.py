@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._harness import RunContext
+from ._harness import RunContext, error_text
 
 __all__ = [
     "DECODE_VARIANTS",
@@ -86,7 +86,7 @@ def available_variants(ctx: RunContext, variants: tuple[Variant, ...] | list[Var
         try:
             avail = reg.availability(v.backend)
         except Exception as exc:  # noqa: BLE001 - an unknown/broken plugin is a row, not a crash
-            skipped[v.label] = f"{type(exc).__name__}: {exc}"
+            skipped[v.label] = error_text(exc)
             continue
         if avail.available:
             runnable.append(v)

@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ from attnreg.profiling.progress import Progress
 __all__ = [
     "SCHEMA",
     "SECTIONS",
+    "error_text",
     "shown_path",
     "RunContext",
     "Section",
@@ -420,7 +422,7 @@ def run_sections(ctx: RunContext, sections: list[Section], named: set[str]) -> d
             rec.update(status="skipped", reason=str(exc))
             ctx.log(f"{sec.id}: skipped: {exc}")
         except Exception as exc:  # noqa: BLE001 - one section must not lose the others
-            rec.update(status="error", error=f"{type(exc).__name__}: {exc}",
+            rec.update(status="error", error=error_text(exc),
                        traceback=traceback.format_exc(limit=12))
             ctx.log(f"{sec.id}: ERROR {type(exc).__name__}: {exc}")
         finally:
@@ -461,6 +463,18 @@ def shown_path(path: str | Path) -> str:
         return str(Path(path).absolute().relative_to(Path.cwd().absolute()))
     except ValueError:
         return str(path)
+
+
+#: An absolute path of two or more parts (a kernel library's cache, a build directory)
+_ABS_PATH = re.compile(r"(?<![\w.])/(?:[\w.+\-]+/)+([\w.+\-]*)")
+
+
+def error_text(exc: BaseException, limit: int | None = None) -> str:
+    """How a benchmark records an error it survives: ``Type: message``, every absolute
+    path in the message cut to ``.../<last part>`` (committed results name no machine's
+    paths; a JIT build failure quotes its cache directory), at most ``limit`` characters."""
+    text = f"{type(exc).__name__}: {_ABS_PATH.sub(lambda m: '.../' + m.group(1), str(exc))}"
+    return text if limit is None else text[:limit]
 
 
 def python_command() -> str:

@@ -68,6 +68,7 @@ from attnreg.profiling import (
     rel_error,
 )
 from attnreg.registry import ForwardMode, GraphMode, Phase, Platform
+from benchmarks._harness import error_text
 from benchmarks._report import (
     SETUP_COMMAND,
     Page,
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'agree' if row['agree'] else 'DISAGREE'}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - one class must not lose the others
             row = {"batch_size": b, "prefix": p, "extend": e,
-                   "error": f"{type(exc).__name__}: {exc}"}
+                   "error": error_text(exc)}
             print(f"B={b} prefix={p} extend={e}: {row['error']}", file=sys.stderr)
             if cuda:
                 torch.cuda.empty_cache()

@@ -34,7 +34,7 @@ from ._backends import (
     planned_splits,
     reference_decode,
 )
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import Page, bar_groups, fmt, md_table, not_run_notes, pct
 from .ceilings import copy_gbps
 from .metrics import Check, decode_bytes, evaluate, geomean
@@ -75,7 +75,7 @@ def run_p1(ctx: RunContext, data: dict[str, Any]) -> None:
             data["rows"].append(measure_shape(ctx, shape, variants, copy))
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
             data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
-                                 "error": f"{type(exc).__name__}: {exc}"})
+                                 "error": error_text(exc)})
             ctx.log(f"P1 {shape}: {data['rows'][-1]['error']}")
         ctx.save()
     data["summary"] = summarize_p1(data)
@@ -128,7 +128,7 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], variants: list[V
             try:
                 res = measure_variant(ctx, v, H, L, pool, batch, q, ref, page_size=page_size)
             except Exception as exc:  # noqa: BLE001 - one backend must not lose the row
-                res = {"error": f"{type(exc).__name__}: {exc}"}
+                res = {"error": error_text(exc)}
             if "us" in res:
                 res["GBps"] = nbytes / (res["us"] * 1e3)
                 if copy:
@@ -193,7 +193,7 @@ def measure_variant(ctx: RunContext, variant: Variant, heads: int, max_len: int,
         timing = ctx.time(session.graph(session.keys[0]).replay)
         res["mode"] = "graph"
     except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
-        res["graph_error"] = f"{type(exc).__name__}: {exc}"
+        res["graph_error"] = error_text(exc)
         res["rel_err"] = res["rel_err_eager"]
         be.init_forward_metadata(batch)
         timing = ctx.time(lambda: be.forward_decode(q, None, None, pool, batch, out=out))

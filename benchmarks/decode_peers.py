@@ -51,7 +51,7 @@ from typing import Any
 from attnreg.profiling import random_pool, rel_error
 
 from ._backends import reference_decode
-from ._harness import RunContext
+from ._harness import RunContext, error_text
 from ._report import Page, fmt, md_table
 from .decode import SHAPES, Variant
 from .metrics import Check, evaluate, geomean
@@ -326,7 +326,7 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
                     _raw(ctx, label, pool, batch, q, ref, dtype, scale) if variant is None
                     else _attnreg(ctx, variant, pool, batch, q, ref, dtype, shape))
             except Exception as exc:  # noqa: BLE001 - one peer must not lose the row
-                results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                results[label] = {"error": error_text(exc, 300)}
             ctx.log(f"peers {shape} {dtype} {label}: " + _describe(results[label]))
             if ctx.cuda:
                 torch.cuda.empty_cache()
@@ -432,7 +432,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
             avail = reg.availability(v.backend)
             row_reasons[v.label] = "" if avail.available else (avail.reason or "unavailable")
         except Exception as exc:  # noqa: BLE001 - a broken plugin is a row
-            row_reasons[v.label] = f"{type(exc).__name__}: {exc}"
+            row_reasons[v.label] = error_text(exc)
     data.update(rows=[], dtypes=list(DTYPES),
                 timing="CUDA graph replay, L2 flushed before each replay (Clock.calls)",
                 raw_skipped={k: v for k, v in raw_reasons.items() if v},
@@ -449,7 +449,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                                                   row_reasons))
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the others
                 data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
-                                     "dtype": dtype, "error": f"{type(exc).__name__}: {exc}"})
+                                     "dtype": dtype, "error": error_text(exc)})
             ctx.save()
     platform = str(Platform.detect()) if ctx.cuda else "cuda:sm90"
     data["planned"] = {}
@@ -457,7 +457,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
         try:
             data["planned"][dtype] = planned(ctx, data["rows"], dtype, platform)
         except Exception as exc:  # noqa: BLE001 - the times stay
-            data["planned"][dtype] = {"error": f"{type(exc).__name__}: {exc}"}
+            data["planned"][dtype] = {"error": error_text(exc)}
     data["overhead"] = overhead(data)
     data["checks"] = [c.to_dict() for c in checks(data)]
 

@@ -21,7 +21,7 @@ from typing import Any
 from attnreg.profiling import LayerShape, MLALayer, random_pool, rel_error
 
 from ._backends import PREFILL_VARIANTS, available_variants, create_backend, declared_reasons
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import (
     REPEATS_COMMAND,
     REPEATS_DIR,
@@ -86,7 +86,7 @@ def run_p4(ctx: RunContext, data: dict[str, Any]) -> None:
             be = create_backend(ctx, v, num_heads=heads, page_size=1, max_context_len=seq_len)
             session, model = _p4_session(ctx, layers, be, pools, batches, seq_len)
         except Exception as exc:  # noqa: BLE001
-            data["rows"].append({"variant": v.label, "error": f"{type(exc).__name__}: {exc}"})
+            data["rows"].append({"variant": v.label, "error": error_text(exc)})
             continue
         for b in batches:
             row = {"variant": v.label, "B": b}
@@ -97,7 +97,7 @@ def run_p4(ctx: RunContext, data: dict[str, Any]) -> None:
                 if copy:
                     row["floor_us"] = row["floor_bytes"] / (copy * 1e3)
             except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"
+                row["error"] = error_text(exc)
             data["rows"].append(row)
             ctx.log(f"P4 {v.label} B={b}: " + (
                 f"eager {row['eager_us']:.0f} us, graph {row['graph_us']:.0f} us, "

@@ -31,7 +31,7 @@ from typing import Any
 from attnreg.profiling import random_pool
 
 from ._backends import Variant, available_variants, create_backend, planned_splits
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import (
     REPEATS_COMMAND,
     REPEATS_DIR,
@@ -71,7 +71,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                 row = _measure(ctx, v, shape)
             except Exception as exc:  # noqa: BLE001
                 row = {"variant": v.label, "B": shape[0], "L": shape[1], "H": shape[2],
-                       "error": f"{type(exc).__name__}: {exc}"}
+                       "error": error_text(exc)}
                 ctx.log(f"P6 {v.label} {shape}: {row['error']}")
             data["rows"].append(row)
             ctx.save()

@@ -29,7 +29,7 @@ from ._backends import (
     create_backend,
     declared_reasons,
 )
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import Page, bar_groups, md_table, not_run_notes
 from .ceilings import gemm_tflops
 from .metrics import D_LATENT, D_ROPE, D_ROW, Check, extend_attention_flops
@@ -75,7 +75,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                 data["rows"].append(_point(ctx, variants, heads, prefix, extend, layer))
             except Exception as exc:  # noqa: BLE001 - keep the other points
                 data["rows"].append({"prefix": prefix, "extend": extend,
-                                     "error": f"{type(exc).__name__}: {exc}"})
+                                     "error": error_text(exc)})
                 ctx.log(f"prefill P={prefix} E={extend}: {data['rows'][-1]['error']}")
             ctx.save()
     data["summary"] = summarize(data)
@@ -120,7 +120,7 @@ def _point(ctx: RunContext, variants: list[Variant], heads: int, prefix: int, ex
                                    absorbed_not_declared="; ".join(mla_reasons))
             ctx.log(f"prefill P={prefix} E={extend} {v.label}: {_describe(res)}")
         except Exception as exc:  # noqa: BLE001 - one backend must not lose the row
-            res = {"error": f"{type(exc).__name__}: {exc}"}
+            res = {"error": error_text(exc)}
             ctx.log(f"prefill P={prefix} E={extend} {v.label}: {res['error']}")
         row["results"][v.label] = res
     return row

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ._backends import PREFILL_VARIANTS, available_variants, create_backend, declared_reasons
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import Page, fmt, md_table, not_run_notes
 from .metrics import Check, median_of_runs
 
@@ -90,7 +90,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
         try:
             step = _Steps(ctx, v, batches, seq_len, heads, layers, page_size, modes)
         except Exception as exc:  # noqa: BLE001 - one backend's failure is its row
-            data["rows"].append({"variant": v.label, "error": f"{type(exc).__name__}: {exc}"})
+            data["rows"].append({"variant": v.label, "error": error_text(exc)})
             continue
         for b in batches:
             for kind in ("decode", "verify"):
@@ -102,7 +102,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                     try:
                         row.update(step.ratio(kind, b))
                     except Exception as exc:  # noqa: BLE001
-                        row["error"] = f"{type(exc).__name__}: {exc}"
+                        row["error"] = error_text(exc)
                 data["rows"].append(row)
                 ctx.log(f"session {v.label} {kind} B={b}: " + (
                     f"eager / graph {row['speedup']:.2f}x (runs {_runs(row['runs'])})"
@@ -111,7 +111,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
         try:
             host = {"variant": v.label, "B": max(batches), **step.host(max(batches))}
         except Exception as exc:  # noqa: BLE001
-            host = {"variant": v.label, "B": max(batches), "error": f"{type(exc).__name__}: {exc}"}
+            host = {"variant": v.label, "B": max(batches), "error": error_text(exc)}
         data["host"].append(host)
         ctx.log(f"session {v.label} host step at B={host['B']}: "
                 + (f"{host['step_us']:.1f} us" if "step_us" in host else host["error"]))

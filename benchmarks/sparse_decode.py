@@ -62,7 +62,7 @@ from typing import Any
 from attnreg.profiling import random_pool, rel_error
 
 from ._backends import Variant, reference_decode
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import ROOT, Page, fmt, md_table, rel
 from .metrics import Check, evaluate
 
@@ -406,7 +406,7 @@ class _Shape:
                 out, replay = make()
                 where[label] = _check_and_time(ctx, out, ref, fmt_key, replay)
             except Exception as exc:  # noqa: BLE001 - one path must not lose the row
-                where[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                where[label] = {"error": error_text(exc, 300)}
         ctx.log(f"sparse {self.shape} {label}: {_describe(where[label])}")
         if ctx.cuda:
             ctx.torch.cuda.empty_cache()
@@ -507,7 +507,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                 data["rows"].append(measure_shape(ctx, shape, top_k, platform))
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the others
                 data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
-                                     "error": f"{type(exc).__name__}: {exc}"})
+                                     "error": error_text(exc)})
                 ctx.log(f"sparse {shape}: {data['rows'][-1]['error']}")
             ctx.save()
     data["checks"] = [c.to_dict() for c in checks(data)]

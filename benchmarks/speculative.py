@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._harness import RunContext, SkipSection, environment
+from ._harness import RunContext, SkipSection, environment, error_text
 from ._report import Page, fmt, md_table
 from .metrics import Check, evaluate
 
@@ -207,7 +207,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                 ctx.log(f"spec: {name} {kind}: {row[kind]['median_us']:.1f} us")
             del step
         except Exception as exc:  # noqa: BLE001 - recorded per backend, the others still run
-            row["error"] = f"{type(exc).__name__}: {exc}"
+            row["error"] = error_text(exc)
             ctx.log(f"spec: {name}: {row['error']}")
         if ctx.cuda:
             ctx.torch.cuda.empty_cache()

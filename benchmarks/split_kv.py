@@ -25,7 +25,7 @@ from ._backends import (
     planned_splits,
     reference_decode,
 )
-from ._harness import RunContext, SkipSection
+from ._harness import RunContext, SkipSection, error_text
 from ._report import Page, fmt, md_table, not_run_notes
 from .metrics import Check, evaluate
 
@@ -66,7 +66,7 @@ def run_p3(ctx: RunContext, data: dict[str, Any]) -> None:
                 data["rows"].append(_p3_point(ctx, heads, length, extend, rows_variants))
             except Exception as exc:  # noqa: BLE001 - keep the other points
                 data["rows"].append({"H": heads, "L": length,
-                                     "error": f"{type(exc).__name__}: {exc}"})
+                                     "error": error_text(exc)})
                 ctx.log(f"P3 H={heads} L={length}: {data['rows'][-1]['error']}")
             ctx.save()
     data["target_len"] = ctx.pick(P3_TARGET_LEN, P3_TARGET_LEN, P3_DRY_TARGET_LEN)
@@ -106,7 +106,7 @@ def _p3_point(ctx: RunContext, heads: int, length: int, extend: int,
             be = create_backend(ctx, v, num_heads=heads, page_size=1,
                                 max_context_len=length + extend)
         except Exception as exc:  # noqa: BLE001
-            row["results"][v.label] = {"error": f"{type(exc).__name__}: {exc}"}
+            row["results"][v.label] = {"error": error_text(exc)}
             continue
         for kind, (batch, q, ref) in inputs.items():
             if kind in undeclared:
@@ -114,7 +114,7 @@ def _p3_point(ctx: RunContext, heads: int, length: int, extend: int,
             try:
                 res[kind] = _p3_graph(ctx, be, kind, batch, q, ref, pool)
             except Exception as exc:  # noqa: BLE001
-                res[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+                res[kind] = {"error": error_text(exc)}
             ctx.log(f"P3 H={heads} L={length} {v.label} {kind}: "
                     + (f"{res[kind]['us']:.1f} us, rel.err {res[kind]['rel_err']:.1e}"
                        if "us" in res[kind] else res[kind]["error"]))
