@@ -43,3 +43,15 @@ def test_the_unscaled_fp8_cast_is_refuted_by_fp8_large_q_only(tmp_path):
     # the same pool with ordinary queries: the multi-layer and eager fp8 claims hold
     assert f"{B}/eager/decode/mla/{FP8}" in verified
     assert len(verified) >= 20, sorted(verified)
+
+
+def test_the_large_query_claims_keep_the_default_logits_of_their_largest_gain():
+    import math
+
+    from attnreg.runtime import MLAConfig
+    from attnreg.testing.checks import LARGE_Q_SM_SCALE
+    from attnreg.testing.workload import LARGE_Q_GAINS
+
+    default = MLAConfig(num_heads=16, device="cpu").softmax_scale
+    assert default == pytest.approx(1 / math.sqrt(192))
+    assert LARGE_Q_SM_SCALE * max(LARGE_Q_GAINS) == pytest.approx(default)
