@@ -34,15 +34,8 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>
 python3 -m pip install --no-deps --no-build-isolation -e plugins/attnreg-flashmla -q \
   >>"$OUT/pip.log" 2>&1 || true
 export PYTHONPATH="$PWD/src:$PWD/plugins/attnreg-flashmla/src:$PWD/tests/conformance${PYTHONPATH:+:$PYTHONPATH}"
-# The plugin's entry point, also where its editable install fails (an older setuptools
-# there): a dist-info on PYTHONPATH is all importlib.metadata needs to find it.
+# which plugins the run can see (a run without flashmla says so here, not by missing rows)
 ep_names() { python3 -c "import importlib.metadata as m; print(' '.join(sorted(e.name for e in m.entry_points(group='attnreg.backends'))))"; }
-if ! ep_names | grep -qw flashmla; then
-  d="$PWD/.h200-ep/attnreg_flashmla-0.1.0.dist-info"; mkdir -p "$d"
-  printf 'Metadata-Version: 2.1\nName: attnreg-flashmla\nVersion: 0.1.0\n' >"$d/METADATA"
-  printf '[attnreg.backends]\nflashmla = attnreg_flashmla.plugin\n' >"$d/entry_points.txt"
-  export PYTHONPATH="$PWD/.h200-ep:$PYTHONPATH"
-fi
 echo "attnreg.backends entry points: $(ep_names)" | tee "$OUT/entry-points.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$call_start
