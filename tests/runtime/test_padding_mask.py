@@ -68,3 +68,22 @@ def test_one_zeroing_is_one_op_and_eager_metadata_none():
     with RecordOps() as seen:
         state.zero_padded_rows(out, eager)
     assert seen.ops == []
+
+
+def test_a_packed_fill_is_one_copy_that_brings_the_mask():
+    """Issue 26 (host step): the packed batch carries its padding rows, so its replay
+    metadata is the one copy of the flat buffer, no second launch setting the mask."""
+    state = _state()
+    md = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
+    state.fill(md, _batch(state, BS, False), PAGE)  # a full batch first: no padding rows
+    assert not state.pad_mask.any()
+    batch = _batch(state, 1, True)
+    with RecordOps() as seen:
+        assert state.fill_packed(md, batch)
+    assert [op for op in seen.ops if op not in ("aten.slice", "aten.view")] == ["aten.copy_"]
+    assert state.pad_mask.tolist() == [False] + [True] * (BS - 1)
+    # the flags are whole int32 0 / 1 (the per-tensor path's ge writes them the same way)
+    flags = state.layout.padding_rows(state.flat)
+    assert flags.tolist() == [0] + [1] * (BS - 1)
+    state.fill(md, _batch(state, 3, False), PAGE)
+    assert flags.tolist() == [0, 0, 0, 1] and state.pad_mask.tolist() == [False] * 3 + [True]

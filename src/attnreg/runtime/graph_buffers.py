@@ -45,9 +45,10 @@ class GraphState(Generic[BuffersT]):
     """Device buffers shared by every captured shape (graphs replay one at a time).
 
     ``indices`` mirrors :class:`~attnreg.runtime.ForwardBatch`'s index tensors at
-    the largest captured shape; ``pad_mask`` (rows of padding, set from ``row_index``
-    = 0, 1, 2, ... by every fill) lets a backend zero the output rows of padding
-    inside the graph (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's
+    the largest captured shape; ``pad_mask`` (rows of padding: a bool view of the
+    layout's padding rows in :attr:`flat`, which a packed batch brings in its one
+    copy and the per-tensor fill computes from ``row_index`` = 0, 1, 2, ...) lets a
+    backend zero the output rows of padding inside the graph (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's
     declared ``CaptureMemory`` is asked about, and what ``buffers`` was sized
     from.  ``captured`` holds the metadata of every shape captured since this
     state was allocated.
@@ -88,7 +89,7 @@ class GraphState(Generic[BuffersT]):
             max_pages=max_pages, graph_modes=dict(graph_modes), capture_shape=capture_shape,
             indices=indices,
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
-            pad_mask=torch.zeros(max_num_tokens, dtype=torch.bool, device=device),
+            pad_mask=layout.padding_mask(flat),
             layout=layout, flat=flat, sparse=sparse)
 
     def capture_mode(self, phase: Phase) -> GraphMode:
@@ -110,7 +111,11 @@ class GraphState(Generic[BuffersT]):
     @property
     def base_bytes(self) -> int:
         """Bytes of the runtime's own index buffers (not the backend's ``buffers``)."""
-        return self.indices.nbytes + self.row_index.nbytes + self.pad_mask.nbytes
+        if self.layout is not None and self.flat is not None:
+            pad_rows = self.layout.padding_rows(self.flat).nbytes  # pad_mask's int32 flags
+        else:
+            pad_rows = self.pad_mask.nbytes
+        return self.indices.nbytes + self.row_index.nbytes + pad_rows
 
     def buffer_bytes(self) -> int:
         """Bytes of the backend's ``buffers`` and the plans of every captured shape."""
@@ -211,9 +216,8 @@ class GraphState(Generic[BuffersT]):
                 or (fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
                 or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
             return False
-        flat.copy_(packed.flat)
+        flat.copy_(packed.flat)  # the padding rows (pad_mask) included: one device op
         self.fills["packed"] += 1
-        self.mark_padding(md)
         md.batch = batch
         return True
 
@@ -230,25 +234,33 @@ class GraphState(Generic[BuffersT]):
         packed = batch.packed
         if (packed is not None and self.flat is not None and packed.layout == self.layout
                 and packed.serves(batch)):
-            self.flat.copy_(packed.flat)
+            self.flat.copy_(packed.flat)  # the padding rows included
             self.fills["packed"] += 1
         else:
             self.indices.copy_padded_(batch.indices, bs=md.batch_size,
                                       num_tokens=md.num_tokens,
                                       num_kv_tokens=batch.num_kv_tokens, pad_page=PADDING_PAGE,
                                       pad_slot=PADDING_PAGE * page_size)
+            self.mark_padding(md)
             self.fills["padded"] += 1
-        self.mark_padding(md)
         md.batch = batch
 
     def mark_padding(self, md: ForwardMetadata[Any]) -> None:
-        """Set :attr:`pad_mask` for the shape of ``md`` from the buffers just filled:
-        row ``r`` is padding when ``r >= qo_indptr[bs]`` (the real tokens of the batch;
-        padded sequences own no rows).  One device op per fill, outside the graph and
+        """Set :attr:`pad_mask` for the shape of ``md`` from the buffers just filled by the
+        per-tensor copy: row ``r`` is padding when ``r >= qo_indptr[bs]`` (the real tokens
+        of the batch; padded sequences own no rows).  One device op, outside the graph and
         never waited on, so every layer's :meth:`zero_padded_rows` inside the graph is one
-        launch instead of two (issue 31: the mask was recomputed per layer).  Called by
-        :meth:`fill` and :meth:`fill_packed`, the only writers of the graph buffers."""
-        torch.ge(self.row_index, md.qo_indptr[-1:], out=self.pad_mask)
+        launch (issue 31: the mask was recomputed per layer).  A packed batch brings the
+        mask in its one copy (``IndexLayout.pack`` writes the padding rows; issue 26: a
+        second launch per replay was host time), so only :meth:`fill`'s per-tensor path
+        calls this."""
+        if self.layout is not None and self.flat is not None:
+            # the int32 flags pad_mask views (a bool written there would leave the other
+            # bytes of the flag as they were)
+            torch.ge(self.row_index, md.qo_indptr[-1:],
+                     out=self.layout.padding_rows(self.flat))
+        else:
+            torch.ge(self.row_index, md.qo_indptr[-1:], out=self.pad_mask)
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[Any]) -> None:
         """Zero the rows of ``out`` that belong to padding, inside the graph.

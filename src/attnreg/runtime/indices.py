@@ -22,6 +22,7 @@ import array
 import dataclasses
 import functools
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -35,6 +36,9 @@ __all__ = ["INDEX_FIELDS", "BatchIndices", "IndexFields", "IndexLayout", "Packed
 #: backend's device.
 INDEX_FIELDS: tuple[str, ...] = ("seq_lens", "prefix_lens", "extend_lens", "qo_indptr",
                                  "kv_indptr", "page_table", "out_cache_loc")
+
+#: The byte of an int32 holding its lowest 8 bits (0 on little-endian machines).
+_LOW_BYTE = 0 if sys.byteorder == "little" else 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +138,17 @@ class IndexLayout:
 
     The order is ``seq_lens, prefix_lens, extend_lens`` (``max_bs`` each),
     ``qo_indptr, kv_indptr`` (``max_bs + 1`` each), ``out_cache_loc``
-    (``max_num_tokens``), then ``page_table`` (``max_bs x max_pages``).  A
+    (``max_num_tokens``), the padding rows (``max_num_tokens``: 1 where a query
+    row is padding, ``r >= t``; :meth:`padding_mask`), then ``page_table``
+    (``max_bs x max_pages``).  A
     batch of ``b`` sequences and ``t`` tokens packed in it (:meth:`pack`) is
     padded as :meth:`BatchIndices.copy_padded_` pads to any ``bs <= max_bs``:
     lengths 0, indptrs repeating their last entry, the padding page, the
     padding slot (``pad_page * page_size``).  So the whole flat buffer copied
     onto the graph buffers of the same layout is exactly the padded fill of
     every captured bucket: the replay metadata of :class:`GraphSession` is one
-    device copy (see docs/runtime.md, "Device-side replay metadata").
+    device copy (see docs/runtime.md, "Device-side replay metadata"), the rows a
+    replay must zero included: no second launch computes them (issue 26, host step).
     """
 
     max_bs: int
@@ -162,8 +169,20 @@ class IndexLayout:
 
     @property
     def head_size(self) -> int:
-        """Entries before the page table: the lengths, the indptrs and the slots."""
-        return 5 * self.max_bs + 2 + self.max_num_tokens
+        """Entries before the page table: the lengths, the indptrs, the slots and the
+        padding rows."""
+        return 5 * self.max_bs + 2 + 2 * self.max_num_tokens
+
+    def padding_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """The int32 padding-row flags of ``flat`` (1 where a query row is padding), a view."""
+        start = 5 * self.max_bs + 2 + self.max_num_tokens
+        return flat[start:start + self.max_num_tokens]
+
+    def padding_mask(self, flat: torch.Tensor) -> torch.Tensor:
+        """:meth:`padding_rows` as a bool view (no copy): each flag's lowest byte, which
+        holds its 0 / 1, so the mask a replay's ``masked_fill_`` reads moves with the one
+        copy of ``flat``."""
+        return self.padding_rows(flat).view(torch.uint8)[_LOW_BYTE::4].view(torch.bool)
 
     @property
     def size(self) -> int:
@@ -233,6 +252,8 @@ class IndexLayout:
         else:
             head.extend(itertools.repeat(self.pad_slot, t))
         head.extend(itertools.repeat(self.pad_slot, n - t))
+        head.extend(itertools.repeat(0, t))  # the padding rows: the real ones 0, the rest 1
+        head.extend(itertools.repeat(1, n - t))
         flat = torch.empty(self.size, dtype=torch.int32, device=device)
         flat[:self.head_size].copy_(torch.frombuffer(head, dtype=torch.int32))
         full = self.views(flat)

@@ -645,7 +645,11 @@ class GraphSession:
                                    f"captured {list(self.buckets)}")
         key = (fm, bucket)
         graph = self.graph(key)
-        rows = batch.num_tokens
+        packed = batch.packed
+        # a served packed batch's token count was summed when it was packed (host time of a
+        # step, issue 26); else the batch's own
+        rows = (packed.summary[0] if packed is not None and packed.serves(batch)
+                else batch.num_tokens)
         if inputs is not None:
             self.load(key, inputs)
         self._replay_metadata(key, batch)
@@ -672,7 +676,9 @@ class GraphSession:
             self._piecewise_batch = batch  # the eager attention plans it when it runs
             return
         bs, nt = self._shapes[key]
-        self.backend.init_forward_metadata_replay(bs, nt, batch, forward_mode=key[0])
+        fm = key[0]  # passed only when it differs: the backend then parses nothing
+        self.backend.init_forward_metadata_replay(
+            bs, nt, batch, forward_mode=None if fm is batch.forward_mode else fm)
 
     def eager(self, batch: ForwardBatch, inputs: StepInputs | None = None
               ) -> list[torch.Tensor]:
