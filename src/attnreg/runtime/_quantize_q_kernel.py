@@ -126,8 +126,9 @@ def _scale_cast(q_ptr, partial_ptr, out_ptr, descale_ptr,
         offs = start + tl.arange(0, BLOCK_P)
         m = tl.maximum(m, tl.load(partial_ptr + offs, mask=offs < n_partial, other=0.0))
     amax = tl.max(m, axis=0)
-    # the torch form, step for step: amax / 448 rounded as IEEE does (div.full would be
-    # off by an ulp at an exact power of two), clamped to the smallest normal float32;
+    # the torch form, step for step: amax / 448 rounded as IEEE does (``/`` may lower to
+    # div.full, up to 2 ulp off: 448 * 2**k would then round up a power), clamped to the
+    # smallest normal float32;
     # a non-finite max (a live inf / NaN) gives 1; the next power of two from the bits
     ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
     ratio = tl.where(amax == float("inf"), 1.0, ratio)
@@ -214,7 +215,8 @@ def quantize_q_fp8_fused(q: torch.Tensor, live_rows: torch.Tensor
             and o3.stride(2) == 1 and o3.stride(1) == dim)
     grid = (rows, spans)
     # enable_fp_fusion=False: no multiply-add contracted into an fma, whose single rounding
-    # is not the two roundings the torch form does (the sm90 PTX has none either way)
+    # is not the two roundings the torch form does (triton 3.9's sm90 PTX of these
+    # kernels has none either way)
     _row_amax[grid](q3, live, partial, q3.stride(0), q3.stride(1), q3.stride(2),
                     l_s0, l_s1, rows1, n, blocks_per_span, spans,
                     D=dim, FLAT=flat, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
