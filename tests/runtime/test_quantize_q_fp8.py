@@ -2,7 +2,10 @@
 +47 us for rounding q inside the graph): fewer device ops, the same bits as the
 frexp-based rounding it replaced (kept here as the specification), over bf16 / fp16 /
 float32, magnitudes from 0 to fp16's overflow, exact powers of two, stale inf / NaN rows
-left out by ``live_rows`` and live inf / NaN rows."""
+left out by ``live_rows`` and live inf / NaN rows; and the fused Triton form that CUDA
+tensors run (two launches) gives the torch form's bytes: under the Triton interpreter
+on the CPU, and on a GPU with ``pytest -m gpu tests/runtime/test_quantize_q_fp8.py``
+(the same bits, two launches, a capture with host syncs forbidden)."""
 
 from __future__ import annotations
 
