@@ -3,6 +3,9 @@ a kernel that computes in fp8 rounds q (``quantize_q_fp8``)."""
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from attnreg.registry import DType
@@ -85,7 +88,33 @@ def quantize_q_fp8(q: torch.Tensor, live_rows: torch.Tensor
     values, possibly inf or NaN, and are left out).  ``descale`` is float32 ``(1,)``
     with ``q ~ q_fp8 * descale``; ``max|q| = 0`` gives the smallest normal float32
     scale, never 0.  No host read: it runs inside a captured graph.
+
+    A CUDA q runs as two fused Triton launches when triton imports
+    (``attnreg.runtime._quantize_q_kernel``); everything else runs the torch form, whose
+    bits the fused form reproduces.
     """
+    if q.is_cuda:
+        fused = _fused_kernel()
+        if fused is not None and fused.supports(q, live_rows):
+            return fused.quantize_q_fp8_fused(q, live_rows)
+    return _quantize_q_fp8_torch(q, live_rows)
+
+
+@functools.cache
+def _fused_kernel() -> ModuleType | None:
+    """``attnreg.runtime._quantize_q_kernel``, or None without triton (imported on the
+    first CUDA call, so importing the runtime never imports triton)."""
+    try:
+        from . import _quantize_q_kernel
+    except ImportError:
+        return None
+    return _quantize_q_kernel
+
+
+def _quantize_q_fp8_torch(q: torch.Tensor, live_rows: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_q_fp8` in torch ops: the CPU path, the fallback, and the
+    specification the fused kernel is tested against."""
     # Twelve launches, three passes over q (issue 31: the plugin's FP8 decode paid +47 us
     # for the eighteen launches and four passes this took before); the bits are the same.
     # H200, in a graph: ~26 us at q [8, 128, 576] (34.5 before); the inf-norm is 2.3x
