@@ -113,7 +113,11 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
       the query per score (the QK wgmma reads its A operand, the query, from shared
       memory for every 16-wide k-step) and fits in 224 KB with two KV buffers.  Splits
-      may go down to 128 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4).
+      may go down to 64 tokens (B=8, L=1024: 30.8 us with 8 splits vs 43.4 with 4; issue
+      26, `scripts/probe_decode_splits.py` on the H200, 2026-12-02, kernel + merge in a
+      graph, bf16, page 1 / 64: B=1, L=2052, H=128 21.2 / 20.8 us with 33 splits vs 23.6 /
+      23.4 with 17 at a 128-token floor; B=1, L=1024 20.0 / 18.7 vs 23.0 / 22.1; B=1,
+      L=2052, H=64 19.9 / 19.3 vs 23.2 / 23.5; every other shape probed within 0.7 us).
       No variant of sweep 1 beat it at more than one P1 shape, for either cache dtype.
       One-page tiles (page size 64): bf16 505.0 vs 572.0 per-token (B=128, L=4096),
       55.7 vs 65.3 (B=1, L=32768), 31.4 vs 32.7 (B=8, L=1024), 93.7 vs 99.3 (B=64,
@@ -130,7 +134,7 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
         return DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
     if num_heads <= 32:
         return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
-    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=128, page_tiles=not fp8)
+    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=64, page_tiles=not fp8)
 
 
 def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_seq_len: int,
