@@ -97,8 +97,9 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     full = {c.check for c in claims if c.graph_mode is GraphMode.FULL and not c.speculative}
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                     Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
-                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q}
-    # its sparse decode is declared on cpu (the interpreter) only, until a GPU run
+                    Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q,
+                    Check.SPARSE_REPLAY}
+    # its sparse decode is declared on cuda (the H200 ran its claims) and on cpu
     cpu_full = {c.check for c in _claims("triton", "cpu", "cpu")
                 if c.graph_mode is GraphMode.FULL and not c.speculative}
     assert Check.SPARSE_REPLAY in cpu_full
