@@ -215,12 +215,28 @@ def test_float32_patterns_cast_as_torch_does():
     _both(q, torch.ones(1, dtype=torch.bool), "float32")
 
 
+def test_an_int32_mask_is_nonzero_live_in_both_forms():
+    """The FlashMLA plugin passes a decode's seq_lens as the mask (no ``> 0`` launch):
+    a length-0 (padded) sequence is dead, any other length live, as the bool mask says."""
+    from attnreg.runtime.dtypes import _quantize_q_fp8_torch
+
+    gen = torch.Generator().manual_seed(316)
+    q = torch.randn(5, 4, 576, generator=gen).to(torch.bfloat16)
+    q[1], q[4] = float("inf"), float("nan")  # stale padded rows
+    seq_lens = torch.tensor([7, 0, 1, 4096, 0], dtype=torch.int32)
+    want = _quantize_q_fp8_torch(q, seq_lens != 0)
+    _assert_same_bits(_quantize_q_fp8_torch(q, seq_lens), want, q, "torch form")
+    _both(q, seq_lens, "fused form")
+    _assert_same_bits(_fused().quantize_q_fp8_fused(q, seq_lens), want, q, "fused vs bool")
+
+
 def test_supports_leaves_the_rest_to_the_torch_form():
     fused = _fused()
     q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
     assert fused.supports(q, torch.ones(2, dtype=torch.bool))
     assert not fused.supports(q, torch.ones(2, 1, dtype=torch.bool))  # broadcast: torch's
-    assert not fused.supports(q, torch.ones(2, dtype=torch.int32))
+    assert fused.supports(q, torch.ones(2, dtype=torch.int32))  # seq_lens as the mask
+    assert not fused.supports(q, torch.ones(2, dtype=torch.int64))
     assert not fused.supports(q.to(torch.float8_e4m3fn), torch.ones(2, dtype=torch.bool))
     assert not fused.supports(q[:0], torch.ones(0, dtype=torch.bool))
     # leading dims that do not collapse into one stride: torch's

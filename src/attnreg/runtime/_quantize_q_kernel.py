@@ -154,11 +154,13 @@ def _scale_cast(q_ptr, partial_ptr, out_ptr, descale_ptr,
 def supports(q: torch.Tensor, live_rows: torch.Tensor) -> bool:
     """Whether :func:`quantize_q_fp8_fused` takes these inputs (else the torch form runs):
     q bf16 / fp16 / fp32 of rank >= 2 with at least one element, its leading dims
-    collapsible into one row dim, ``live_rows`` bool of exactly those dims on q's
-    device, and a torch whose e4m3 overflow rule is known (:data:`SATURATES`)."""
+    collapsible into one row dim, ``live_rows`` bool or int32 (nonzero = live) of exactly
+    those dims on q's device, and a torch whose e4m3 overflow rule is known
+    (:data:`SATURATES`)."""
     if SATURATES is None or q.dtype not in _DTYPES or q.dim() < 2 or q.numel() == 0:
         return False
-    if live_rows.dtype != torch.bool or tuple(live_rows.shape) != tuple(q.shape[:-2]):
+    if (live_rows.dtype not in (torch.bool, torch.int32)
+            or tuple(live_rows.shape) != tuple(q.shape[:-2])):
         return False
     if live_rows.device != q.device:
         return False
@@ -176,10 +178,12 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _live_2d(live: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """``live`` as uint8 with (inner size, outer stride, inner stride): row ``r`` is at
-    ``(r // inner) * s0 + (r % inner) * s1``, so an expanded mask (stride 0) is read in
-    place.  Only a mask of three or more dims that do not collapse is copied."""
-    live = live.view(torch.uint8)
+    """``live`` as uint8 (a bool mask) or int32 with (inner size, outer stride, inner
+    stride): row ``r`` is at ``(r // inner) * s0 + (r % inner) * s1``, so an expanded mask
+    (stride 0) is read in place.  Only a mask of three or more dims that do not collapse
+    is copied.  The kernel reads ``!= 0`` either way."""
+    if live.dtype == torch.bool:
+        live = live.view(torch.uint8)
     if live.dim() == 0:
         return live, 1, 0, 0
     if live.dim() == 1:

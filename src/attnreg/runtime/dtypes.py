@@ -83,9 +83,10 @@ def quantize_q_fp8(q: torch.Tensor, live_rows: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_fp8, descale)``: ``q`` rounded to float8_e4m3fn with one power-of-two scale.
 
-    ``live_rows`` (bool, ``q``'s leading dims before the last two: one entry per query
-    row) says which rows set the scale (padded rows of a replayed graph hold stale
-    values, possibly inf or NaN, and are left out).  ``descale`` is float32 ``(1,)``
+    ``live_rows`` (``q``'s leading dims before the last two: one entry per query row;
+    bool, or int32 read as nonzero = live, so a decode's ``seq_lens`` serves as is and
+    costs no comparison launch) says which rows set the scale (padded rows of a
+    replayed graph hold stale values, possibly inf or NaN, and are left out).  ``descale`` is float32 ``(1,)``
     with ``q ~ q_fp8 * descale``; ``max|q| = 0`` gives the smallest normal float32
     scale, never 0.  No host read: it runs inside a captured graph.
 
@@ -122,7 +123,8 @@ def _quantize_q_fp8_torch(q: torch.Tensor, live_rows: torch.Tensor
     # max|q| per row in float32 in one pass (no |q| copy): an inf-norm is exact
     row_amax = torch.linalg.vector_norm(q, float("inf"), dim=(-2, -1), dtype=torch.float32)
     # torch.where, not a product: a stale padded row holding inf or NaN must not leak in
-    amax = torch.where(live_rows, row_amax, 0.0).amax()
+    live = live_rows if live_rows.dtype == torch.bool else live_rows != 0
+    amax = torch.where(live, row_amax, 0.0).amax()
     ratio = torch.clamp(amax / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
     # a live inf / NaN: scale 1 (what frexp's exponent 0 gave before), q's cast says the rest
     ratio = torch.nan_to_num(ratio, nan=1.0, posinf=1.0)

@@ -258,9 +258,10 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         if self._fp8:
             # q is rounded to fp8 per tensor on the device (the declaration says so:
             # q_compute_dtype fp8); padded sequences of a replay (length 0) do not set the
-            # scale.  Rows grouped per sequence: [B, s_q * H, 576].
+            # scale: seq_lens is the live-row mask as is (nonzero = live, no comparison
+            # launch).  Rows grouped per sequence: [B, s_q * H, 576].
             q8, q_descale = kernel.quantize_q(q.view(md.batch_size, -1, q.shape[-1]),
-                                              md.seq_lens > 0)
+                                              md.seq_lens)
             result, lse_lib = kernel.decode(self._lib, q8.view(q.shape), layer.buffer,
                                             md.page_table, md.seq_lens, plan.schedule,
                                             softmax_scale=scale, tokens_per_seq=tokens,
