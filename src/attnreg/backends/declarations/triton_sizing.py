@@ -117,7 +117,9 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       26, `scripts/probe_decode_splits.py` on the H200, 2026-12-02, kernel + merge in a
       graph, bf16, page 1 / 64: B=1, L=2052, H=128 21.2 / 20.8 us with 33 splits vs 23.6 /
       23.4 with 17 at a 128-token floor; B=1, L=1024 20.0 / 18.7 vs 23.0 / 22.1; B=1,
-      L=2052, H=64 19.9 / 19.3 vs 23.2 / 23.5; every other shape probed within 0.7 us).
+      L=2052, H=64 19.9 / 19.3 vs 23.2 / 23.5; every other shape probed within 0.7 us;
+      fp8 cache, `--fp8`: B=1, L=2052, H=128 21.9 / 22.2 vs 25.4 / 26.6, B=1, L=1024
+      20.9 / 21.2 vs 25.5 / 26.1, none slower).
       No variant of sweep 1 beat it at more than one P1 shape, for either cache dtype.
       One-page tiles (page size 64): bf16 505.0 vs 572.0 per-token (B=128, L=4096),
       55.7 vs 65.3 (B=1, L=32768), 31.4 vs 32.7 (B=8, L=1024), 93.7 vs 99.3 (B=64,
