@@ -69,6 +69,17 @@ SATURATES = _torch_cast_saturates()
 
 #: Triton compiles a variant per "is 1 / is a multiple of 16" of each int argument; the
 #: counts of rows and spans would give every bucket shape its own, for no faster code
+@triton.jit
+def _block_offsets(span, i, blocks_per_span, n, sh, sd,
+                   D: tl.constexpr, FLAT: tl.constexpr, BLOCK: tl.constexpr):
+    """Element offsets (from a row's base) of block ``i`` of ``span`` in a row of ``n``
+    = H x D elements with strides ``sh`` / ``sd``, and the mask of those inside the row."""
+    offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
+    if FLAT:
+        return offs, offs < n
+    return (offs // D) * sh + (offs % D) * sd, offs < n
+
+
 @triton.jit(do_not_specialize=["l_s0", "l_s1", "rows1", "blocks_per_span", "spans"])
 def _row_amax(q_ptr, live_ptr, partial_ptr,
               q_sr, q_sh, q_sd, l_s0, l_s1, rows1, n, blocks_per_span, spans,
@@ -80,13 +91,8 @@ def _row_amax(q_ptr, live_ptr, partial_ptr,
     if live != 0:  # a dead row's q is not read: its max is 0 whatever it holds
         base = q_ptr + row.to(tl.int64) * q_sr
         for i in range(blocks_per_span):
-            offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            if FLAT:
-                ptrs = base + offs
-            else:
-                ptrs = base + (offs // D) * q_sh + (offs % D) * q_sd
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            offs, mask = _block_offsets(span, i, blocks_per_span, n, q_sh, q_sd, D, FLAT, BLOCK)
+            x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
             # NaN as inf: the torch form's max propagates NaN, and both give scale 1
             a = tl.where(x != x, float("inf"), tl.abs(x))
             acc = tl.maximum(acc, a)
@@ -139,16 +145,10 @@ def _scale_cast(q_ptr, partial_ptr, out_ptr, descale_ptr,
     q_base = q_ptr + row.to(tl.int64) * q_sr
     o_base = out_ptr + row.to(tl.int64) * o_sr
     for i in range(blocks_per_span):
-        offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        if FLAT:
-            q_ptrs = q_base + offs
-            o_ptrs = o_base + offs
-        else:
-            q_ptrs = q_base + (offs // D) * q_sh + (offs % D) * q_sd
-            o_ptrs = o_base + (offs // D) * o_sh + (offs % D) * o_sd
-        x = tl.load(q_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, _e4m3_bits(x * inv, SATURATE).to(tl.uint8), mask=mask)
+        q_offs, mask = _block_offsets(span, i, blocks_per_span, n, q_sh, q_sd, D, FLAT, BLOCK)
+        o_offs, _ = _block_offsets(span, i, blocks_per_span, n, o_sh, o_sd, D, FLAT, BLOCK)
+        x = tl.load(q_base + q_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_base + o_offs, _e4m3_bits(x * inv, SATURATE).to(tl.uint8), mask=mask)
 
 
 def supports(q: torch.Tensor, live_rows: torch.Tensor) -> bool:

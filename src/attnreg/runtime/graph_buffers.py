@@ -48,10 +48,11 @@ class GraphState(Generic[BuffersT]):
     the largest captured shape; ``pad_mask`` (rows of padding: a bool view of the
     layout's padding rows in :attr:`flat`, which a packed batch brings in its one
     copy and the per-tensor fill computes from ``row_index`` = 0, 1, 2, ...) lets a
-    backend zero the output rows of padding inside the graph (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's
-    declared ``CaptureMemory`` is asked about, and what ``buffers`` was sized
-    from.  ``captured`` holds the metadata of every shape captured since this
-    state was allocated.
+    backend zero the output rows of padding inside the graph
+    (:meth:`zero_padded_rows`).  ``capture_shape`` is what the backend's declared
+    ``CaptureMemory`` is asked about, and what ``buffers`` was sized from.
+    ``captured`` holds the metadata of every shape captured since this state was
+    allocated.
     """
 
     max_bs: int
@@ -111,11 +112,8 @@ class GraphState(Generic[BuffersT]):
     @property
     def base_bytes(self) -> int:
         """Bytes of the runtime's own index buffers (not the backend's ``buffers``)."""
-        if self.layout is not None and self.flat is not None:
-            pad_rows = self.layout.padding_rows(self.flat).nbytes  # pad_mask's int32 flags
-        else:
-            pad_rows = self.pad_mask.nbytes
-        return self.indices.nbytes + self.row_index.nbytes + pad_rows
+        # storages counted once: the index views and pad_mask share the flat buffer
+        return tensor_bytes(self.indices, self.row_index, self.pad_mask)
 
     def buffer_bytes(self) -> int:
         """Bytes of the backend's ``buffers`` and the plans of every captured shape."""
@@ -254,13 +252,9 @@ class GraphState(Generic[BuffersT]):
         mask in its one copy (``IndexLayout.pack`` writes the padding rows; issue 26: a
         second launch per replay was host time), so only :meth:`fill`'s per-tensor path
         calls this."""
-        if self.layout is not None and self.flat is not None:
-            # the int32 flags pad_mask views (a bool written there would leave the other
-            # bytes of the flag as they were)
-            torch.ge(self.row_index, md.qo_indptr[-1:],
-                     out=self.layout.padding_rows(self.flat))
-        else:
-            torch.ge(self.row_index, md.qo_indptr[-1:], out=self.pad_mask)
+        # into the flags' low bytes (pad_mask's view); their other bytes stay 0 (the flat
+        # buffer starts zeroed and a pack writes whole 0 / 1 flags)
+        torch.ge(self.row_index, md.qo_indptr[-1:], out=self.pad_mask)
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[Any]) -> None:
         """Zero the rows of ``out`` that belong to padding, inside the graph.
