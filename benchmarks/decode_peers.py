@@ -113,13 +113,15 @@ def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
     tensors (made here, outside the graph) instead of two strided views of one
     ``[B, H, 576]`` tensor; ``zero_launches`` adds the padding-row zeroing after the call
     (2: the mask recomputed inside the graph then ``masked_fill_``, as attnreg did before
-    issue 31; 1: ``masked_fill_`` from a mask set outside the graph, as it does now);
+    issue 31; 1: ``GraphState``'s own fill from flags set outside the graph,
+    ``fill_flagged_rows``: on CUDA one launch writing only the padding rows);
     ``graph_wrapper`` plans a ``use_cuda_graph=True`` wrapper over preallocated index
     buffers with a ``B + 1``-th (filler, empty) request, as attnreg's captured plan.
     """
     import flashinfer
 
     from attnreg.backends.declarations.flashinfer_mla import FLOAT_WORKSPACE_BYTES
+    from attnreg.runtime.graph_buffers import fill_flagged_rows
 
     torch = ctx.torch
     B, H = q.shape[0], q.shape[1]
@@ -150,9 +152,11 @@ def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
     q_nope, q_pe = q[..., :512], q[..., 512:]
     if contiguous_q:
         q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
-    # the zeroing's inputs as GraphState holds them: row numbers, the mask, qo_indptr
+    # the zeroing's inputs as GraphState holds them: row numbers, the mask and its int32
+    # flags, qo_indptr
     row_index = torch.arange(B, dtype=torch.int32, device=q.device)
     pad_mask = torch.zeros(B, dtype=torch.bool, device=q.device)
+    pad_flags = torch.zeros(B, dtype=torch.int32, device=q.device)
     qo_dev = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     torch.ge(row_index, qo_dev[-1:], out=pad_mask)  # the one-launch form: set outside
 
@@ -160,8 +164,9 @@ def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
         wrapper.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
         if zero_launches == 2:
             torch.ge(row_index, qo_dev[-1:], out=pad_mask)
-        if zero_launches:
             out.masked_fill_(pad_mask.view(B, 1, 1), 0.0)
+        elif zero_launches:
+            fill_flagged_rows(out, pad_mask, 0.0, flags=pad_flags)
         return out
     return run
 

@@ -3,12 +3,11 @@ a kernel that computes in fp8 rounds q (``quantize_q_fp8``)."""
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 
 from attnreg.registry import DType
+
+from ._optional import triton_kernel_module
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -95,21 +94,10 @@ def quantize_q_fp8(q: torch.Tensor, live_rows: torch.Tensor
     bits the fused form reproduces.
     """
     if q.is_cuda:
-        fused = _fused_kernel()
+        fused = triton_kernel_module("_quantize_q_kernel")
         if fused is not None and fused.supports(q, live_rows):
             return fused.quantize_q_fp8_fused(q, live_rows)
     return _quantize_q_fp8_torch(q, live_rows)
-
-
-@functools.cache
-def _fused_kernel() -> ModuleType | None:
-    """``attnreg.runtime._quantize_q_kernel``, or None without triton (imported on the
-    first CUDA call, so importing the runtime never imports triton)."""
-    try:
-        from . import _quantize_q_kernel
-    except ImportError:
-        return None
-    return _quantize_q_kernel
 
 
 def _quantize_q_fp8_torch(q: torch.Tensor, live_rows: torch.Tensor

@@ -24,6 +24,7 @@ import torch
 from attnreg.graph_policy.capture import current_capture
 from attnreg.registry import CaptureShape, DType, ForwardMode, GraphMode, Phase
 
+from ._optional import triton_kernel_module
 from .batch import ForwardBatch
 from .config import MLAConfig
 from .dtypes import device_num_sms
@@ -76,6 +77,9 @@ class GraphState(Generic[BuffersT]):
     #: allocated for sparse (DSA) captures: the lifecycle's capture checks read the
     #: declaration's ``sparse_graph_modes`` (``Capabilities.sparse_view()``)
     sparse: bool = False
+    #: the int32 padding-row flags :attr:`pad_mask` is the low bytes of (a view of
+    #: :attr:`flat`), what :meth:`fill_padded_rows`'s one-launch CUDA form reads
+    pad_rows: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, *, max_bs: int, max_num_tokens: int, max_seq_len: int, page_size: int,
@@ -90,8 +94,8 @@ class GraphState(Generic[BuffersT]):
             max_pages=max_pages, graph_modes=dict(graph_modes), capture_shape=capture_shape,
             indices=indices,
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
-            pad_mask=layout.padding_mask(flat),
-            layout=layout, flat=flat, sparse=sparse)
+            pad_mask=layout.padding_mask(flat), layout=layout, flat=flat, sparse=sparse,
+            pad_rows=layout.padding_rows(flat))
 
     def capture_mode(self, phase: Phase) -> GraphMode:
         """The mode ``phase`` is captured in: the ``capturing()`` mode, else the one this
@@ -262,7 +266,8 @@ class GraphState(Generic[BuffersT]):
         Row ``r`` is padding when ``r >= qo_indptr[bs]`` (the real tokens of the
         replayed batch; padded sequences own no rows): :attr:`pad_mask`, which
         every fill of the buffers sets on the device (:meth:`mark_padding`), so it
-        is right for every replay.  One launch reading it; it neither allocates
+        is right for every replay.  One launch reading it (on CUDA one that writes
+        only the padding rows, :func:`fill_flagged_rows`); it neither allocates
         nor syncs, capture-safe.  A no-op for eager metadata, which has no padding.
         """
         self.fill_padded_rows(out, md, 0.0)
@@ -273,8 +278,29 @@ class GraphState(Generic[BuffersT]):
         if not md.is_graph:
             return
         rows = t.shape[0]
-        mask = self.pad_mask[:rows]  # set by the fill of md's shape (mark_padding)
-        t.masked_fill_(mask.view((rows,) + (1,) * (t.dim() - 1)), value)
+        flags = None if self.pad_rows is None else self.pad_rows[:rows]
+        fill_flagged_rows(t, self.pad_mask[:rows], value, flags=flags)
+
+
+def fill_flagged_rows(t: torch.Tensor, mask: torch.Tensor, value: float, *,
+                      flags: torch.Tensor | None = None) -> None:
+    """Set the rows ``r`` of ``t`` where ``mask[r]`` (bool, one per row) to ``value``, in place.
+
+    ``flags``: the same mask as int32 (nonzero = set), when the caller has it
+    (``GraphState.pad_rows``).  With it, on CUDA (and triton installed) this is one
+    Triton launch that writes only the flagged rows
+    (``attnreg.runtime._pad_rows_kernel``); else ``masked_fill_``, which reads and
+    writes every element (issue 31: +3 to +7 us per decode layer at the P1 shapes on
+    the H200).  Both set the same rows to the same value and touch nothing else.
+    Capture-safe: no allocation, no sync.
+    """
+    if flags is not None and t.is_cuda:
+        fused = triton_kernel_module("_pad_rows_kernel")
+        if fused is not None and fused.supports(t, flags):
+            fused.fill_flagged_rows_fused(t, flags, value)
+            return
+    rows = t.shape[0]
+    t.masked_fill_(mask.view((rows,) + (1,) * (t.dim() - 1)), value)
 
 
 def tensor_bytes(*roots: object) -> int:

@@ -1,0 +1,73 @@
+"""One Triton launch that sets the padding rows of a captured output to a value, and only them.
+
+Why: ``GraphState.fill_padded_rows`` ran ``masked_fill_`` over the whole output, which
+reads and writes every element of every row (torch's masked fill is an elementwise
+kernel): +3 to +7 us per layer at the P1 decode shapes on the H200, most of what
+attnreg's captured decode added over the raw kernels (issue 31).  A replay's padding rows
+are few (often none), so this kernel reads one int32 flag per row and writes only the
+flagged rows.
+
+This module imports triton; it is imported only when a CUDA tensor reaches
+``attnreg.runtime.graph_buffers.fill_flagged_rows``, so importing the runtime never
+imports triton.  The torch form (``masked_fill_``) stays the specification: the same
+rows get the same value, the others are not touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fill_flagged_rows_fused", "supports"]
+
+#: elements one program writes per step (4 warps: 8 per thread, a 16-byte bf16 store)
+_BLOCK = 1024
+#: programs per row at most; a row of more blocks loops (a flagged row is written by
+#: up to this many programs, an unflagged one costs each of them one 4-byte load)
+_MAX_SPANS = 8
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["row_stride", "n", "blocks_per_span"])
+def _fill_flagged_rows(t_ptr, flags_ptr, value, row_stride, n, blocks_per_span,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    span = tl.program_id(1)
+    flag = tl.load(flags_ptr + row)
+    if flag != 0:
+        base = t_ptr + row.to(tl.int64) * row_stride
+        v = tl.full([BLOCK], value, tl.float32).to(t_ptr.dtype.element_ty)
+        for i in range(blocks_per_span):
+            offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(base + offs, v, mask=offs < n)
+
+
+def supports(t: torch.Tensor, flags: torch.Tensor) -> bool:
+    """Whether the kernel takes ``t`` (rows of contiguous bf16 / fp16 / fp32 elements) and
+    ``flags`` (int32, one per row of ``t``, contiguous)."""
+    if t.dtype not in _DTYPES or t.dim() == 0 or flags.dtype != torch.int32:
+        return False
+    if flags.dim() != 1 or flags.shape[0] < t.shape[0] or flags.stride(0) != 1:
+        return False
+    if t.device != flags.device:
+        return False
+    # every row's elements contiguous (the row stride itself is free)
+    return t[0].is_contiguous() if t.shape[0] else True
+
+
+def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float) -> None:
+    """Set every row ``r`` of ``t`` with ``flags[r] != 0`` to ``value``, in place: one launch,
+    no allocation, no host sync (capture-safe)."""
+    rows = t.shape[0]
+    if rows == 0:
+        return
+    n = t[0].numel()
+    if n == 0:
+        return
+    blocks = triton.cdiv(n, _BLOCK)
+    spans = min(blocks, _MAX_SPANS)
+    blocks_per_span = triton.cdiv(blocks, spans)
+    _fill_flagged_rows[(rows, spans)](t, flags, float(value), t.stride(0), n, blocks_per_span,
+                                      BLOCK=_BLOCK, num_warps=4)
