@@ -184,8 +184,8 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         slot); refused when no graph was captured for it, or the batch does not fit."""
         fmode = batch.forward_mode if forward_mode is None else ForwardMode.parse(forward_mode)
         state = self.graph_state
-        md = None if state is None else state.captured_for(fmode, bs, num_tokens)
-        if state is None or md is None:
+        md = None if state is None else state.captured.get((fmode, bs, num_tokens))
+        if md is None:
             raise refusal_error(self.name, self.refusals.replay(state, fmode, bs, num_tokens))
         if not state.fill_packed(md, batch):  # else: checked per tensor, copied per tensor
             self._validate_batch(batch)

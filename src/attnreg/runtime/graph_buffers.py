@@ -205,20 +205,24 @@ class GraphState(Generic[BuffersT]):
         copies it with :meth:`fill`.  Everything this skips was checked by ``IndexLayout.pack``
         (int32 views of one buffer, the shapes, seq = prefix + extend, the page table)."""
         packed = batch.packed
+        if packed is None or batch.forward_mode is not md.forward_mode:
+            return False
         flat = self.flat
-        if (packed is None or flat is None or batch.forward_mode is not md.forward_mode
-                or not (packed.layout is self.layout or packed.layout == self.layout)
-                or not packed.serves(batch) or packed.flat.device != flat.device):
+        src = packed.flat
+        if (flat is None or not (packed.layout is self.layout or packed.layout == self.layout)
+                or not packed.serves(batch) or src.get_device() != flat.get_device()):
             return False
         tokens, longest, fewest, most = packed.summary
-        q = md.max_extend_len
         fm = md.forward_mode
-        if (len(packed.host_lens[0]) > md.batch_size or tokens > md.num_tokens
-                or longest > self.max_seq_len
-                or (fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
-                or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
+        if (tokens > md.num_tokens or longest > self.max_seq_len
+                or len(packed.host_lens[0]) > md.batch_size):
             return False
-        flat.copy_(packed.flat)  # the padding rows (pad_mask) included: one device op
+        if fm is not ForwardMode.DECODE:  # the speculative modes' tokens per request
+            q = md.max_extend_len
+            if ((fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
+                    or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
+                return False
+        flat.copy_(src)  # the padding rows (pad_mask) included: one device op
         self.fills["packed"] += 1
         md.batch = batch
         return True
