@@ -100,3 +100,22 @@ def test_on_cuda_one_kernel_in_a_graph_that_follows_the_flags():
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1 and "_fill_flagged_rows" in kernels[0], kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_with_a_source_the_live_rows_are_copied_in_the_same_launch(dtype):
+    kernel = _kernel()
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randn(6, 3, 700, generator=gen).to(dtype)
+    src = torch.randn(6, 3, 700, generator=gen).to(dtype)
+    flags = torch.tensor([0, 0, 1, 0, 1, 1], dtype=torch.int32)
+    want = src.clone()
+    want[flags.ne(0)] = 0
+    assert kernel.supports(t, flags, src)
+    assert not kernel.supports(t, flags, src[:5]) and not kernel.supports(t, flags, src.half())
+    kernel.fill_flagged_rows_fused(t, flags, 0.0, src)
+    assert torch.equal(t, want)
+    # the torch form gives the same
+    t2 = torch.zeros_like(t)
+    fill_flagged_rows(t2, flags.ne(0), 0.0, src=src)
+    assert torch.equal(t2, want)

@@ -87,3 +87,18 @@ def test_a_packed_fill_is_one_copy_that_brings_the_mask():
     assert flags.tolist() == [0] + [1] * (BS - 1)
     state.fill(md, _batch(state, 3, False), PAGE)
     assert flags.tolist() == [0, 0, 0, 1] and state.pad_mask.tolist() == [False] * 3 + [True]
+
+
+def test_zeroing_with_a_source_copies_it_and_eager_metadata_only_copies():
+    state = _state()
+    md = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
+    state.fill(md, _batch(state, 3, False), PAGE)
+    src = torch.arange(BS * 2 * 8, dtype=torch.float32).view(BS, 2, 8) + 1
+    out = torch.full((BS, 2, 8), float("nan"))
+    state.fill_padded_rows(out, md, 0.0, src=src)
+    assert torch.equal(out[:3], src[:3]) and out[3:].eq(0).all()
+    eager = state.views(ForwardMode.DECODE, BS, BS, GraphMode.FULL)
+    eager.graph_mode = GraphMode.DISABLED
+    out = torch.full((BS, 2, 8), float("nan"))
+    state.fill_padded_rows(out, eager, 0.0, src=src)
+    assert torch.equal(out, src)

@@ -30,36 +30,52 @@ _MAX_SPANS = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit(do_not_specialize=["row_stride", "n", "blocks_per_span"])
-def _fill_flagged_rows(t_ptr, flags_ptr, value, row_stride, n, blocks_per_span,
-                       BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["row_stride", "src_stride", "n", "blocks_per_span"])
+def _fill_flagged_rows(t_ptr, flags_ptr, src_ptr, value, row_stride, src_stride, n,
+                       blocks_per_span, HAS_SRC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     span = tl.program_id(1)
     flag = tl.load(flags_ptr + row)
+    base = t_ptr + row.to(tl.int64) * row_stride
     if flag != 0:
-        base = t_ptr + row.to(tl.int64) * row_stride
         v = tl.full([BLOCK], value, tl.float32).to(t_ptr.dtype.element_ty)
         for i in range(blocks_per_span):
             offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
             tl.store(base + offs, v, mask=offs < n)
+    elif HAS_SRC:  # a live row: the kernel's output row, copied
+        src = src_ptr + row.to(tl.int64) * src_stride
+        for i in range(blocks_per_span):
+            offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(base + offs, tl.load(src + offs, mask=m), mask=m)
 
 
-def supports(t: torch.Tensor, flags: torch.Tensor) -> bool:
-    """Whether the kernel takes ``t`` (rows of contiguous bf16 / fp16 / fp32 elements) and
-    ``flags`` (int32, one per row of ``t``, contiguous)."""
-    if t.dtype not in _DTYPES or t.dim() == 0 or flags.dtype != torch.int32:
-        return False
-    if flags.dim() != 1 or flags.shape[0] < t.shape[0] or flags.stride(0) != 1:
-        return False
-    if t.device != flags.device:
-        return False
+def _rows_contiguous(t: torch.Tensor) -> bool:
     # every row's elements contiguous (the row stride itself is free)
     return t[0].is_contiguous() if t.shape[0] else True
 
 
-def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float) -> None:
-    """Set every row ``r`` of ``t`` with ``flags[r] != 0`` to ``value``, in place: one launch,
-    no allocation, no host sync (capture-safe)."""
+def supports(t: torch.Tensor, flags: torch.Tensor, src: torch.Tensor | None = None) -> bool:
+    """Whether the kernel takes ``t`` (rows of contiguous bf16 / fp16 / fp32 elements),
+    ``flags`` (int32, one per row of ``t``, contiguous) and ``src`` (None, or ``t``'s shape
+    and dtype with contiguous rows)."""
+    if t.dtype not in _DTYPES or t.dim() == 0 or flags.dtype != torch.int32:
+        return False
+    if flags.dim() != 1 or flags.shape[0] < t.shape[0] or flags.stride(0) != 1:
+        return False
+    if t.device != flags.device or not _rows_contiguous(t):
+        return False
+    if src is None:
+        return True
+    return (src.shape == t.shape and src.dtype == t.dtype and src.device == t.device
+            and _rows_contiguous(src))
+
+
+def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float,
+                            src: torch.Tensor | None = None) -> None:
+    """Set every row ``r`` of ``t`` with ``flags[r] != 0`` to ``value``, in place, and (with
+    ``src``) every other row to ``src``'s: one launch, no allocation, no host sync
+    (capture-safe)."""
     rows = t.shape[0]
     if rows == 0:
         return
@@ -69,5 +85,8 @@ def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float) 
     blocks = triton.cdiv(n, _BLOCK)
     spans = min(blocks, _MAX_SPANS)
     blocks_per_span = triton.cdiv(blocks, spans)
-    _fill_flagged_rows[(rows, spans)](t, flags, float(value), t.stride(0), n, blocks_per_span,
-                                      BLOCK=_BLOCK, num_warps=4)
+    has_src = src is not None
+    _fill_flagged_rows[(rows, spans)](t, flags, src if has_src else t, float(value),
+                                      t.stride(0), src.stride(0) if has_src else 0, n,
+                                      blocks_per_span, HAS_SRC=has_src, BLOCK=_BLOCK,
+                                      num_warps=4)

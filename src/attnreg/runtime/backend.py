@@ -203,11 +203,15 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         ``GraphState.base_bytes``), from the typed state: no device allocator asked."""
         return 0 if self.graph_state is None else self.graph_state.buffer_bytes()
 
-    def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[PlanT]) -> None:
+    def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[PlanT], *,
+                         src: torch.Tensor | None = None) -> None:
         """Under graph metadata, zero the output rows of padding (capture-safe; else a
-        no-op), for kernels that leave them untouched (``GraphState.zero_padded_rows``)."""
+        no-op), for kernels that leave them untouched (``GraphState.zero_padded_rows``);
+        ``src``: a library's own result copied into ``out`` by the same launch."""
         if md.is_graph and self.graph_state is not None:
-            self.graph_state.zero_padded_rows(out, md)
+            self.graph_state.fill_padded_rows(out, md, 0.0, src=src)
+        elif src is not None:
+            out.copy_(src)
 
     def _require_graph_state(self) -> GraphState[BuffersT]:
         if self.graph_state is None:

@@ -276,33 +276,42 @@ class GraphState(Generic[BuffersT]):
         """
         self.fill_padded_rows(out, md, 0.0)
 
-    def fill_padded_rows(self, t: torch.Tensor, md: ForwardMetadata[Any], value: float) -> None:
+    def fill_padded_rows(self, t: torch.Tensor, md: ForwardMetadata[Any], value: float,
+                         *, src: torch.Tensor | None = None) -> None:
         """Set the rows of ``t`` (output ``[rows, ...]`` or LSE ``[rows, H]``) that belong to
-        padding to ``value``, inside the graph (see :meth:`zero_padded_rows`)."""
+        padding to ``value``, inside the graph (see :meth:`zero_padded_rows`).  With
+        ``src``, ``t`` takes ``src``'s rows first (one launch for a kernel's output copied
+        into ``t`` with its padding set; under eager metadata just the copy)."""
         if not md.is_graph:
+            if src is not None:
+                t.copy_(src)
             return
         rows = t.shape[0]
         flags = None if self.pad_rows is None else self.pad_rows[:rows]
-        fill_flagged_rows(t, self.pad_mask[:rows], value, flags=flags)
+        fill_flagged_rows(t, self.pad_mask[:rows], value, flags=flags, src=src)
 
 
 def fill_flagged_rows(t: torch.Tensor, mask: torch.Tensor, value: float, *,
-                      flags: torch.Tensor | None = None) -> None:
-    """Set the rows ``r`` of ``t`` where ``mask[r]`` (bool, one per row) to ``value``, in place.
+                      flags: torch.Tensor | None = None, src: torch.Tensor | None = None
+                      ) -> None:
+    """Set the rows ``r`` of ``t`` where ``mask[r]`` (bool, one per row) to ``value``, in place;
+    with ``src`` (``t``'s shape), copy ``src`` into ``t`` first: the other rows become ``src``'s.
 
     ``flags``: the same mask as int32 (nonzero = set), when the caller has it
     (``GraphState.pad_rows``).  With it, on CUDA (and triton installed) this is one
-    Triton launch that writes only the flagged rows
-    (``attnreg.runtime._pad_rows_kernel``); else ``masked_fill_``, which reads and
-    writes every element (issue 31: +3 to +7 us per decode layer at the P1 shapes on
-    the H200).  Both set the same rows to the same value and touch nothing else.
-    Capture-safe: no allocation, no sync.
+    Triton launch that writes only the flagged rows, or with ``src`` every row once
+    (``attnreg.runtime._pad_rows_kernel``); else ``masked_fill_`` (after ``copy_``),
+    which reads and writes every element (issue 31: +3 to +7 us per decode layer at the
+    P1 shapes on the H200).  Both give the same values.  Capture-safe: no allocation,
+    no sync.
     """
     if flags is not None and t.is_cuda:
         fused = triton_kernel_module("_pad_rows_kernel")
-        if fused is not None and fused.supports(t, flags):
-            fused.fill_flagged_rows_fused(t, flags, value)
+        if fused is not None and fused.supports(t, flags, src):
+            fused.fill_flagged_rows_fused(t, flags, value, src)
             return
+    if src is not None:
+        t.copy_(src)
     rows = t.shape[0]
     t.masked_fill_(mask.view((rows,) + (1,) * (t.dim() - 1)), value)
 

@@ -271,15 +271,17 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
             result, lse_lib = kernel.decode(self._lib, q, layer.buffer, md.page_table,
                                             md.seq_lens, plan.schedule, softmax_scale=scale,
                                             tokens_per_seq=tokens)
-        out.copy_(result)
-        if lse is not None:
-            kernel.store_lse(lse_lib, lse)
         if self._fp8 or tokens > 1:
             # The bf16 kernel's rows for empty sequences (padding) were measured to be exactly
             # zero with one query token; not for the fp8 kernel, nor with several tokens
-            # (causal over a length-0 sequence), so those are zeroed here (two launches,
-            # capture-safe; a no-op for eager metadata).  The base class sets their LSE.
-            self.zero_padded_rows(out, md)
+            # (causal over a length-0 sequence), so those are zeroed as the result is copied
+            # into out (one launch in a graph; a plain copy for eager metadata).  The base
+            # class sets their LSE.
+            self.zero_padded_rows(out, md, src=result)
+        else:
+            out.copy_(result)
+        if lse is not None:
+            kernel.store_lse(lse_lib, lse)
 
     # ------------------------------------------------------------------------------
     # sparse (DSA)
