@@ -52,8 +52,7 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
     on a request ``self.refusals`` accepted.  ``PlanT``: the backend's per-batch plan
     (``md.plan``); ``BuffersT``: its graph buffers (``graph_state.buffers``).  A
     ``config.page_size`` no kernel reading the paged pool declares is refused here.
-    Sparse (DSA) MLA: :meth:`forward_sparse` (:mod:`attnreg.runtime.sparse`).
-    """
+    Sparse (DSA) MLA: :meth:`forward_sparse` (:mod:`attnreg.runtime.sparse`)."""
 
     #: Overridden per instance by ``capabilities.backend``.
     name: str = "base"
@@ -205,9 +204,8 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[PlanT], *,
                          src: torch.Tensor | None = None) -> None:
-        """Under graph metadata, zero the output rows of padding (capture-safe; else a
-        no-op), for kernels that leave them untouched (``GraphState.zero_padded_rows``);
-        ``src``: a library's own result copied into ``out`` by the same launch."""
+        """Under graph metadata zero ``out``'s padding rows (``GraphState.zero_padded_rows``,
+        capture-safe), copying ``src`` (a library's own result) in by the same launch."""
         if md.is_graph and self.graph_state is not None:
             self.graph_state.fill_padded_rows(out, md, 0.0, src=src)
         elif src is not None:
@@ -344,8 +342,7 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
                              v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
         """Extend attention into ``out`` (EXTEND, or MLA over the pool for TARGET_VERIFY /
         DRAFT_EXTEND); for MLA the new tokens are already in ``pool``.  MHA_CHUNKED_KV:
-        causal MHA of the new tokens over their ``k`` / ``v`` (ragged by ``qo_indptr``),
-        always with ``lse``."""
+        causal MHA of the new tokens over ``k`` / ``v`` (ragged by ``qo_indptr``), with lse."""
         raise NotImplementedError(f"{type(self).__name__} does not implement extend")
 
     def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -354,8 +351,7 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         """MHA_CHUNKED_KV: the new tokens (ragged by ``md.qo_indptr``) over one prefix chunk
         (``k`` / ``v`` ragged by ``chunk.kv_indptr``), without a mask, into ``out`` and
         ``lse`` (a row whose sequence has no token in the chunk: 0 and ``-inf``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement chunked-prefix "
-                                  "MHA")
+        raise NotImplementedError(f"{type(self).__name__} does not implement chunked MHA")
 
     def kernel_errors(self, what: str) -> KernelErrors:
         """``with self.kernel_errors("decode inputs"): launch(...)``: a library's pre-launch
