@@ -86,8 +86,9 @@ def quantize_q_fp8(q: torch.Tensor, live_rows: torch.Tensor
     bool, or int32 read as nonzero = live, so a decode's ``seq_lens`` serves as is and
     costs no comparison launch) says which rows set the scale (padded rows of a
     replayed graph hold stale values, possibly inf or NaN, and are left out).
-    ``descale`` is float32 ``(1,)`` with ``q ~ q_fp8 * descale``; ``max|q| = 0`` gives the smallest normal float32
-    scale, never 0.  No host read: it runs inside a captured graph.
+    ``descale`` is float32 ``(1,)`` with ``q ~ q_fp8 * descale``; ``max|q| = 0`` gives
+    the smallest normal float32 scale, never 0.  No host read: it runs inside a captured
+    graph.
 
     A CUDA q runs as two fused Triton launches when triton imports
     (``attnreg.runtime._quantize_q_kernel``); everything else runs the torch form, whose
