@@ -67,8 +67,6 @@ def _torch_cast_saturates() -> bool | None:
 SATURATES = _torch_cast_saturates()
 
 
-#: Triton compiles a variant per "is 1 / is a multiple of 16" of each int argument; the
-#: counts of rows and spans would give every bucket shape its own, for no faster code
 @triton.jit
 def _block_offsets(span, i, blocks_per_span, n, sh, sd,
                    D: tl.constexpr, FLAT: tl.constexpr, BLOCK: tl.constexpr):
@@ -80,6 +78,8 @@ def _block_offsets(span, i, blocks_per_span, n, sh, sd,
     return (offs // D) * sh + (offs % D) * sd, offs < n
 
 
+#: Triton compiles a variant per "is 1 / is a multiple of 16" of each int argument; the
+#: counts of rows and spans would give every bucket shape its own, for no faster code
 @triton.jit(do_not_specialize=["l_s0", "l_s1", "rows1", "blocks_per_span", "spans"])
 def _row_amax(q_ptr, live_ptr, partial_ptr,
               q_sr, q_sh, q_sd, l_s0, l_s1, rows1, n, blocks_per_span, spans,
