@@ -83,8 +83,8 @@ def test_one_copy_of_a_packed_batch_leaves_what_the_padded_copy_leaves_for_every
         want = padded_state.indices.view(bs, nt)
         for (name, a), (_, b) in zip(got.items(), want.items()):
             assert torch.equal(a, b), f"{fm} bucket {bs}: {name} differs between the two fills"
-    assert packed_state.fills == {"packed": 18, "padded": 0}
-    assert padded_state.fills == {"packed": 0, "padded": 18}
+    assert packed_state.fills == {"packed": 18, "padded": 0, "in_place": 0}
+    assert padded_state.fills == {"packed": 0, "padded": 18, "in_place": 0}
 
 
 def test_a_packed_batch_has_the_same_tensors_and_passes_the_same_checks():
@@ -118,7 +118,7 @@ def test_a_batch_changed_since_packing_or_packed_for_another_layout_takes_the_pa
     md = state.views(ForwardMode.DECODE, 4, 4, GraphMode.FULL)
     for batch in (changed, other):
         state.fill(md, batch, PS)
-    assert state.fills == {"packed": 0, "padded": 2}
+    assert state.fills == {"packed": 0, "padded": 2, "in_place": 0}
     assert state.indices.seq_lens[:4].tolist() == [20, 9, 0, 0]
 
 

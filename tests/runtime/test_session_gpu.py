@@ -75,6 +75,42 @@ def test_decode_and_verify_buckets_replay_real_graphs_equal_to_eager(name: str) 
     assert not res.replayed and session.counts.eager == {"gate.batch_slots": 1}
 
 
+@pytest.mark.parametrize("name", ["triton", "flashinfer_mla"])
+def test_batches_packed_into_the_graph_index_buffer_replay_back_to_back_equal_to_reference(
+        name: str) -> None:
+    """Each batch packed into the buffer after the previous replay was launched (not waited
+    for): the device runs the previous graph before the pack's copies overwrite what it reads."""
+    cfg, backend, reference, pool = _setup(name)
+    session = GraphSession(backend, pool, phase="decode", mode="full", buckets=[2, 4, 8],
+                           layers=LAYERS, writes_kv=False, forbid_sync=True,
+                           forward_modes={"decode": 1, "target_verify": DRAFTS})
+    session.capture()
+    pages = pool.allocate([CONTEXT] * 8, shuffle=2)
+    buf = session.index_buffer
+    steps = []
+    for i, lens in enumerate(([1900, 5, 700], [64, 1000, 13, 2000, 17, 8, 9], [30], [2040] * 8)):
+        if i % 2:
+            batch = verify_batch(pool, [n - DRAFTS for n in lens], DRAFTS,
+                                 pages=pages[:len(lens)], layout=buf)
+        else:
+            batch = decode_batch(pool, lens, pages=pages[:len(lens)], layout=buf)
+        inputs = _inputs(batch.num_tokens, seed=10 + i)
+        res = session.run(batch, inputs)
+        assert res.replayed, res.reason
+        steps.append((batch, inputs, [o.clone() for o in res.outputs]))
+    torch.cuda.synchronize()
+    assert backend.graph_state.fills["in_place"] == 4
+    for batch, inputs, outs in steps:
+        rebuilt = (decode_batch(pool, list(batch.seq_lens_cpu), pages=pages[:batch.batch_size])
+                   if batch.forward_mode is ForwardMode.DECODE else
+                   verify_batch(pool, list(batch.prefix_lens_cpu), DRAFTS,
+                                pages=pages[:batch.batch_size]))
+        for layer in range(LAYERS):
+            want = reference.forward(inputs.q[layer], None, None, pool, rebuilt,
+                                     layer_id=layer)
+            assert torch.allclose(outs[layer].float(), want.float(), atol=2e-2)
+
+
 def test_two_sessions_share_one_runner_and_its_memory_pool() -> None:
     cfg, backend, _, pool = _setup()
     runner = GraphRunner("cuda")

@@ -51,6 +51,7 @@ from .graph_runner import (
     GraphRunner,
     UnreplayableBreakError,
 )
+from .index_buffer import IndexBuffer
 from .indices import BatchIndices, IndexLayout, PackedIndices
 from .lse import PrefixDecompress, merge_attention_states
 from .metadata import ATTENTION_CAPTURE_MODES, DEFAULT_CAPTURE_MODE, ForwardMetadata, phase_of
@@ -88,6 +89,7 @@ __all__ = [
     "GraphRunner",
     "GraphSession",
     "GraphState",
+    "IndexBuffer",
     "IndexLayout",
     "KernelErrors",
     "MLAConfig",

@@ -36,6 +36,7 @@ from .dtypes import resolve_device
 from .indices import BatchIndices, IndexFields, IndexLayout, PackedIndices, accepts_index_keywords
 
 if TYPE_CHECKING:
+    from .index_buffer import IndexBuffer
     from .pool import MLAKVPool
 
 __all__ = ["SPECULATIVE_MODES", "ForwardBatch", "PrefixChunk", "decode_batch", "draft_extend_batch", "extend_batch",
@@ -127,9 +128,13 @@ class ForwardBatch(IndexFields):
         lens = set(self.extend_lens_cpu)
         return lens.pop() if len(lens) == 1 else None
 
-    def in_layout(self, layout: IndexLayout) -> ForwardBatch:
+    def in_layout(self, layout: IndexLayout | IndexBuffer) -> ForwardBatch:
         """This batch with its index tensors packed in ``layout`` (as ``build(...,
         layout=)`` makes it): the same lengths, pages and slots, one padded buffer."""
+        if self.packed is not None and self.packed.overwritten:
+            raise ValueError("this batch was packed into a graph's index buffer and another "
+                             "batch has been packed over it: its index tensors are gone; "
+                             "build it again")
         return ForwardBatch.build(self.forward_mode, self.prefix_lens_cpu, self.extend_lens_cpu,
                                   self.page_table, self.out_cache_loc, layout=layout)
 
@@ -190,7 +195,7 @@ class ForwardBatch(IndexFields):
               extend_lens: Sequence[int], page_table: torch.Tensor,
               out_cache_loc: Sequence[int] | torch.Tensor,
               device: str | torch.device | None = None,
-              layout: IndexLayout | None = None) -> ForwardBatch:
+              layout: IndexLayout | IndexBuffer | None = None) -> ForwardBatch:
         """Build a batch from host lengths, a page table and the new tokens' slots.
 
         Parameters
@@ -209,7 +214,10 @@ class ForwardBatch(IndexFields):
             Pack the index tensors in this layout (a session's
             :attr:`~attnreg.runtime.GraphSession.index_layout`): one padded buffer,
             so each replay copies the batch's metadata with one device copy.
-            The page table is then ``layout.max_pages`` wide.
+            The page table is then ``layout.max_pages`` wide.  A session's
+            :attr:`~attnreg.runtime.GraphSession.index_buffer`: packed into the
+            graph's own buffer, so the replay copies nothing; one batch at a
+            time (packing the next overwrites this one, which is then refused).
         """
         mode = cast(ForwardMode, ForwardMode.parse(forward_mode))
         prefix = tuple(int(p) for p in prefix_lens)
@@ -305,7 +313,7 @@ def _pages_for(pool: MLAKVPool, seq_lens: Sequence[int],
 def decode_batch(pool: MLAKVPool, seq_lens: Sequence[int], *,
                  pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
                  page_table_width: int | None = None,
-                 layout: IndexLayout | None = None) -> ForwardBatch:
+                 layout: IndexLayout | IndexBuffer | None = None) -> ForwardBatch:
     """A decode batch: one new token per sequence, at position ``seq_len - 1``.
 
     Parameters
@@ -322,7 +330,8 @@ def decode_batch(pool: MLAKVPool, seq_lens: Sequence[int], *,
         Columns of the page table (default: the longest sequence's pages).
     layout
         Build the index tensors packed in a session's
-        :attr:`~attnreg.runtime.GraphSession.index_layout` (one-copy replay metadata).
+        :attr:`~attnreg.runtime.GraphSession.index_layout` (one-copy replay metadata)
+        or into its :attr:`~attnreg.runtime.GraphSession.index_buffer` (no copy).
     """
     if any(n < 1 for n in seq_lens):
         raise ValueError(f"decode seq_lens include the new token, so each is >= 1; got "
@@ -338,7 +347,7 @@ def extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int], extend_lens: Seque
                  *, pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
                  page_table_width: int | None = None,
                  forward_mode: ForwardMode | str = ForwardMode.EXTEND,
-                 layout: IndexLayout | None = None) -> ForwardBatch:
+                 layout: IndexLayout | IndexBuffer | None = None) -> ForwardBatch:
     """An extend (prefill) batch: ``extend_lens[b]`` new tokens after ``prefix_lens[b]``.
 
     The prefix tokens must already be in the pool at the positions the page
@@ -358,7 +367,7 @@ def extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int], extend_lens: Seque
 def verify_batch(pool: MLAKVPool, prefix_lens: Sequence[int], num_draft: int, *,
                  pages: Sequence[Sequence[int]] | None = None, shuffle: bool | int = False,
                  page_table_width: int | None = None,
-                 layout: IndexLayout | None = None) -> ForwardBatch:
+                 layout: IndexLayout | IndexBuffer | None = None) -> ForwardBatch:
     """A TARGET_VERIFY batch: ``num_draft`` draft tokens after each sequence's prefix.
 
     The draft tokens are causal among themselves and attend the whole prefix
@@ -377,7 +386,7 @@ def draft_extend_batch(pool: MLAKVPool, prefix_lens: Sequence[int],
                        pages: Sequence[Sequence[int]] | None = None,
                        shuffle: bool | int = False,
                        page_table_width: int | None = None,
-                       layout: IndexLayout | None = None) -> ForwardBatch:
+                       layout: IndexLayout | IndexBuffer | None = None) -> ForwardBatch:
     """A DRAFT_EXTEND batch: each sequence's accepted tokens (>= 1, ragged) after its prefix.
 
     See :func:`extend_batch`.

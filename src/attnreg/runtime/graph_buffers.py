@@ -28,6 +28,7 @@ from ._optional import triton_kernel_module
 from .batch import ForwardBatch
 from .config import MLAConfig
 from .dtypes import device_num_sms
+from .index_buffer import IndexBuffer
 from .indices import BatchIndices, IndexLayout
 from .metadata import DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import PADDING_PAGE
@@ -73,13 +74,16 @@ class GraphState(Generic[BuffersT]):
     flat: torch.Tensor | None = None
     #: replays filled by one copy / by the padded per-tensor copy (what the session benchmark
     #: and tests read to see which path ran)
-    fills: dict[str, int] = field(default_factory=lambda: {"packed": 0, "padded": 0})
+    fills: dict[str, int] = field(default_factory=lambda: {"packed": 0, "padded": 0,
+                                                           "in_place": 0})
     #: allocated for sparse (DSA) captures: the lifecycle's capture checks read the
     #: declaration's ``sparse_graph_modes`` (``Capabilities.sparse_view()``)
     sparse: bool = False
     #: the int32 padding-row flags :attr:`pad_mask` is the low bytes of (a view of
     #: :attr:`flat`), what :meth:`fill_padded_rows`'s one-launch CUDA form reads
     pad_rows: torch.Tensor | None = None
+    #: :attr:`flat` as the place an engine packs a batch into (no copy at replay)
+    index_buffer: IndexBuffer | None = None
 
     @classmethod
     def allocate(cls, *, max_bs: int, max_num_tokens: int, max_seq_len: int, page_size: int,
@@ -95,7 +99,7 @@ class GraphState(Generic[BuffersT]):
             indices=indices,
             row_index=torch.arange(max_num_tokens, dtype=torch.int32, device=device),
             pad_mask=layout.padding_mask(flat), layout=layout, flat=flat, sparse=sparse,
-            pad_rows=layout.padding_rows(flat))
+            pad_rows=layout.padding_rows(flat), index_buffer=IndexBuffer(layout, flat))
 
     def capture_mode(self, phase: Phase) -> GraphMode:
         """The mode ``phase`` is captured in: the ``capturing()`` mode, else the one this
@@ -205,8 +209,8 @@ class GraphState(Generic[BuffersT]):
         copies it with :meth:`fill`.  Everything this skips was checked by ``IndexLayout.pack``
         (int32 views of one buffer, the shapes, seq = prefix + extend, the page table)."""
         packed = batch.packed
-        if packed is None or batch.forward_mode is not md.forward_mode:
-            return False
+        if packed is None or batch.forward_mode is not md.forward_mode or packed.overwritten:
+            return False  # an overwritten batch: the caller's per-tensor check refuses it
         flat = self.flat
         src = packed.flat
         if (flat is None or not (packed.layout is self.layout or packed.layout == self.layout)
@@ -222,8 +226,12 @@ class GraphState(Generic[BuffersT]):
             if ((fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
                     or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
                 return False
-        flat.copy_(src)  # the padding rows (pad_mask) included: one device op
-        self.fills["packed"] += 1
+        if src is flat:  # packed into this very buffer (IndexBuffer.pack): nothing to copy
+            self.fills["in_place"] += 1
+        else:
+            flat.copy_(src)  # the padding rows (pad_mask) included: one device op
+            self._overwritten()
+            self.fills["packed"] += 1
         md.batch = batch
         return True
 
@@ -238,11 +246,19 @@ class GraphState(Generic[BuffersT]):
         no host work per tensor.  Check :meth:`fit_problems` first.
         """
         packed = batch.packed
+        if packed is not None and packed.overwritten:
+            raise ValueError("the batch was packed into a graph's index buffer and another "
+                             "batch has been packed over it: build it again")
         if (packed is not None and self.flat is not None and packed.layout == self.layout
                 and packed.serves(batch)):
-            self.flat.copy_(packed.flat)  # the padding rows included
-            self.fills["packed"] += 1
+            if packed.flat is self.flat:
+                self.fills["in_place"] += 1
+            else:
+                self.flat.copy_(packed.flat)  # the padding rows included
+                self._overwritten()
+                self.fills["packed"] += 1
         else:
+            self._overwritten()
             self.indices.copy_padded_(batch.indices, bs=md.batch_size,
                                       num_tokens=md.num_tokens,
                                       num_kv_tokens=batch.num_kv_tokens, pad_page=PADDING_PAGE,
@@ -250,6 +266,10 @@ class GraphState(Generic[BuffersT]):
             self.mark_padding(md)
             self.fills["padded"] += 1
         md.batch = batch
+
+    def _overwritten(self) -> None:
+        if self.index_buffer is not None:
+            self.index_buffer.overwritten()
 
     def mark_padding(self, md: ForwardMetadata[Any]) -> None:
         """Set :attr:`pad_mask` for the shape of ``md`` from the buffers just filled by the

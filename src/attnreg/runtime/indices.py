@@ -25,9 +25,12 @@ import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from .index_buffer import IndexBuffer
 
 __all__ = ["INDEX_FIELDS", "BatchIndices", "IndexFields", "IndexLayout", "PackedIndices",
            "accepts_index_keywords"]
@@ -221,14 +224,16 @@ class IndexLayout:
 
     def pack(self, seq_lens: Sequence[int], prefix_lens: Sequence[int],
              extend_lens: Sequence[int], page_table: torch.Tensor,
-             out_cache_loc: Sequence[int] | torch.Tensor, device: torch.device
-             ) -> PackedIndices:
+             out_cache_loc: Sequence[int] | torch.Tensor, device: torch.device,
+             into: IndexBuffer | None = None) -> PackedIndices:
         """The batch's index tensors in this layout, padded, on ``device``.
 
         The host values (lengths, indptrs, slots given as ints) go in one
         host-to-device copy; the page table (and slots given as a tensor) in
         one device copy each.  Page-table columns beyond ``max_pages`` must be
         unused (they are dropped).  ``ValueError`` when the batch does not fit.
+        ``into``: write a graph state's own buffer instead of a new one (use
+        ``IndexBuffer.pack``, which keeps track of the batch it holds).
         """
         b, t = len(seq_lens), sum(extend_lens)
         problems = self.fit_problems(seq_lens, t)
@@ -254,7 +259,16 @@ class IndexLayout:
         head.extend(itertools.repeat(self.pad_slot, n - t))
         head.extend(itertools.repeat(0, t))  # the padding rows: the real ones 0, the rest 1
         head.extend(itertools.repeat(1, n - t))
-        flat = torch.empty(self.size, dtype=torch.int32, device=device)
+        if into is None:
+            flat = torch.empty(self.size, dtype=torch.int32, device=device)
+        else:
+            flat = into.flat
+            # a source that is a view of the buffer (a batch packed there before) would be
+            # overwritten by the fill below before it is read: copy it out first
+            if _shares_storage(page_table, flat):
+                page_table = page_table.clone()
+            if isinstance(out_cache_loc, torch.Tensor) and _shares_storage(out_cache_loc, flat):
+                out_cache_loc = out_cache_loc.clone()
         flat[:self.head_size].copy_(torch.frombuffer(head, dtype=torch.int32))
         full = self.views(flat)
         if loc_tensor is not None and t:
@@ -267,7 +281,7 @@ class IndexLayout:
         seq_t, ext_t = tuple(seq_lens), tuple(extend_lens)
         return PackedIndices(self, flat, full.view(b, t), (seq_t, tuple(prefix_lens), ext_t),
                              (t, max(seq_t, default=0), min(ext_t, default=0),
-                              max(ext_t, default=0)))
+                              max(ext_t, default=0)), into)
 
 
 @dataclass(frozen=True)
@@ -289,6 +303,14 @@ class PackedIndices:
     #: what a replay decision reads of those lengths, computed once when packed:
     #: (new tokens, longest sequence, fewest and most new tokens of a request)
     summary: tuple[int, int, int, int] = (0, 0, 0, 0)
+    #: the graph state's buffer this batch was packed into (``IndexBuffer.pack``), else None
+    buffer: IndexBuffer | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def overwritten(self) -> bool:
+        """Packed into a graph state's :class:`IndexBuffer` that has been written since: the
+        index tensors (views of it) no longer hold this batch, which must not run."""
+        return self.buffer is not None and self.buffer.current is not self
 
     def serves(self, batch: Any) -> bool:
         """Whether ``batch`` (a ForwardBatch) still holds what was packed: these very index
@@ -299,6 +321,10 @@ class PackedIndices:
         return (batch.indices is self.indices and len(lens) == 3
                 and batch.seq_lens_cpu is lens[0] and batch.prefix_lens_cpu is lens[1]
                 and batch.extend_lens_cpu is lens[2])
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class IndexFields:

@@ -28,7 +28,8 @@ no-op and lets the backend refuse what it cannot capture).
 
 Every replay prepares its metadata in one method (``_replay_metadata``).  A
 batch built in the session's :attr:`GraphSession.index_layout` is copied into
-the graph buffers with one device copy (no host work per index tensor); a
+the graph buffers with one device copy (no host work per index tensor); one
+built into :attr:`GraphSession.index_buffer` is already there (no copy); a
 backend whose replay needs host planning (flashinfer's ``plan``) adds it in
 its ``_init_replay_impl``.
 """
@@ -50,6 +51,7 @@ from .backend import AttentionBackend
 from .batch import SPECULATIVE_MODES, ForwardBatch
 from .dtypes import torch_dtype
 from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
+from .index_buffer import IndexBuffer
 from .indices import IndexLayout, PackedIndices
 from .pool import MLAKVPool
 from .session_types import (
@@ -277,6 +279,23 @@ class GraphSession:
         self.init_graph_state()
         state = self.backend.graph_state
         return None if self.mode is GraphMode.TC_PIECEWISE or state is None else state.layout
+
+    @property
+    def index_buffer(self) -> IndexBuffer | None:
+        """The graph buffers' own index buffer: build each step's batch into it
+        (``decode_batch(pool, lens, layout=session.index_buffer)``) and a replay copies
+        nothing, the batch's index tensors being the ones the graph reads.
+
+        One batch at a time: packing the next (or replaying a batch built
+        elsewhere, which copies it in) overwrites the one held, which is then
+        refused if run (``PackedIndices.overwritten``).  An engine that builds
+        the next batch before launching the current one uses :attr:`index_layout`.
+        None under TC_PIECEWISE, as :attr:`index_layout`.
+        """
+        self.init_graph_state()
+        state = self.backend.graph_state
+        return (None if self.mode is GraphMode.TC_PIECEWISE or state is None
+                else state.index_buffer)
 
     def graph(self, key: BucketKey) -> CapturedGraph:
         """The captured graph of ``key``."""

@@ -39,6 +39,11 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     """What is wrong with ``batch`` for a backend on ``device`` with pages of ``page_size``."""
     problems = []
     packed = batch.packed
+    if packed is not None and packed.overwritten:
+        return ["the batch was packed into a graph's index buffer (GraphSession.index_buffer) "
+                "and another batch has been packed or copied over it since, so its index "
+                "tensors describe that one: pack one batch at a time into the buffer, run it, "
+                "then pack the next (or pack into GraphSession.index_layout)"]
     if packed is not None and packed.serves(batch):
         # Built by ForwardBatch.build into an IndexLayout and unchanged since: int32 views of
         # one buffer, of these shapes, seq = prefix + extend, the table wide enough for the
