@@ -213,8 +213,10 @@ class GraphState(Generic[BuffersT]):
             return False  # an overwritten batch: the caller's per-tensor check refuses it
         flat = self.flat
         src = packed.flat
-        if (flat is None or not (packed.layout is self.layout or packed.layout == self.layout)
-                or not packed.serves(batch) or src.get_device() != flat.get_device()):
+        in_place = src is flat  # IndexBuffer.pack: this layout, this device
+        if flat is None or not packed.serves(batch) or not in_place and (
+                not (packed.layout is self.layout or packed.layout == self.layout)
+                or src.get_device() != flat.get_device()):
             return False
         tokens, longest, fewest, most = packed.summary
         fm = md.forward_mode
@@ -226,7 +228,7 @@ class GraphState(Generic[BuffersT]):
             if ((fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
                     or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
                 return False
-        if src is flat:  # packed into this very buffer (IndexBuffer.pack): nothing to copy
+        if in_place:  # the batch's tensors are the graph's: nothing to copy
             self.fills["in_place"] += 1
         else:
             flat.copy_(src)  # the padding rows (pad_mask) included: one device op

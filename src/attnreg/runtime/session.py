@@ -519,10 +519,14 @@ class GraphSession:
         ``facts``: the engine's own :class:`ReplayBatch` (with LoRA, embeddings,
         logprobs...); default :func:`replay_batch` of ``batch``.
         """
-        if facts is None and self.gate is None:
-            packed = batch.packed
-            if packed is not None and packed.serves(batch):
-                return self._packed_decision(batch, packed)
+        packed = batch.packed
+        return self._decide(batch, facts, packed is not None and packed.serves(batch))
+
+    def _decide(self, batch: ForwardBatch, facts: ReplayBatch | None, served: bool
+                ) -> tuple[bool, int | None, ReplayReason]:
+        """:meth:`decide`, told whether ``batch.packed`` serves the batch (asked once a step)."""
+        if served and facts is None and self.gate is None:
+            return self._packed_decision(batch, batch.packed)  # type: ignore[arg-type]
         rb = facts if facts is not None else replay_batch(batch)
         if self.gate is not None:
             ok, reason = self.gate.can_replay(rb)
@@ -620,7 +624,9 @@ class GraphSession:
             When the group agreed to replay a batch this rank's gate refuses, or
             at a bucket this session did not capture (the ranks' plans differ).
         """
-        ok, bucket, reason = self.decide(batch, facts)
+        packed = batch.packed
+        served = packed is not None and packed.serves(batch)  # asked once for the step
+        ok, bucket, reason = self._decide(batch, facts, served)
         rule = reason.rule
         if agreed is not None:
             if agreed.replay and not ok:
@@ -638,7 +644,9 @@ class GraphSession:
                 ok, rule = False, SYNC_EAGER
         if ok:
             assert bucket is not None
-            outputs = self.replay(batch, inputs, bucket=bucket)
+            # a served packed batch's token count was summed when it was packed
+            rows = packed.summary[0] if served else batch.num_tokens  # type: ignore[union-attr]
+            outputs = self._replay_at((batch.forward_mode, bucket), batch, inputs, rows)
         else:
             outputs = self.eager(batch, inputs)
         self.counts.record(ok, rule)
@@ -662,13 +670,17 @@ class GraphSession:
                 raise SessionError(f"no captured {fm} bucket holds {size} "
                                    f"({'tokens' if fm is ForwardMode.EXTEND else 'requests'}); "
                                    f"captured {list(self.buckets)}")
-        key = (fm, bucket)
-        graph = self.graph(key)
         packed = batch.packed
         # a served packed batch's token count was summed when it was packed (host time of a
         # step, issue 26); else the batch's own
         rows = (packed.summary[0] if packed is not None and packed.serves(batch)
                 else batch.num_tokens)
+        return self._replay_at((fm, bucket), batch, inputs, rows)
+
+    def _replay_at(self, key: BucketKey, batch: ForwardBatch, inputs: StepInputs | None,
+                   rows: int) -> list[torch.Tensor]:
+        """:meth:`replay` at ``key`` for a batch of ``rows`` query rows."""
+        graph = self.graph(key)
         if inputs is not None:
             self.load(key, inputs)
         self._replay_metadata(key, batch)
