@@ -73,6 +73,42 @@ def test_plan_inputs_match_the_per_row_definition(monkeypatch, page_size: int) -
     assert padded.kv_indices.tolist() == _per_row(table, pages).tolist() + [0] * filler_pages
 
 
+def _pages_of(inputs, page_size: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Each request's pages as flashinfer's MLA kernels read them: from kv_indptr[i], as many
+    as kv_len[i] tokens fill (scheduler.cuh MLAPlan, mla_hopper.cuh)."""
+    idx = inputs.kv_indices.tolist()
+    return [idx[start:start + -(-n // page_size)]
+            for start, n in zip(inputs.kv_indptr.tolist(), inputs.kv_lens.tolist())]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("seq", "ext", "bs", "nt"), [
+    ([40, 1, 17], [1, 1, 1], 4, 4),       # decode, one padded sequence
+    ([40, 9, 17, 30], [1, 1, 1, 1], 4, 4),  # decode, the bucket full
+    ([40, 9], [3, 3], 4, 12),             # verify: the filler in the padding rows
+    ([20, 9, 17, 30], [2, 1, 3, 1], 4, 12),  # draft extend, full: the compacted form
+    ([], [], 2, 2),                       # nothing real
+])
+def test_graph_plan_inputs_read_the_table_in_place_and_name_the_same_pages(
+        monkeypatch, page_size: int, seq: list[int], ext: list[int], bs: int, nt: int) -> None:
+    kernels = _kernels(monkeypatch, page_size=page_size)
+    width = -(-64 // page_size)
+    gen = torch.Generator().manual_seed(bs + nt + len(seq))
+    table = torch.zeros(6, width, dtype=torch.int32)  # a graph buffer: max_bs 6, padding 0
+    table[:len(seq)] = torch.randint(1, 500, (len(seq), width), generator=gen,
+                                     dtype=torch.int32)
+    view = table[:bs]  # md.page_table: the captured shape's rows
+    got = kernels.graph_plan_inputs(seq, ext, view, bs, nt)
+    want = kernels.plan_inputs(seq, ext, view, pad_to=(bs, nt))
+    assert got.qo_indptr.tolist() == want.qo_indptr.tolist()
+    assert got.kv_lens.tolist() == want.kv_lens.tolist()
+    assert len(got.kv_indptr) == len(want.kv_indptr) == bs + 2
+    assert _pages_of(got, page_size) == _pages_of(want, page_size)
+    in_place = len(seq) < bs or sum(ext) == nt
+    assert (got.kv_indices.data_ptr() == table.data_ptr()) is in_place, \
+        "the table is read where it is, unless the filler has no padding row to use"
+
+
 def test_kernel_errors_convert_library_value_errors_only() -> None:
     with pytest.raises(UnsupportedError, match="bad shape") as info:
         with KernelErrors("demo", "decode inputs", "fix the inputs"):

@@ -129,7 +129,10 @@ class _FakeMLAWrapperBase:
             rows = slice(int(qo[i]), int(qo[i + 1]))
             if rows.stop == rows.start:
                 continue
-            pages = indices[int(kv[i]):int(kv[i + 1])]
+            # as flashinfer's MLA kernels read them: kv_indptr[i] is where request i's
+            # pages start, kv_len how many tokens it has (kv_indptr[i + 1] is not read)
+            ps = cache.shape[1]
+            pages = indices[int(kv[i]):int(kv[i]) + -(-int(lens[i]) // ps)]
             keys = _paged_rows(cache, pages, int(lens[i]))
             o, row_lse = _attend_lse(q[rows].float(), keys, keys[:, :latent], self._scale,
                                      self._causal)

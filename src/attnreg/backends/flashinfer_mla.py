@@ -313,6 +313,45 @@ class FlashInferMLAKernels:
                              kv_indices=indices[0] if len(indices) == 1 else torch.cat(indices),
                              kv_lens=_host_int32(seq))
 
+    def graph_plan_inputs(self, seq_lens: Sequence[int], extend_lens: Sequence[int],
+                          table: torch.Tensor, bs: int, num_tokens: int) -> MLAPlanInputs:
+        """:meth:`plan_inputs` of a captured shape ``(bs, num_tokens)``, read in place from
+        the graph buffers' page table ``table`` (``md.page_table``, already filled with the
+        batch and padded with the padding page), with no device op.
+
+        flashinfer's MLA plan and kernels read ``kv_indptr[i]`` only as where request
+        ``i``'s pages start in ``kv_indices`` (its length comes from ``kv_len_arr``;
+        ``scheduler.cuh`` ``MLAPlan``, ``mla_hopper.cuh`` / ``mla.cuh``), so the table's
+        rows serve as they are: ``kv_indptr[i] = i * width``, ``kv_indices`` the table
+        itself, and the filler request's pages the padding rows after the batch's.  The
+        compacted form (:meth:`plan_inputs`) built the same pages by six device ops on
+        the host path of every replay.  Falls back to it when the padding rows cannot
+        hold the filler's pages (a draft-extend batch of ``bs`` sequences with fewer
+        tokens than captured) or the table is not one block of rows.
+        """
+        ps = self.config.page_size
+        b, width = len(seq_lens), table.shape[1]
+        filler = num_tokens - sum(extend_lens)
+        filler_pages = -(-filler // ps)
+        if (b > bs or filler < 0 or filler_pages > (bs - b) * width or table.shape[0] < bs
+                or not table.is_contiguous() or max(seq_lens, default=0) > width * ps):
+            return self.plan_inputs(seq_lens, extend_lens, table, pad_to=(bs, num_tokens))
+        pad = bs - b
+        base = b * width
+        starts = array.array("i", range(0, base, width))
+        starts.extend(itertools.repeat(base, pad + 1))
+        starts.append(base + filler_pages)
+        ext = array.array("i", extend_lens)
+        ext.extend(itertools.repeat(0, pad))
+        ext.append(filler)
+        lens = array.array("i", seq_lens)
+        lens.extend(itertools.repeat(0, pad))
+        lens.append(filler)
+        return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=torch.frombuffer(starts,
+                                                                                 dtype=torch.int32),
+                             kv_indices=table[:bs].view(-1), kv_lens=torch.frombuffer(
+                                 lens, dtype=torch.int32))
+
     def _page_indices(self, page_table: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
         """The first ``pages[b]`` entries of each page-table row, concatenated (on device).
 
@@ -463,8 +502,9 @@ class FlashInferMLAKernels:
 
     def _plan_graph(self, planned: PlannedMLA, md: ForwardMetadata[Any],
                     batch: ForwardBatch) -> None:
-        inputs = self.plan_inputs(batch.seq_lens_cpu, batch.extend_lens_cpu, batch.page_table,
-                                  pad_to=(md.batch_size, md.num_tokens))
+        # the graph buffers hold the batch (filled before this plan): read their table
+        inputs = self.graph_plan_inputs(batch.seq_lens_cpu, batch.extend_lens_cpu,
+                                        md.page_table, md.batch_size, md.num_tokens)
         self._plan(planned.wrapper, inputs, causal=planned.causal, q_dtype=planned.q_dtype,
                    kv_dtype=planned.kv_dtype)
 
