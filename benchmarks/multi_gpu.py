@@ -525,7 +525,10 @@ def run_conformance(args: argparse.Namespace, out_dir: Path, heads: int,
         with open(text, "wb") as fh:
             procs.append(subprocess.Popen(cmd, env=child_env(extra), stdout=fh,
                                           stderr=subprocess.STDOUT, cwd=out_dir))
-        rows.append({"rank": r, "heads": heads, "device": device, "command": " ".join(cmd),
+        # recorded as anyone would type it: no interpreter path or output folder of this machine
+        shown = ["python3", *cmd[1:]]
+        shown[shown.index("-o") + 1] = report.name
+        rows.append({"rank": r, "heads": heads, "device": device, "command": " ".join(shown),
                      "report": report.name, "output": text.name,
                      "cuda_visible_devices": extra.get("CUDA_VISIBLE_DEVICES")})
     codes = _wait_all_independent(procs, args.conformance_timeout)
