@@ -241,6 +241,8 @@ def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
         with capturing(GraphMode.FULL):
             model_step(bs * per_req, fb)
         captured[bs] = fb
+    fills = bridge.attnreg.graph_state.fills
+    before = dict(fills)
     # a real batch of 3 sequences replays through the bs=4 graph (one padding sequence)
     prefix = [5, 18, 40]
     rows = [server.new_request(p) for p in prefix]
@@ -266,6 +268,9 @@ def test_capture_then_replay_a_smaller_batch(mode: str, per_req: int) -> None:
     with capturing(GraphMode.FULL):
         model_step(max_bs * per_req, captured[max_bs])
     assert not any(o.any() for o in out)
+    # each replay's batch was packed into the graph's own index buffer: nothing copied
+    assert fills["in_place"] - before["in_place"] == 2
+    assert (fills["padded"], fills["packed"]) == (before["padded"], before["packed"])
 
 
 @pytest.mark.gpu

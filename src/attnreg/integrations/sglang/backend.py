@@ -247,9 +247,13 @@ class AttnregAttentionBackend(AttentionBackend):
             real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
             if _mode_name(getattr(forward_batch, "actual_forward_mode", None)) == "IDLE":
                 real = 0
+            # packed into the graph's own index buffer: sglang prepares one replay at a time,
+            # right before it (replay_prepare, then replay), so nothing is copied at replay
+            state = self.attnreg.graph_state
             batch = to_attnreg_batch(forward_batch, self.req_to_token, self.page_size,
                                      batch_size=real, forward_mode=mode,
-                                     backend=self.sglang_name)
+                                     backend=self.sglang_name,
+                                     layout=None if state is None else state.index_buffer)
             self.attnreg.init_forward_metadata_replay(bs, tokens, batch)
         self._batch = None  # forwards read the graph metadata just bound
 

@@ -29,12 +29,15 @@ sglang's draft-attention choices), ``DLLM_EXTEND``, ``SPLIT_PREFILL``,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attnreg.registry import ForwardMode, UnsupportedError
 from attnreg.runtime import ForwardBatch
+
+if TYPE_CHECKING:
+    from attnreg.runtime import IndexBuffer, IndexLayout
 
 __all__ = ["MAPPED_MODES", "UNMAPPED_MODES", "attnreg_mode", "is_idle", "to_attnreg_batch"]
 
@@ -136,7 +139,8 @@ def _lengths(forward_batch: Any, mode: ForwardMode, bs: int, backend: str
 
 def to_attnreg_batch(forward_batch: Any, req_to_token: torch.Tensor, page_size: int, *,
                      batch_size: int | None = None, forward_mode: ForwardMode | None = None,
-                     backend: str = "sglang bridge") -> ForwardBatch:
+                     backend: str = "sglang bridge",
+                     layout: IndexLayout | IndexBuffer | None = None) -> ForwardBatch:
     """attnreg's batch for (the first ``batch_size`` sequences of) an sglang batch.
 
     Parameters
@@ -153,6 +157,10 @@ def to_attnreg_batch(forward_batch: Any, req_to_token: torch.Tensor, page_size: 
         Default: ``forward_batch.batch_size``.
     forward_mode
         Default: mapped from ``forward_batch.forward_mode``.
+    layout
+        Pack the index tensors as ``ForwardBatch.build(..., layout=)`` does (a replay:
+        the graph state's ``IndexBuffer``, so the replay copies nothing).  A batch the
+        layout cannot hold is built without it (the backend's own checks then say why).
     """
     mode = forward_mode or attnreg_mode(forward_batch.forward_mode, backend)
     bs = int(forward_batch.batch_size if batch_size is None else batch_size)
@@ -178,4 +186,9 @@ def to_attnreg_batch(forward_batch: Any, req_to_token: torch.Tensor, page_size: 
     table = table.to(torch.int32)
     loc = forward_batch.out_cache_loc[: sum(extend)].to(device=table.device,
                                                          dtype=torch.int32)
+    if layout is not None:
+        try:
+            return ForwardBatch.build(mode, prefix, extend, table, loc, layout=layout)
+        except ValueError:
+            pass  # does not fit the layout: the per-tensor path refuses it with its reasons
     return ForwardBatch.build(mode, prefix, extend, table, loc)
