@@ -46,6 +46,7 @@ it declares, and a dense kernel never on ``fp8_ds_mla`` rows.
 
 from __future__ import annotations
 
+import array
 import math
 import random
 from collections import deque
@@ -701,12 +702,17 @@ class MLAKVPool(_PagedGeometry):
         """
         width = max((len(p) for p in pages_per_seq), default=0) if width is None else width
         width = max(width, 1)
-        rows = []
+        # filled in C through an array (torch.tensor of nested lists converts element by
+        # element: 180 us of a 64-sequence decode batch's build)
+        flat = array.array("i")
         for pages in pages_per_seq:
             if len(pages) > width:
                 raise ValueError(f"a sequence owns {len(pages)} pages, wider than {width}")
-            rows.append(list(pages) + [PADDING_PAGE] * (width - len(pages)))
-        table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+            flat.extend(pages)
+            flat.extend(repeat(PADDING_PAGE, width - len(pages)))
+        if not flat:
+            return torch.empty((0, width), dtype=torch.int32, device=self.device)
+        table = torch.frombuffer(flat, dtype=torch.int32).view(len(pages_per_seq), width)
         return table.to(self.device)
 
     # -- writes and reads (one layer; layer 0 by default) ------------------------------
