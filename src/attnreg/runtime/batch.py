@@ -33,6 +33,7 @@ import torch
 from attnreg.registry import SPECULATIVE_MODES, ForwardMode  # SPECULATIVE_MODES: re-exported
 
 from .dtypes import resolve_device
+from .index_buffer import OVERWRITTEN
 from .indices import BatchIndices, IndexFields, IndexLayout, PackedIndices, accepts_index_keywords
 
 if TYPE_CHECKING:
@@ -132,9 +133,7 @@ class ForwardBatch(IndexFields):
         """This batch with its index tensors packed in ``layout`` (as ``build(...,
         layout=)`` makes it): the same lengths, pages and slots, one padded buffer."""
         if self.packed is not None and self.packed.overwritten:
-            raise ValueError("this batch was packed into a graph's index buffer and another "
-                             "batch has been packed over it: its index tensors are gone; "
-                             "build it again")
+            raise ValueError(OVERWRITTEN)
         return ForwardBatch.build(self.forward_mode, self.prefix_lens_cpu, self.extend_lens_cpu,
                                   self.page_table, self.out_cache_loc, layout=layout)
 

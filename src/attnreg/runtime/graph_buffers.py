@@ -28,7 +28,7 @@ from ._optional import triton_kernel_module
 from .batch import ForwardBatch
 from .config import MLAConfig
 from .dtypes import device_num_sms
-from .index_buffer import IndexBuffer
+from .index_buffer import OVERWRITTEN, IndexBuffer
 from .indices import BatchIndices, IndexLayout
 from .metadata import DEFAULT_CAPTURE_MODE, ForwardMetadata
 from .pool import PADDING_PAGE
@@ -228,12 +228,7 @@ class GraphState(Generic[BuffersT]):
             if ((fm is ForwardMode.TARGET_VERIFY and tokens and (fewest, most) != (q, q))
                     or (fm is ForwardMode.DRAFT_EXTEND and most > q)):
                 return False
-        if in_place:  # the batch's tensors are the graph's: nothing to copy
-            self.fills["in_place"] += 1
-        else:
-            flat.copy_(src)  # the padding rows (pad_mask) included: one device op
-            self._overwritten()
-            self.fills["packed"] += 1
+        self._take_packed(src)
         md.batch = batch
         return True
 
@@ -249,16 +244,10 @@ class GraphState(Generic[BuffersT]):
         """
         packed = batch.packed
         if packed is not None and packed.overwritten:
-            raise ValueError("the batch was packed into a graph's index buffer and another "
-                             "batch has been packed over it: build it again")
+            raise ValueError(OVERWRITTEN)
         if (packed is not None and self.flat is not None and packed.layout == self.layout
                 and packed.serves(batch)):
-            if packed.flat is self.flat:
-                self.fills["in_place"] += 1
-            else:
-                self.flat.copy_(packed.flat)  # the padding rows included
-                self._overwritten()
-                self.fills["packed"] += 1
+            self._take_packed(packed.flat)
         else:
             self._overwritten()
             self.indices.copy_padded_(batch.indices, bs=md.batch_size,
@@ -268,6 +257,18 @@ class GraphState(Generic[BuffersT]):
             self.mark_padding(md)
             self.fills["padded"] += 1
         md.batch = batch
+
+    def _take_packed(self, src: torch.Tensor) -> None:
+        """Bring a packed flat buffer of this layout into :attr:`flat`: nothing when it is
+        :attr:`flat` itself (``IndexBuffer.pack``), else one device copy (the padding rows
+        included), which overwrites the batch the index buffer held."""
+        assert self.flat is not None
+        if src is self.flat:
+            self.fills["in_place"] += 1
+            return
+        self.flat.copy_(src)
+        self._overwritten()
+        self.fills["packed"] += 1
 
     def _overwritten(self) -> None:
         if self.index_buffer is not None:

@@ -31,7 +31,15 @@ import torch
 if TYPE_CHECKING:
     from .indices import IndexLayout, PackedIndices
 
-__all__ = ["IndexBuffer"]
+__all__ = ["OVERWRITTEN", "IndexBuffer"]
+
+#: Why a batch whose buffer was written since it was packed must not run (the one text the
+#: batch check, ``GraphState.fill`` and ``ForwardBatch.in_layout`` give).
+OVERWRITTEN = ("the batch was packed into a graph's index buffer (GraphSession.index_buffer) "
+               "and another batch has been packed or copied over it since, so its index "
+               "tensors describe that one: build it again, and pack one batch at a time "
+               "into the buffer, running each before packing the next (or pack into "
+               "GraphSession.index_layout)")
 
 
 class IndexBuffer:
@@ -66,6 +74,10 @@ class IndexBuffer:
                                   out_cache_loc, device, into=self)
         self.current = packed
         return packed
+
+    def fit_problems(self, seq_lens: Sequence[int], num_tokens: int) -> list[str]:
+        """Why a batch of these lengths cannot be packed here (:meth:`IndexLayout.fit_problems`)."""
+        return self.layout.fit_problems(seq_lens, num_tokens)
 
     def holds(self, packed: PackedIndices) -> bool:
         """Whether ``packed`` was packed here and nothing has written the buffer since."""

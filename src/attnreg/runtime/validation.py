@@ -20,6 +20,7 @@ from attnreg.registry import Capabilities, ForwardMethod
 
 from .batch import ForwardBatch
 from .config import MLAConfig
+from .index_buffer import OVERWRITTEN
 from .indices import INDEX_FIELDS
 from .pool import MLAKVLayer, MLAKVPool
 
@@ -40,10 +41,7 @@ def batch_problems(batch: ForwardBatch, device: torch.device, page_size: int) ->
     problems = []
     packed = batch.packed
     if packed is not None and packed.overwritten:
-        return ["the batch was packed into a graph's index buffer (GraphSession.index_buffer) "
-                "and another batch has been packed or copied over it since, so its index "
-                "tensors describe that one: pack one batch at a time into the buffer, run it, "
-                "then pack the next (or pack into GraphSession.index_layout)"]
+        return [OVERWRITTEN]
     if packed is not None and packed.serves(batch):
         # Built by ForwardBatch.build into an IndexLayout and unchanged since: int32 views of
         # one buffer, of these shapes, seq = prefix + extend, the table wide enough for the

@@ -186,9 +186,6 @@ def to_attnreg_batch(forward_batch: Any, req_to_token: torch.Tensor, page_size: 
     table = table.to(torch.int32)
     loc = forward_batch.out_cache_loc[: sum(extend)].to(device=table.device,
                                                          dtype=torch.int32)
-    if layout is not None:
-        try:
-            return ForwardBatch.build(mode, prefix, extend, table, loc, layout=layout)
-        except ValueError:
-            pass  # does not fit the layout: the per-tensor path refuses it with its reasons
-    return ForwardBatch.build(mode, prefix, extend, table, loc)
+    if layout is not None and layout.fit_problems(seq_lens, sum(extend)):
+        layout = None  # the per-tensor path: the backend's checks refuse it with its reasons
+    return ForwardBatch.build(mode, prefix, extend, table, loc, layout=layout)
