@@ -153,6 +153,55 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def fp8_pow2_scale(amax):
+    """``(scale, 1 / scale)`` per row: the smallest power of two with ``amax / scale <= 448``
+    (fp8 e4m3's largest value), from the float32 bits, so both are exact; an all-zero row
+    gets the smallest normal float32."""
+    ratio = tl.maximum(amax / 448.0, 1.1754943508222875e-38)
+    bits = ratio.to(tl.int32, bitcast=True)
+    expo = bits & 0x7F800000
+    expo = tl.where((bits & 0x7FFFFF) != 0, expo + (1 << 23), expo)
+    return expo.to(tl.float32, bitcast=True), ((254 << 23) - expo).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_fp8(x, EMULATE: tl.constexpr):
+    """float32 ``x`` (within +-448) rounded to nearest-even fp8 e4m3.
+
+    EMULATE (the CPU interpreter only): the interpreter's conversion gets a rounding that
+    carries into the next power of two wrong (31.9 -> 16, not 32; triton 3.x), so the
+    value is rounded to 3 mantissa bits in float32 first (subnormals to a multiple of
+    2**-9) and the conversion of an exact value is left to it.
+    """
+    if EMULATE:
+        bits = x.to(tl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1
+        normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
+        sub = (x + 24576.0) - 24576.0  # 1.5 * 2**14: rounds to a multiple of 2**-9
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def kv_tile_fp8(KV, row, offs_lat, offs_pe, mask_n, MODE: tl.constexpr):
+    """One tile of an fp8 cache as the operands of fp8 x fp8 score dots:
+    ``(k_lat [lat, N], k_pe [64, N], v [N, lat])``, the K parts fp8 as stored; ``v`` fp16
+    (MODE 1, 2), fp8 as loaded (MODE 3), or fp8 from a second, transposed load (MODE 4).
+    Masked rows read 0."""
+    kv_row = KV + row[:, None]
+    kv = tl.load(kv_row + offs_lat[None, :], mask=mask_n[:, None], other=0.0)
+    kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
+    if MODE <= 2:
+        v = kv.to(tl.float16)
+    elif MODE == 3:
+        v = kv
+    else:
+        k_t = tl.load(KV + row[None, :] + offs_lat[:, None], mask=mask_n[None, :], other=0.0)
+        v = tl.trans(k_t)
+    return tl.trans(kv), tl.trans(kpe), v
+
+
+@triton.jit
 def tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ONE_PAGE: tl.constexpr):
     """``(base, row)``: token ``n0 + i`` of the tile starts at ``base + row[i]`` in the cache.

@@ -64,16 +64,23 @@ from ._common import (
     check_lse,
     check_tensor,
     dot_upcast,
+    fp8_pow2_scale,
+    interpreting,
     kv_dtypes_for,
     kv_tile,
+    kv_tile_fp8,
     next_pow2,
     tile_rows,
+    to_fp8,
 )
 from ._launch import BoundLaunch, direct_context
 
 D_LATENT = 512
 D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
+#: P's gain before it is rounded to fp8 for an fp8 x fp8 P @ V (P <= 1; 256 <= 448 keeps
+#: the largest in range and the small ones off e4m3's subnormals); undone on the output
+P_FP8_GAIN = tl.constexpr(256.0)
 
 #: The compiled kernel of the latest JIT launch of each kernel (diagnostics: registers,
 #: spills).
@@ -148,7 +155,7 @@ def _mla_decode_kernel(
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, FP8_TWO_LOADS: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    FP8_MMA: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     hb = tl.program_id(0)
     sid = tl.program_id(1)
@@ -175,28 +182,56 @@ def _mla_decode_kernel(
     offs_pe = D_V + tl.arange(0, D_PE)
 
     q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    # Dot operand dtype: q's, or fp16 for an fp8 cache read twice (see kv_tile).
+    # Dot operand dtype: q's, or fp16 for an fp8 cache read twice (see kv_tile); P's
+    # dtype (PDT) is the same, except fp8 when P @ V multiplies fp8 by fp8.
     if FP8_TWO_LOADS:
         DT: tl.constexpr = tl.float16
     else:
         DT: tl.constexpr = Q.dtype.element_ty
-    q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(DT)
-    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
+    if FP8_MMA >= 3:
+        PDT: tl.constexpr = tl.float8e4nv
+    elif FP8_MMA > 0:
+        PDT: tl.constexpr = tl.float16
+    else:
+        PDT: tl.constexpr = DT
+    if FP8_MMA > 0:
+        # q rounded to fp8 with one power-of-two scale per head row (exact to undo): the
+        # scores are fp8 x fp8 dots, rescaled per row with the softmax scale
+        qf_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+        qf_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0)
+        qf_lat = qf_lat.to(tl.float32)
+        qf_pe = qf_pe.to(tl.float32)
+        q_amax = tl.maximum(tl.max(tl.abs(qf_lat), 1), tl.max(tl.abs(qf_pe), 1))
+        q_scale, q_inv = fp8_pow2_scale(q_amax)
+        q_lat = to_fp8(qf_lat * q_inv[:, None], UPCAST)  # UPCAST here: the interpreter
+        q_pe = to_fp8(qf_pe * q_inv[:, None], UPCAST)
+        score_scale = (scale * q_scale)[:, None]
+        if FP8_MMA == 2:
+            # the remainder at 16x the scale: hi + lo / 16 holds q to ~8 bits (bf16's)
+            q_lat_lo = to_fp8((qf_lat * q_inv[:, None] - q_lat.to(tl.float32)) * 16.0, UPCAST)
+            q_pe_lo = to_fp8((qf_pe * q_inv[:, None] - q_pe.to(tl.float32)) * 16.0, UPCAST)
+    else:
+        q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(DT)
+        q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
+        score_scale = scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
 
     pt_row = PT + b.to(tl.int64) * stride_ptb
-    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=DT)
+    p16 = tl.zeros([BLOCK_H, BLOCK_N], dtype=PDT)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE,
                                  BLOCK_N, True, ONE_PAGE)
         # One load of the latent tile: K for the scores, V for the output.
-        k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True, KV_FP8,
-                                 FP8_TWO_LOADS)
+        if FP8_MMA > 0:
+            k_lat, k_pe, v = kv_tile_fp8(kv_base, row, offs_d, offs_pe, mask_n, FP8_MMA)
+        else:
+            k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True,
+                                     KV_FP8, FP8_TWO_LOADS)
         if ISOLATE_QK:
             # Triton lays out a dot whose result feeds another dot ("chained": S feeds
             # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
@@ -214,26 +249,37 @@ def _mla_decode_kernel(
             qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             if end > n0:
                 qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
+                if FP8_MMA == 2:
+                    qk_lo = _dot(q_pe_lo, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
+                                 UPCAST)
+                    qk_pe = _dot(q_lat_lo, k_lat, qk_lo, UPCAST) * 0.0625 + qk_pe
             # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
             # operand layout (a constant else-value would take its own shared memory).
             alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
             m_new = m_i
             l_new = l_i
             if n0 < end:
-                qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * scale
+                qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * score_scale
                 qk = tl.where(mask_n[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(qk - m_new[:, None])
                 l_new = l_i * alpha + tl.sum(p, 1)
-                p16 = p.to(DT)
+                if FP8_MMA >= 3:
+                    p16 = to_fp8(p * P_FP8_GAIN, UPCAST)
+                else:
+                    p16 = p.to(PDT)
             acc = acc * alpha[:, None]
             acc = _dot(p16, v, acc, UPCAST)
             m_i = m_new
             l_i = l_new
         else:
             qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
-            qk = _dot(q_lat, k_lat, qk, UPCAST) * scale
+            if FP8_MMA == 2:
+                qk_lo = _dot(q_pe_lo, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
+                             UPCAST)
+                qk = _dot(q_lat_lo, k_lat, qk_lo, UPCAST) * 0.0625 + qk
+            qk = _dot(q_lat, k_lat, qk, UPCAST) * score_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -241,12 +287,18 @@ def _mla_decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            acc = _dot(p.to(DT), v, acc, UPCAST)
+            if FP8_MMA >= 3:
+                acc = _dot(to_fp8(p * P_FP8_GAIN, UPCAST), v, acc, UPCAST)
+            else:
+                acc = _dot(p.to(PDT), v, acc, UPCAST)
             m_i = m_new
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    o = acc * (kvs / l_safe)[:, None]
+    if FP8_MMA >= 3:
+        o = acc * (kvs / (l_safe * P_FP8_GAIN))[:, None]
+    else:
+        o = acc * (kvs / l_safe)[:, None]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         po = (PO + b.to(tl.int64) * stride_pob + sid * stride_pos
@@ -418,6 +470,7 @@ class _DecodePlan:
         ps = kv_cache.shape[1]
         min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # _split_chunk
         is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
+        fp8_mma = cfg.fp8_mma if is_fp8 else 0
         if self.split and workspace is not None:
             po_strides = tuple(workspace.partial_out.stride()[:3])
             pl_strides = tuple(workspace.partial_lse.stride()[:2])
@@ -438,8 +491,9 @@ class _DecodePlan:
                   *pl_strides, lse_stride, H, num_splits, min_chunk),
             constexprs=(ps, cfg.page_tiles and ps >= cfg.block_n, cfg.block_h, cfg.block_n,
                         D_LATENT, D_ROPE, self.split, is_fp8, self.scale_ptr,
-                        dot_upcast(q.dtype), cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads,
-                        store_lse and not self.split),
+                        dot_upcast(q.dtype) or (fp8_mma > 0 and interpreting()),
+                        cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads and not fp8_mma,
+                        fp8_mma, store_lse and not self.split),
             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             dtypes=(q.dtype, kv_cache.dtype, page_table.dtype, torch.int32, out.dtype,
                     torch.float32 if self.split else out.dtype,

@@ -82,6 +82,12 @@ class DecodeConfig(NamedTuple):
     # a page of >= block_n tokens holds whole tiles: address a tile from one page-table
     # read instead of one per token (tile_rows in _triton_kernels/_common.py)
     page_tiles: bool = True
+    # fp8 cache only: fp8 x fp8 dots (q rounded to fp8 in the kernel, one power-of-two
+    # scale per query row).  0 off; 1 scores in fp8, P @ V in fp16 (V converted); 2 as 1
+    # with q split into two fp8 parts (hi + lo / 16: bf16's precision, two score dots);
+    # 3 both in fp8 (P scaled by 256), V read as loaded; 4 both in fp8, V from a second,
+    # transposed load of the tile
+    fp8_mma: int = 0
 
 
 def _is_fp8(kv_dtype: object) -> bool:

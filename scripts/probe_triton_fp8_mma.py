@@ -1,0 +1,161 @@
+"""Probe: the Triton decode kernel with an fp8 cache, fp8 x fp8 dots against today's fp16 dots.
+
+Usage (a CUDA GPU)::
+
+    PYTHONPATH=src python3 scripts/probe_triton_fp8_mma.py --out fp8_mma.json
+
+For every P1 shape (benchmarks/triton_decode_tuning.py's SHAPES) at page sizes 1 and 64
+it times, by CUDA-graph replay with the L2 flushed (``triton.testing.do_bench``, median):
+the bf16 cache with the default config, the fp8 cache with the default config, and the
+fp8 cache with ``DecodeConfig.fp8_mma`` 1-4 (q rounded to fp8 in the kernel with a
+power-of-two scale per head row; 1: fp8 scores, fp16 P @ V; 2: as 1 with q as two fp8
+parts, exact to bf16; 3: both fp8, V as loaded; 4: both fp8, V from a transposed
+second load), each at the default tile and, at 16
+heads, 64-token tiles; at 64+ heads with one-page tiles too.  Each variant's output
+is checked against a float32 reference with q rounded as the kernel rounds it
+(``err``, max abs over two sequences) before it is timed.  Kernels are compiled in
+parallel worker processes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.triton_decode_tuning import SHAPES, bench, graph_of, make_inputs, reference  # noqa: E402
+
+PAGES = (1, 64)
+MODES = (1, 2, 3, 4)
+
+
+def variants(H: int):
+    """(label, kv dtype name, DecodeConfig) of every variant at H heads."""
+    import torch
+
+    from attnreg.backends._triton_kernels import decode as dec
+
+    C = dec.DecodeConfig
+    bf16 = dec.decode_config(H, torch.bfloat16)
+    fp8 = dec.decode_config(H, torch.float8_e4m3fn)
+    out = [("bf16 default", "bf16", bf16), ("fp8 default", "fp8", fp8)]
+    base = fp8._replace(fp8_two_loads=False)
+    for m in MODES:
+        out.append((f"fp8 mma{m}", "fp8", base._replace(fp8_mma=m)))
+        if H <= 16:
+            out.append((f"fp8 mma{m} n64", "fp8", C(16, 64, 4, 3, ctas_per_sm=2, fp8_mma=m)))
+        else:
+            out.append((f"fp8 mma{m} pagetiles", "fp8", base._replace(fp8_mma=m,
+                                                                      page_tiles=True)))
+    return out
+
+
+def _dtype(name):
+    import torch
+    return torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
+
+
+def round_rows(q):
+    """q rounded as the kernel does: one power-of-two scale per (sequence, head) row."""
+    import torch
+    qf = q.float()
+    ratio = torch.clamp(qf.abs().amax(-1, keepdim=True) / 448.0,
+                        min=torch.finfo(torch.float32).tiny)
+    mant, expo = torch.frexp(ratio)
+    scale = torch.pow(2.0, (expo - (mant == 0.5).int()).float())
+    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def run(q, cache, table, sl, out, cfg, splits, ws):
+    from attnreg.backends._triton_kernels import decode as dec
+    return dec._mla_decode_impl(q, cache, table, sl, out, sm_scale=0.1, kv_scale=1.0,
+                                num_splits=splits, min_chunk=max(cfg.block_n, cfg.min_chunk),
+                                workspace=ws, cfg=cfg)
+
+
+def _compile(job):
+    import torch
+
+    from attnreg.backends._triton_kernels import decode as dec
+    H, kvn, cfg_t, ps, split = job
+    try:
+        cfg = dec.DecodeConfig(*cfg_t)
+        q, cache, table, sl, out = make_inputs(1, 512, H, page_size=ps, kv_dtype=_dtype(kvn))
+        s = 2 if split else 1
+        ws = dec.mla_decode_workspace(1, H, s, "cuda") if split else None
+        run(q, cache, table, sl, out, cfg, s, ws)
+        torch.cuda.synchronize()
+        k = dec._LAST_LAUNCH.get("decode")
+        return job, (f"ok regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')} "
+                     f"smem={getattr(getattr(k, 'metadata', None), 'shared', '?')}")
+    except Exception as e:  # noqa: BLE001 (a probe records every failure)
+        return job, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--modes", default="1,2,3,4", help="fp8_mma modes to time")
+    ap.add_argument("--min-heads", type=int, default=1, help="only shapes with >= H heads")
+    args = ap.parse_args(argv)
+    global MODES, SHAPES
+    MODES = tuple(int(m) for m in args.modes.split(","))
+    SHAPES = [s for s in SHAPES if s[2] >= args.min_heads]
+    import torch
+
+    from attnreg.backends._triton_kernels import decode as dec
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                command="PYTHONPATH=src python3 scripts/probe_triton_fp8_mma.py "
+                        + " ".join(sys.argv[1:]))
+    jobs = set()
+    for (_B, _L, H) in SHAPES:
+        for _lab, kvn, cfg in variants(H):
+            for ps in PAGES:
+                for split in (True, False):
+                    jobs.add((16 if H <= 16 else 128, kvn, tuple(cfg), ps, split))
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as ex:
+        compiled = dict(ex.map(_compile, sorted(jobs)))
+    print(f"compiled {len(jobs)} in {time.time() - t0:.0f} s", flush=True)
+    meta["kernels"] = [[list(j), st] for j, st in sorted(compiled.items())]
+    for j, st in sorted(compiled.items()):
+        print("kernel", j, st, flush=True)
+    rows = []
+    for (B, L, H) in SHAPES:
+        for ps in PAGES:
+            for lab, kvn, cfg in variants(H):
+                rec = dict(B=B, L=L, H=H, page=ps, variant=lab, cfg=list(cfg))
+                try:
+                    q, cache, table, sl, out = make_inputs(B, L, H, page_size=ps,
+                                                           kv_dtype=_dtype(kvn))
+                    splits = dec.splits_for_config(cfg, B, H, L, num_sms)
+                    ws = dec.mla_decode_workspace(B, H, splits, "cuda") if splits > 1 else None
+                    run(q, cache, table, sl, out, cfg, splits, ws)
+                    torch.cuda.synchronize()
+                    qr = round_rows(q) if cfg.fp8_mma not in (0, 2) else q
+                    ref = reference(qr, cache, table, sl, 0.1, max_b=2)
+                    rec["err"] = float((out[:2].float() - ref).abs().max())
+                    rec["splits"] = splits
+                    rec["us"] = bench(graph_of(lambda: run(q, cache, table, sl, out, cfg,
+                                                           splits, ws)).replay)
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(rec)
+                print(f"B={B:4d} L={L:6d} H={H:4d} p{ps:<3d} {lab:22s} "
+                      + (f"{rec['us']:8.1f} us err {rec['err']:.3f}" if "us" in rec
+                         else rec.get("error", "")), flush=True)
+            torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
