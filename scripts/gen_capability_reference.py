@@ -107,7 +107,7 @@ def _sorted_values(values: frozenset) -> str:  # type: ignore[type-arg]
 
 
 def _heads(k: KernelConstraints) -> str:
-    return _join(k.head_counts) if k.head_counts else f"1..{k.max_heads}"
+    return _join(k.head_counts) if k.head_counts else k.head_range
 
 
 #: The shapes capture-memory formulas are evaluated at, to give a figure next to each:

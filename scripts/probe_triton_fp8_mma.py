@@ -1,20 +1,21 @@
-"""Probe: the Triton decode kernel with an fp8 cache, fp8 x fp8 dots against today's fp16 dots.
+"""Probe: the Triton decode kernel with an fp8 cache, fp8 x fp8 score dots against 16-bit dots.
 
 Usage (a CUDA GPU)::
 
-    PYTHONPATH=src python3 scripts/probe_triton_fp8_mma.py --out fp8_mma.json
+    PYTHONPATH=src python3 scripts/probe_triton_fp8_mma.py --out fp8_scores.json
 
 For every P1 shape (benchmarks/triton_decode_tuning.py's SHAPES) at page sizes 1 and 64
 it times, by CUDA-graph replay with the L2 flushed (``triton.testing.do_bench``, median):
-the bf16 cache with the default config, the fp8 cache with the default config, and the
-fp8 cache with ``DecodeConfig.fp8_mma`` 1-4 (q rounded to fp8 in the kernel with a
-power-of-two scale per head row; 1: fp8 scores, fp16 P @ V; 2: as 1 with q as two fp8
-parts, exact to bf16; 3: both fp8, V as loaded; 4: both fp8, V from a transposed
-second load), each at the default tile and, at 16
-heads, 64-token tiles; at 64+ heads with one-page tiles too.  Each variant's output
-is checked against a float32 reference with q rounded as the kernel rounds it
-(``err``, max abs over two sequences) before it is timed.  Kernels are compiled in
-parallel worker processes first.
+the bf16 cache and the fp8 cache with their default configs (``decode_config``), and the
+fp8 cache with ``DecodeConfig.fp8_scores`` the other way round (on at 16 heads; off at
+64+, i.e. the fp16 dots on one-page tiles; with per-token gathers too, the default
+before issue 31).  ``fp8_scores`` rounds q to fp8 in the kernel with one power-of-two
+scale per head row; each output is checked against a float32 reference with q rounded
+the same way (``err``, max abs over two sequences) before it is timed.  Kernels are
+compiled in parallel worker processes first.
+
+At 72b60ec this probe also timed an fp8 P @ V (V as loaded, or from a transposed second
+load) and q split into two fp8 parts; benchmarks/results/probes/ holds those runs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.triton_decode_tuning import SHAPES, bench, graph_of, make_inputs, reference  # noqa: E402
 
 PAGES = (1, 64)
-MODES = (1, 2, 3, 4)
 
 
 def variants(H: int):
@@ -40,35 +40,22 @@ def variants(H: int):
 
     from attnreg.backends._triton_kernels import decode as dec
 
-    C = dec.DecodeConfig
     bf16 = dec.decode_config(H, torch.bfloat16)
     fp8 = dec.decode_config(H, torch.float8_e4m3fn)
     out = [("bf16 default", "bf16", bf16), ("fp8 default", "fp8", fp8)]
-    base = fp8._replace(fp8_two_loads=False)
-    for m in MODES:
-        out.append((f"fp8 mma{m}", "fp8", base._replace(fp8_mma=m)))
-        if H <= 16:
-            out.append((f"fp8 mma{m} n64", "fp8", C(16, 64, 4, 3, ctas_per_sm=2, fp8_mma=m)))
-        else:
-            out.append((f"fp8 mma{m} pagetiles", "fp8", base._replace(fp8_mma=m,
-                                                                      page_tiles=True)))
+    if fp8.fp8_scores:
+        out.append(("fp8 16-bit dots", "fp8", fp8._replace(fp8_scores=False)))
+        out.append(("fp8 16-bit dots gather", "fp8", fp8._replace(fp8_scores=False,
+                                                                   page_tiles=False)))
+    else:
+        out.append(("fp8 fp8 scores", "fp8", fp8._replace(fp8_scores=True,
+                                                           fp8_two_loads=False)))
     return out
 
 
 def _dtype(name):
     import torch
     return torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
-
-
-def round_rows(q):
-    """q rounded as the kernel does: one power-of-two scale per (sequence, head) row."""
-    import torch
-    qf = q.float()
-    ratio = torch.clamp(qf.abs().amax(-1, keepdim=True) / 448.0,
-                        min=torch.finfo(torch.float32).tiny)
-    mant, expo = torch.frexp(ratio)
-    scale = torch.pow(2.0, (expo - (mant == 0.5).int()).float())
-    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
 
 
 def run(q, cache, table, sl, out, cfg, splits, ws):
@@ -101,15 +88,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", type=int, default=14)
-    ap.add_argument("--modes", default="1,2,3,4", help="fp8_mma modes to time")
     ap.add_argument("--min-heads", type=int, default=1, help="only shapes with >= H heads")
     args = ap.parse_args(argv)
-    global MODES, SHAPES
-    MODES = tuple(int(m) for m in args.modes.split(","))
+    global SHAPES
     SHAPES = [s for s in SHAPES if s[2] >= args.min_heads]
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec
+    from attnreg.registry import DType
+    from attnreg.testing.workload import round_q
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -140,7 +127,7 @@ def main(argv=None) -> int:
                     ws = dec.mla_decode_workspace(B, H, splits, "cuda") if splits > 1 else None
                     run(q, cache, table, sl, out, cfg, splits, ws)
                     torch.cuda.synchronize()
-                    qr = round_rows(q) if cfg.fp8_mma not in (0, 2) else q
+                    qr = round_q(q, DType.FP8_E4M3, "row") if kvn == "fp8" and cfg.fp8_scores else q
                     ref = reference(qr, cache, table, sl, 0.1, max_b=2)
                     rec["err"] = float((out[:2].float() - ref).abs().max())
                     rec["splits"] = splits

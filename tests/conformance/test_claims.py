@@ -170,10 +170,12 @@ def test_exhaustive_is_the_full_product_and_a_superset():
     cover = {c.id for c in _claims("triton", "cuda:sm90", "cuda")}
     full = {c.id for c in _claims("triton", "cuda:sm90", "cuda", exhaustive=True)}
     assert cover < full
-    # decode MLA: 4 (q, kv) pairs x 4 page sizes x 2 head counts x 1 dims (the plain
-    # matches_reference ids: backend/eager/phase/method/dtypes/page/heads/dims)
+    # decode MLA (the plain matches_reference ids: backend/eager/phase/method/dtypes/
+    # page/heads/dims) x 4 page sizes x 1 dims: the 16-bit pools (2 pairs) at 16 and 128
+    # heads, the fp8 pool's two head ranges (2 pairs each): 1..32 at 16 and 32, 33..128
+    # (fp8 score dots, q rounded) at 128
     decode = [i for i in full if i.startswith("triton/eager/decode/") and i.count("/") == 7]
-    assert len(decode) == 4 * 4 * 2
+    assert len(decode) == 4 * (2 * 2 + 2 * 2 + 2 * 1)
 
 
 def test_claim_ids_are_unique_and_k_friendly():
@@ -290,7 +292,10 @@ def test_a_cpu_run_claims_16_and_the_largest_declared_head_count_on_one_small_ba
              and c.combo.sm_scale is None]
     for method, phase in {(c.combo.method, c.combo.phase) for c in plain}:
         mine = [c for c in plain if (c.combo.method, c.combo.phase) == (method, phase)]
-        assert {c.combo.num_heads for c in mine} == {2, 16, 128}, (method, phase)
+        # decode: the fp8 pool's 1..32 entry claims its largest (32), its 33..128 entry
+        # its smallest (33) on cpu
+        want = {2, 16, 32, 33, 128} if phase is Phase.DECODE else {2, 16, 128}
+        assert {c.combo.num_heads for c in mine} == want, (method, phase)
         for c in mine:
             if c.combo.num_heads == 2:
                 assert c.batches == eager_specs(phase, method=method), c.id
@@ -299,7 +304,7 @@ def test_a_cpu_run_claims_16_and_the_largest_declared_head_count_on_one_small_ba
     # cuda: 16 and 128 on the phase's full batches, as before
     cuda = [c for c in _claims("triton", "cuda:sm90", "cuda")
             if c.check is Check.MATCHES_REFERENCE and not c.speculative]
-    assert {c.combo.num_heads for c in cuda} == {16, 128}
+    assert {c.combo.num_heads for c in cuda} == {16, 32, 128}
     assert all(c.batches == eager_specs(c.combo.phase, method=c.combo.method) for c in cuda)
 
 

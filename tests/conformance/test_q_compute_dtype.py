@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,7 +22,14 @@ from attnreg.registry import (
     SplitKV,
     Vendor,
 )
-from attnreg.testing.claims import Check, ClaimKind, Combo, expand_claims, kernel_q_compute_dtype
+from attnreg.testing.claims import (
+    Check,
+    ClaimKind,
+    Combo,
+    expand_claims,
+    kernel_q_compute_dtype,
+    kernel_q_rounding,
+)
 from attnreg.testing.workload import round_q
 
 BF16 = frozenset({DType.BF16})
@@ -63,6 +72,44 @@ def test_round_q_uses_one_power_of_two_scale_and_one_rounding():
 def test_an_exact_power_of_two_ratio_keeps_its_scale():
     q = torch.full((1, 1, 576), 448.0 * 8).bfloat16()
     assert torch.equal(round_q(q, DType.FP8_E4M3), q.float())
+
+
+def test_round_q_per_row_gives_each_token_head_row_its_own_scale():
+    """q_compute_scale "row" (a kernel rounding q on chip, e.g. triton's fp8 score dots):
+    each (token, head) row is rounded as a one-row batch would be, so a row far below
+    the batch's largest keeps fp8's resolution instead of falling into its subnormals."""
+    g = torch.Generator().manual_seed(1)
+    gains = torch.tensor([1024.0, 1.0, 1.0 / 512])[None, :, None]
+    q = (torch.randn(4, 3, 576, generator=g) * gains).bfloat16()
+    got = round_q(q, DType.FP8_E4M3, "row")
+    for t in range(4):
+        for h in range(3):
+            assert torch.equal(got[t, h], round_q(q[t, h][None, None], DType.FP8_E4M3)[0, 0])
+    small = q[:, 2].float()
+    row_err = (got[:, 2] - small).abs().max()
+    batch_err = (round_q(q, DType.FP8_E4M3)[:, 2] - small).abs().max()
+    assert row_err < batch_err / 10
+    with pytest.raises(ValueError, match="scale_per"):
+        round_q(q, DType.FP8_E4M3, "token")
+
+
+def test_the_serving_kernel_says_how_q_is_scaled():
+    row = KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),), BF16,
+                            frozenset({DType.FP8_E4M3}), page_sizes=(64,), min_heads=33,
+                            q_compute_dtype=DType.FP8_E4M3, q_compute_scale="row")
+    low = replace(row, min_heads=1, max_heads=32, q_compute_dtype=None,
+                  q_compute_scale="batch")
+    full = GraphModeSupport(Phase.DECODE, GraphMode.FULL, CaptureSupport.native(),
+                            pinned_method=ForwardMethod.MLA, split_kv=SplitKV.HOST_PLANNED)
+    caps = Capabilities("demo", Platform.parse("cuda:sm90"), frozenset({Vendor.CUDA}),
+                        (low, row), (full,))
+    fp8 = replace(_combo(DType.FP8_E4M3), num_heads=64)
+    assert kernel_q_rounding(caps, fp8) == {"q_compute_dtype": DType.FP8_E4M3,
+                                            "q_compute_scale": "row"}
+    assert kernel_q_rounding(caps, replace(fp8, num_heads=32)) == {
+        "q_compute_dtype": None, "q_compute_scale": "batch"}
+    with pytest.raises(ValueError, match="q_compute_scale"):
+        replace(row, q_compute_scale="token")
 
 
 def test_no_compute_dtype_leaves_q_alone_and_other_dtypes_are_refused():

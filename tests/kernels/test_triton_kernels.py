@@ -28,6 +28,9 @@ from attnreg.backends._triton_kernels import (
 from attnreg.backends._triton_kernels import extend as extend_mod
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
 from attnreg.backends._triton_kernels.extend import ExtendConfig
+from attnreg.backends.declarations.triton_sizing import FP8_SCORES_MIN_HEADS, decode_rounds_q
+from attnreg.registry import DType
+from attnreg.testing.workload import round_q
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -217,6 +220,7 @@ _DECODE_VARIANTS = [
     ("h32", DecodeConfig(32, 16, 8, 2)),
     ("h64_isolate", DecodeConfig(64, 16, 8, 2, isolate_qk=True)),
     ("h64_isolate_gather", DecodeConfig(64, 16, 8, 2, isolate_qk=True, page_tiles=False)),
+    ("h64_fp8_scores", DecodeConfig(64, 16, 8, 2, isolate_qk=True, fp8_scores=True)),
 ]
 
 
@@ -225,7 +229,7 @@ def _decode_variant_cases() -> list[object]:
     for ps in (16, 1):
         for kv in ("bf16", "fp8"):
             for name, cfg in _DECODE_VARIANTS:
-                if cfg.fp8_two_loads and kv != "fp8":
+                if (cfg.fp8_two_loads or cfg.fp8_scores) and kv != "fp8":
                     continue
                 if not cfg.page_tiles and ps < cfg.block_n:
                     continue
@@ -242,7 +246,9 @@ def test_decode_kernel_variants(cfg, kv, ps):
     scale = 1.0 if kv == "bf16" else 0.6
     cache, table, dense = make_paged_kv(lens, ps, kv_dtype, seed=5)
     q = torch.randn(3, H, 576).bfloat16().to(DEV)
-    ref = torch.stack([ref_mla(q[b:b + 1], dense[b], [lens[b] - 1], 0.1, scale)[0]
+    # fp8 score dots compute with q rounded per head row (declared), so the reference too
+    qr = round_q(q, DType.FP8_E4M3, "row") if cfg.fp8_scores else q
+    ref = torch.stack([ref_mla(qr[b:b + 1], dense[b], [lens[b] - 1], 0.1, scale)[0]
                        for b in range(3)])
     ws = mla_decode_workspace(3, H, 3, DEV)
     for splits in (1, 3):
@@ -259,8 +265,12 @@ def test_decode_configs_by_head_count_and_cache_dtype():
     assert decode_config(16, FP8) == DecodeConfig(16, 32, 4, 3, ctas_per_sm=2,
                                                   fp8_two_loads=True)
     assert decode_config(128, torch.bfloat16).page_tiles
-    assert not decode_config(128, FP8).page_tiles
+    assert decode_config(128, FP8).page_tiles and decode_config(128, FP8).fp8_scores
     assert decode_config(128, "fp8_e4m3") == decode_config(128, FP8)
+    # fp8 score dots (q rounded: declared from FP8_SCORES_MIN_HEADS up) exactly there
+    for heads in range(1, 129):
+        assert decode_rounds_q(heads, FP8) == (heads >= FP8_SCORES_MIN_HEADS)
+        assert not decode_rounds_q(heads, torch.bfloat16)
     for heads in (8, 16, 32, 64, 128):  # one split sizing per head class, whatever the dtype
         bf, f8 = decode_config(heads, torch.bfloat16), decode_config(heads, FP8)
         assert (bf.block_h, bf.ctas_per_sm, bf.min_chunk) == \
@@ -335,11 +345,13 @@ def test_default_max_splits_heuristic():
 # ----------------------------------------------------------------------------------------
 
 def run_extend_case(prefix, ext, H, page_size, kv_dtype, *, kv_scale=1.0, seed=0,
-                    max_extend_len=None, **split):
+                    max_extend_len=None, q_gain=None, round_q_fp8=False, **split):
     lens = [p + e for p, e in zip(prefix, ext)]
     cache, table, dense = make_paged_kv(lens, page_size, kv_dtype, seed=seed)
     T = sum(ext)
     q = torch.randn(T + 2, H, 576, generator=torch.Generator().manual_seed(seed + 7))
+    if q_gain is not None:  # one gain per head: rows whose own scales differ widely
+        q = q * torch.tensor(q_gain)[None, :, None]
     q = q.bfloat16().to(DEV)
     qo = torch.tensor([0] + list(torch.tensor(ext).cumsum(0).tolist()), dtype=torch.int32,
                       device=DEV)
@@ -347,14 +359,17 @@ def run_extend_case(prefix, ext, H, page_size, kv_dtype, *, kv_scale=1.0, seed=0
     sm = 1.0 / math.sqrt(192)
     mla_extend(q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
                torch.tensor(prefix, dtype=torch.int32, device=DEV), qo, out, sm_scale=sm,
-               kv_scale=kv_scale, max_extend_len=max_extend_len, **split)
+               kv_scale=kv_scale, max_extend_len=max_extend_len, round_q_fp8=round_q_fp8,
+               **split)
+    qr = round_q(q, DType.FP8_E4M3, "row") if round_q_fp8 else q
     refs, start = [], 0
     for b in range(len(ext)):
         pos = [prefix[b] + i for i in range(ext[b])]
-        refs.append(ref_mla(q[start:start + ext[b]], dense[b], pos, sm, kv_scale))
+        refs.append(ref_mla(qr[start:start + ext[b]], dense[b], pos, sm, kv_scale))
         start += ext[b]
     assert_close(out[:T], torch.cat(refs))
     assert torch.isnan(out[T:].float()).all(), "rows past qo_indptr[B] must stay untouched"
+    return out[:T].float().cpu(), torch.cat(refs)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -368,6 +383,19 @@ def test_extend_no_prefix_bound_larger_than_lengths():
 
 def test_extend_fp8_page64():
     run_extend_case([40, 0], [9, 12], 2, 64, FP8, kv_scale=0.8)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_extend_rounds_q_per_row_when_asked(num_splits):
+    """round_q_fp8 (a verify step of a decode whose kernel takes fp8 score dots): q is
+    rounded to fp8 with one power-of-two scale per (query, head) row, as the oracle's
+    "row" rounding does; heads whose |q| differ 2**10-fold each keep their own scale."""
+    case = dict(prefix=[40, 3], ext=[4, 2], H=3, page_size=16, kv_dtype=FP8, kv_scale=0.8,
+                q_gain=[1024.0, 1.0, 1.0 / 256], num_splits=num_splits, min_chunk=1)
+    out, ref = run_extend_case(**case, round_q_fp8=True)
+    exact, _ = run_extend_case(**case)
+    # the rounded q shows: the exact-q output is farther from the rounded oracle
+    assert (out - ref).abs().max() < (exact - ref).abs().max() / 2
 
 
 # Split-KV extend.  min_chunk=1 lets these short sequences use several 64-token chunks:

@@ -145,6 +145,8 @@ def test_speculative_forward_modes_declared_well_are_valid():
     (lambda c: dataclasses.replace(c, kernels=(), platform_reason=""),
      "declares no kernel"),
     (lambda c: dataclasses.replace(c, kernels=(dataclasses.replace(
+        c.kernels[0], min_heads=200),) + c.kernels[1:]), "min_heads must be within"),
+    (lambda c: dataclasses.replace(c, kernels=(dataclasses.replace(
         c.kernels[0], split_kv=SplitKV.NONE),) + c.kernels[1:]), "claims dynamic split-KV"),
     (lambda c: _with_decode_modes(c, ForwardModeSupport(ForwardMode.EXTEND, None, False)),
      "serves forward mode extend, which is not one of"),
@@ -174,6 +176,18 @@ def test_check_request_names_what_is_outside_the_declaration():
     text = " ".join(reasons)
     assert "page size 64" in text and "fp8_e4m3" in text and "128 heads" in text
     assert "no mha kernel for decode" in caps.check_request("mha", "decode")[0]
+
+
+def test_a_head_range_split_at_min_heads_serves_each_side_and_names_its_range():
+    low = dataclasses.replace(_caps().kernels[0], max_heads=32)
+    high = dataclasses.replace(low, min_heads=33, max_heads=128)
+    assert [h for h in (1, 32, 33, 128, 129) if low.accepts_heads(h)] == [1, 32]
+    assert [h for h in (1, 32, 33, 128, 129) if high.accepts_heads(h)] == [33, 128]
+    assert high.head_range == "33..128" and high.to_dict()["min_heads"] == 33
+    caps = _caps(kernels=(high,))
+    assert caps.check_request("mla", "decode", num_heads=64) == []
+    assert "16 heads not in 33..128" in " ".join(
+        caps.check_request("mla", "decode", num_heads=16))
 
 
 def test_declaration_context_compares_versions(monkeypatch):

@@ -28,6 +28,7 @@ from attnreg.runtime import (
     MLAConfig,
     decode_batch,
     draft_extend_batch,
+    extend_batch,
     phase_of,
     verify_batch,
 )
@@ -202,3 +203,32 @@ def test_capture_refuses_more_draft_tokens_than_the_graphs_declare() -> None:
     backend.init_cuda_graph_state(2, 2 * 9, max_seq_len=256, graph_modes={"decode": "full"})
     with pytest.raises(UnsupportedError, match="this batch has 9 tokens per sequence"):
         backend.init_forward_metadata_capture(2, 18, forward_mode="target_verify")
+
+
+@pytest.mark.parametrize("heads,kv,rounds", [(64, "fp8_e4m3", True), (16, "fp8_e4m3", False),
+                                             (64, "bf16", False)])
+def test_triton_verify_and_draft_extend_round_q_where_its_decode_does(monkeypatch, heads, kv,
+                                                                     rounds) -> None:
+    """Over an fp8 cache from FP8_SCORES_MIN_HEADS heads up, triton's decode kernel takes
+    fp8 score dots on q rounded per head row (declared for the decode phase); its verify
+    and draft-extend steps (the extend kernel) are asked to round q the same way, and a
+    prefill step is not."""
+    import attnreg.backends.triton_mla as triton_mla
+
+    asked: list[tuple[str, bool]] = []
+
+    def record(q, *args, round_q_fp8=False, **kwargs):  # type: ignore[no-untyped-def]
+        asked.append((str(batch.forward_mode), round_q_fp8))
+        return args[5]  # out, untouched: the wiring is what is checked
+
+    monkeypatch.setattr(triton_mla, "mla_extend", record)
+    cfg = MLAConfig(num_heads=heads, page_size=16, max_context_len=256, kv_dtype=kv)
+    backend = get_registry().create("triton", cfg)
+    pool = cfg.make_pool(8)
+    for batch in (verify_batch(pool, [5, 9], 2), draft_extend_batch(pool, [5, 6], [2, 1])):
+        backend.forward_extend(torch.randn(batch.num_tokens, heads, 576).bfloat16(), None, None,
+                               pool, batch, layer_id=0)
+    batch = extend_batch(pool, [0, 3], [4, 2])
+    backend.forward_extend(torch.randn(batch.num_tokens, heads, 576).bfloat16(), None, None,
+                           pool, batch, layer_id=0)
+    assert asked == [("target_verify", rounds), ("draft_extend", rounds), ("extend", False)]

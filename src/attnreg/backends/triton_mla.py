@@ -57,6 +57,7 @@ from .declarations.triton_sizing import (
     LATENT,
     SplitOptions,
     decode_graph_rows,
+    decode_rounds_q,
     default_extend_splits,
     default_max_splits,
     extend_partial_rows,
@@ -268,7 +269,9 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
                            md.qo_indptr, out, sm_scale=self.config.softmax_scale,
                            kv_scale=self._kv_scale(pool), max_extend_len=md.max_extend_len,
                            num_splits=plan.splits, workspace=plan.workspace,
-                           min_chunk=1 if self.force_kv_splits is not None else None, lse=lse)
+                           min_chunk=1 if self.force_kv_splits is not None else None, lse=lse,
+                           round_q_fp8=md.phase is Phase.DECODE
+                           and decode_rounds_q(self.config.num_heads, pool.buffer.dtype))
         else:
             assert k is not None and v is not None
             # MHA: k / v of prefix + new tokens (kv_indptr); MHA_CHUNKED_KV: of the new

@@ -436,13 +436,20 @@ class GraphModeSupport:
         }
 
 
+#: How a kernel that rounds q (``KernelConstraints.q_compute_dtype``) scales it: one
+#: power-of-two scale per batch, or one per query row (token x head).
+Q_COMPUTE_SCALES = ("batch", "row")
+
+
 @dataclass(frozen=True)
 class KernelConstraints:
     """What one kernel of a backend accepts, for one forward method.
 
     ``page_sizes`` is empty for kernels that read no paged cache (ragged MHA
-    over materialised K/V).  ``head_counts`` empty means any count from 1 to
-    ``max_heads``.  ``max_seq_len`` is the longest sequence (cached + new
+    over materialised K/V).  ``head_counts`` empty means any count from
+    ``min_heads`` (default 1) to ``max_heads``: two entries of one kernel that
+    computes differently above some head count (another tile, another
+    ``q_compute_dtype``) split the range there.  ``max_seq_len`` is the longest sequence (cached + new
     tokens) the kernel serves, None for no declared limit.  ``lse`` says the
     kernel returns the float32 log-sum-exp per (token, head) beside the
     output when asked (``forward_*(..., return_lse=True)``; natural log, see
@@ -453,11 +460,13 @@ class KernelConstraints:
     kernel that multiplies fp8 by fp8 and so quantises a bf16 q to fp8 e4m3.
     The rounding is attnreg's convention for it: one power-of-two scale per
     batch, the smallest with ``max|q| / scale <= 448`` over the batch's real
-    query rows, then one round-to-nearest to fp8.  The conformance oracle
-    rounds q the same way, so the tolerance measures the kernel and not the
-    quantisation it declared; the output is held to the compute dtype's
-    tolerance (such a kernel also rounds its softmax probabilities to it),
-    not the query dtype's.
+    query rows, then one round-to-nearest to fp8.  ``q_compute_scale`` "row"
+    declares one such scale per query row instead (per token and head, over
+    that row's 576 values), as a kernel that rounds q itself on chip does.
+    The conformance oracle rounds q the same way, so the tolerance measures
+    the kernel and not the quantisation it declared; the output is held to
+    the compute dtype's tolerance (such a kernel may also round its softmax
+    probabilities to it), not the query dtype's.
     """
 
     method: ForwardMethod
@@ -474,11 +483,25 @@ class KernelConstraints:
     max_seq_len: int | None = None
     q_compute_dtype: DType | None = None
     lse: bool = False
+    q_compute_scale: str = "batch"
+    min_heads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.q_compute_scale not in Q_COMPUTE_SCALES:
+            raise ValueError(f"KernelConstraints.q_compute_scale: expected one of "
+                             f"{', '.join(Q_COMPUTE_SCALES)}, got {self.q_compute_scale!r}")
 
     def accepts_heads(self, num_heads: int) -> bool:
         if self.head_counts:
             return num_heads in self.head_counts
-        return 1 <= num_heads <= self.max_heads
+        return max(1, self.min_heads) <= num_heads <= self.max_heads
+
+    @property
+    def head_range(self) -> str:
+        """The head counts it takes, as an error message names them."""
+        if self.head_counts:
+            return str(list(self.head_counts))
+        return f"{max(1, self.min_heads)}..{self.max_heads}"
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -488,6 +511,7 @@ class KernelConstraints:
             "q_dtypes": sorted(d.value for d in self.q_dtypes),
             "kv_dtypes": sorted(d.value for d in self.kv_dtypes),
             "page_sizes": list(self.page_sizes),
+            "min_heads": self.min_heads,
             "max_heads": self.max_heads,
             "head_counts": list(self.head_counts),
             "causal": self.causal,
@@ -495,6 +519,7 @@ class KernelConstraints:
             "split_kv": self.split_kv.value,
             "max_seq_len": self.max_seq_len,
             "q_compute_dtype": self.q_compute_dtype.value if self.q_compute_dtype else None,
+            "q_compute_scale": self.q_compute_scale if self.q_compute_dtype else None,
             "lse": self.lse,
         }
 
@@ -911,6 +936,11 @@ class Capabilities:
                 why += f"; {name}: {reason}"
             return [f"{why} (methods it has here: {have})"]
         best: list[str] | None = None
+        # the kv dtypes of every kernel that takes this q dtype: entries of one kernel
+        # split by head count each list only their own
+        q_ok = [k for k in candidates
+                if q_dtype is None or DType.parse(q_dtype) in k.q_dtypes] or candidates
+        kv_any = sorted({d.value for k in q_ok for d in k.kv_dtypes})
         for k in candidates:
             reasons: list[str] = []
             if head_dims is not None and tuple(head_dims) not in k.head_dims:
@@ -919,13 +949,11 @@ class Capabilities:
                 reasons.append(f"q dtype {DType.parse(q_dtype)} not in "
                                f"{sorted(d.value for d in k.q_dtypes)}")
             if kv_dtype is not None and DType.parse(kv_dtype) not in k.kv_dtypes:
-                reasons.append(f"kv dtype {DType.parse(kv_dtype)} not in "
-                               f"{sorted(d.value for d in k.kv_dtypes)}")
+                reasons.append(f"kv dtype {DType.parse(kv_dtype)} not in {kv_any}")
             if page_size is not None and k.page_sizes and page_size not in k.page_sizes:
                 reasons.append(f"page size {page_size} not in {list(k.page_sizes)}")
             if num_heads is not None and not k.accepts_heads(num_heads):
-                allowed = list(k.head_counts) if k.head_counts else f"1..{k.max_heads}"
-                reasons.append(f"{num_heads} heads not in {allowed}")
+                reasons.append(f"{num_heads} heads not in {k.head_range}")
             if max_seq_len is not None and k.max_seq_len is not None \
                     and max_seq_len > k.max_seq_len:
                 reasons.append(f"max context {max_seq_len} above the kernel's "

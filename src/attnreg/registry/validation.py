@@ -111,6 +111,9 @@ def _validate_kernel(k: KernelConstraints) -> list[str]:
         reasons.append(f"{where}: absorbed MLA reads the paged latent cache; list page sizes")
     if k.max_heads < 1 or any(h < 1 or h > k.max_heads for h in k.head_counts):
         reasons.append(f"{where}: head counts must be within 1..max_heads")
+    if not 1 <= k.min_heads <= k.max_heads or any(h < k.min_heads for h in k.head_counts):
+        reasons.append(f"{where}: min_heads must be within 1..max_heads, and below every "
+                       f"listed head count")
     if Phase.DECODE in k.phases and k.method is not ForwardMethod.MLA:
         reasons.append(f"{where}: decode of an MLA model runs absorbed MLA, not {k.method}")
     return reasons

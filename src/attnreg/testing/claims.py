@@ -87,6 +87,7 @@ __all__ = [
     "declares_kernels",
     "head_dims_config",
     "kernel_q_compute_dtype",
+    "kernel_q_rounding",
     "other_platform_claims",
     "unavailable_claim",
 ]
@@ -334,7 +335,8 @@ def claimed_head_counts(k: KernelConstraints, device: str,
 
     cuda: every declared count (a fixed list), else 16, 128 and ``max_heads``.  cpu:
     the smallest declared (else 2), then at least 16 and the largest declared, so a
-    kernel wrong above a few heads is refuted there too.
+    kernel wrong above a few heads is refuted there too; a range from ``min_heads`` > 1
+    (a kernel entry split by head count): ``min_heads`` alone.
     """
     if heads:
         # the caller fixed the head counts (e.g. one tensor-parallel rank's share):
@@ -345,9 +347,13 @@ def claimed_head_counts(k: KernelConstraints, device: str,
         if device != "cpu":
             return declared
         return sorted({declared[0], *[h for h in declared if h >= 16][:1], declared[-1]})
+    if device == "cpu" and k.min_heads > 1:
+        # a range split at min_heads: its smallest count (the interpreter's cost grows
+        # with heads)
+        return [k.min_heads]
     wanted = {h for h in (*_HEADS.get(device, _HEADS["cuda"]), k.max_heads)
               if k.accepts_heads(h)}
-    return sorted(wanted) or [1]
+    return sorted(wanted) or [max(1, k.min_heads)]
 
 
 def _page_sizes(k: KernelConstraints, caps: Capabilities, phase: Phase) -> list[int]:
@@ -393,12 +399,19 @@ def combos_of(caps: Capabilities, k: KernelConstraints, phase: Phase, device: st
 
 def kernel_q_compute_dtype(caps: Capabilities, combo: Combo) -> DType | None:
     """The ``q_compute_dtype`` of the declared kernel that serves ``combo`` (None: q as given)."""
+    return kernel_q_rounding(caps, combo)["q_compute_dtype"]  # type: ignore[return-value]
+
+
+def kernel_q_rounding(caps: Capabilities, combo: Combo) -> dict[str, object]:
+    """How the declared kernel that serves ``combo`` rounds q, as the keyword arguments
+    of :func:`~attnreg.testing.workload.make_workload`: ``q_compute_dtype`` (None: q as
+    given) and ``q_compute_scale``."""
     for k in caps.kernels_for(combo.method, combo.phase):
         if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes \
                 and (not k.page_sizes or combo.page_size in k.page_sizes) \
                 and k.accepts_heads(combo.num_heads):
-            return k.q_compute_dtype
-    return None
+            return {"q_compute_dtype": k.q_compute_dtype, "q_compute_scale": k.q_compute_scale}
+    return {"q_compute_dtype": None, "q_compute_scale": "batch"}
 
 
 def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
@@ -418,7 +431,10 @@ def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
 def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase: Phase,
                    device: str, heads: Sequence[int] | None) -> list[Combo]:
     """``base`` and one configuration per other declared (q, kv) dtype pair of ``method``
-    in ``phase``, each one its kernel accepts (see :func:`declared_variant`)."""
+    in ``phase``, each one its kernel accepts (see :func:`declared_variant`); and one
+    per kernel entry that serves a listed pair only at head counts none of those take
+    (a kernel whose head range is split where it computes differently, e.g. triton's
+    fp8 score dots from 33 heads up), at its own base head count."""
     out = [base]
     for q, kv in pairs_for(caps, method, phase):
         if (q, kv) != (base.q_dtype, base.kv_dtype):
@@ -426,6 +442,15 @@ def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase
                                        heads)
             if variant is not None:
                 out.append(variant)
+    for k in caps.kernels_for(method, phase):
+        if any(k.accepts_heads(c.num_heads) for c in out
+               if c.q_dtype in k.q_dtypes and c.kv_dtype in k.kv_dtypes):
+            continue
+        for c in list(out):
+            if c.q_dtype in k.q_dtypes and c.kv_dtype in k.kv_dtypes:
+                counts = claimed_head_counts(k, device, heads)
+                if counts:
+                    out.append(replace(c, num_heads=counts[0]))
     return out
 
 

@@ -30,7 +30,7 @@ from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig,
 from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served, capture_once
 from .checks import CHECKS, GraphOptions
-from .claims import Claim, Combo, kernel_q_compute_dtype
+from .claims import Claim, Combo, kernel_q_rounding
 from .errors import ClaimRefuted, HarnessLimitation
 from .integrity import InputGuard, kv_problems
 from .timelimit import stage
@@ -199,10 +199,10 @@ class Harness:
             return
         pool = make_pool(config, specs)
         problems: list[str] = []
-        q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
+        q_compute = kernel_q_rounding(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, combo.method, seed=100 + i,
-                                 q_compute_dtype=q_compute)
+                                 **q_compute)
             inputs = InputGuard([work])
             with explained(f"{spec.describe()}, eager"):
                 result = self.eager_forward(backend, work, pool, return_lse=with_lse)
@@ -232,10 +232,10 @@ class Harness:
         combo = _combo(claim)
         pool = make_pool(config, specs, num_layers=layers)
         problems: list[str] = []
-        q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
+        q_compute = kernel_q_rounding(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             works = make_layer_workloads(config, pool, spec, combo.method, seed=500 + 10 * i,
-                                         q_compute_dtype=q_compute)
+                                         **q_compute)
             backend.init_forward_metadata(works[0].batch)
             planned = backend.forward_metadata
             for work in works:
@@ -428,14 +428,14 @@ class Harness:
         problems: list[str] = []
         layers = captured.layers
 
-        q_compute = kernel_q_compute_dtype(captured.backend.capabilities, combo)
+        q_compute = kernel_q_rounding(captured.backend.capabilities, combo)
 
         def build(spec: BatchSpec, seed: int) -> list[Workload]:
             if layers > 1:
                 return make_layer_workloads(config, pool, spec, method, seed=seed,
-                                            q_compute_dtype=q_compute)
+                                            **q_compute)
             return [self.workload(config, pool, spec, method, seed=seed,
-                                  q_compute_dtype=q_compute)]
+                                  **q_compute)]
 
         # Every input is built (and every prefix written) before capture: nothing the
         # harness needs may be allocated after capture, where a block freed during
@@ -636,10 +636,10 @@ class Harness:
         pool = make_pool(config, specs)
         problems: list[str] = []
         served: Served = []
-        q_compute = kernel_q_compute_dtype(backend.capabilities, combo)
+        q_compute = kernel_q_rounding(backend.capabilities, combo)
         for i, spec in enumerate(specs):
             work = self.workload(config, pool, spec, method, seed=300 + i,
-                                 q_compute_dtype=q_compute)
+                                 **q_compute)
             inputs = InputGuard([work])
             with explained(f"{spec.describe()} under capturing(tc_piecewise)"):
                 with capturing(GraphMode.TC_PIECEWISE), recording_served() as records:
@@ -694,9 +694,9 @@ class _Piecewise:
         combo, config = self.combo, self.config
         method = combo.method
         pool = make_pool(config, self.specs)
-        q_compute = kernel_q_compute_dtype(self.backend.capabilities, combo)
+        q_compute = kernel_q_rounding(self.backend.capabilities, combo)
         works = [self.h.workload(config, pool, s, method, seed=400 + i,
-                                 q_compute_dtype=q_compute)
+                                 **q_compute)
                  for i, s in enumerate(self.specs)]
         rows = max(w.rows for w in works)
         kv_rows = max((w.k.shape[0] for w in works if w.k is not None), default=0)

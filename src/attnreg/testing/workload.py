@@ -174,6 +174,8 @@ class Workload:
     chunk_tokens: int | None = None
     #: the declared kernel's ``q_compute_dtype`` the oracle rounded q to (None: none)
     q_compute_dtype: DType | None = None
+    #: and its ``q_compute_scale``: one scale per batch, or per query row
+    q_compute_scale: str = "batch"
 
     def tolerance_dtype(self, q_dtype: DType) -> DType:
         """The dtype whose :data:`TOLERANCES` entry the output is held to: the kernel's
@@ -200,25 +202,28 @@ def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen)
 
 
-def round_q(q: torch.Tensor, dtype: DType | None) -> torch.Tensor:
+def round_q(q: torch.Tensor, dtype: DType | None, scale_per: str = "batch") -> torch.Tensor:
     """``q`` as a kernel whose ``q_compute_dtype`` is ``dtype`` computes with it (float32).
 
     attnreg's convention (``KernelConstraints.q_compute_dtype``): one
-    power-of-two scale for the whole batch, the smallest with
-    ``max|q| / scale <= 448``, then one round to the nearest fp8 e4m3 value.
-    Every row of a workload is a real query row, so all of them set the scale.
-    ``dtype`` None: ``q`` unchanged.
+    power-of-two scale for the whole batch (``scale_per`` "batch"; every row of
+    a workload is a real query row, so all of them set it) or for each query
+    row (``scale_per`` "row": each token's head, over its last dim), the
+    smallest with ``max|q| / scale <= 448``, then one round to the nearest fp8
+    e4m3 value.  ``dtype`` None: ``q`` unchanged.
     """
     if dtype is None:
         return q
     if DType.parse(dtype) is not DType.FP8_E4M3:
         raise ValueError(f"the oracle rounds q only to fp8_e4m3, not {dtype}")
+    if scale_per not in ("batch", "row"):
+        raise ValueError(f"round_q: scale_per must be 'batch' or 'row', not {scale_per!r}")
     qf = q.float()
     # float32 arithmetic, as on the device: the same scale bit for bit
-    ratio = torch.clamp(qf.abs().amax() / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    amax = qf.abs().amax() if scale_per == "batch" else qf.abs().amax(-1, keepdim=True)
+    ratio = torch.clamp(amax / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
     mantissa, exponent = torch.frexp(ratio)
-    power = int(exponent) - (1 if float(mantissa) == 0.5 else 0)
-    scale = 2.0 ** power
+    scale = torch.ldexp(torch.ones_like(ratio), exponent - (mantissa == 0.5).to(exponent.dtype))
     return (qf / scale).to(torch.float8_e4m3fn).float() * scale
 
 
@@ -282,6 +287,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                   pages: list[list[int]] | None = None, batch: ForwardBatch | None = None,
                   chunk_tokens: int | None = None,
                   q_compute_dtype: DType | None = None,
+                  q_compute_scale: str = "batch",
                   q_gains: Sequence[float] | None = None) -> Workload:
     """Write the prefixes of ``spec`` into layer ``layer_id`` of ``pool``, build the batch,
     compute the oracle.
@@ -290,8 +296,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     contiguous pages is caught), unless ``pages`` (and the ``batch`` built on
     them) are given: another layer of the same step.  ``q_dtype`` overrides
     the config's (refusal claims pass undeclared dtypes through here).
-    ``q_compute_dtype``: the declared kernel computes with q rounded to it
-    (:func:`round_q`), so the oracle does too.  ``q_gains``: absorbed MLA queries
+    ``q_compute_dtype``: the declared kernel computes with q rounded to it, with one
+    scale per ``q_compute_scale`` (:func:`round_q`), so the oracle does too.  ``q_gains``: absorbed MLA queries
     only, row ``i`` of q multiplied by ``q_gains[i % len(q_gains)]`` (e.g.
     :data:`LARGE_Q_GAINS`) before the oracle sees it.
 
@@ -336,7 +342,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
             gains = torch.tensor([float(q_gains[i % len(q_gains)]) for i in range(rows)])
             q = q * gains[:, None, None]
         q = q.to(qdt).to(dev)
-        expected, lse = oracle_mla(round_q(q, q_compute_dtype), stored, spec, lora,
+        expected, lse = oracle_mla(round_q(q, q_compute_dtype, q_compute_scale), stored, spec, lora,
                                    config.softmax_scale)
     elif method is ForwardMethod.MHA_CHUNKED_KV:
         qk, dv = config.mha_head_dims
@@ -358,7 +364,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                     new_rows=stored_new.cpu(), prefix_slots=slots[cached].tolist(),
                     new_slots=slots[~cached].tolist(), expected_lse=lse, layer_id=layer_id,
                     pages=[list(p) for p in pages], decompress=decompress,
-                    chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype)
+                    chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype,
+                    q_compute_scale=q_compute_scale)
     ledger = ledger_of(pool)
     if ledger is not None:
         # the prefixes just written are the pool's new baseline; the slots are this
@@ -370,19 +377,21 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
 
 def make_layer_workloads(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec,
                          method: ForwardMethod, *, seed: int,
-                         q_compute_dtype: DType | None = None) -> list[Workload]:
+                         q_compute_dtype: DType | None = None,
+                         q_compute_scale: str = "batch") -> list[Workload]:
     """One workload per layer of ``pool``, one batch for all of them (a step of a model).
 
     Every layer gets its own prefix contents, queries and new rows (and, for an
     fp8 pool, its own scale), so a forward that reads another layer is caught.
     """
     first = make_workload(config, pool, spec, method, seed=seed,
-                          q_compute_dtype=q_compute_dtype)
+                          q_compute_dtype=q_compute_dtype, q_compute_scale=q_compute_scale)
     works = [first]
     for layer_id in range(1, pool.num_layers):
         works.append(make_workload(config, pool, spec, method, seed=seed + 1000 * layer_id,
                                    layer_id=layer_id, pages=first.pages, batch=first.batch,
-                                   q_compute_dtype=q_compute_dtype))
+                                   q_compute_dtype=q_compute_dtype,
+                                   q_compute_scale=q_compute_scale))
     return works
 
 

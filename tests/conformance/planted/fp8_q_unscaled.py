@@ -49,10 +49,12 @@ def capabilities(ctx: DeclarationContext) -> attnreg.Capabilities:
         if k.method is not ForwardMethod.MLA or DType.FP8_E4M3 not in k.kv_dtypes:
             kernels.append(k)
             continue
-        # the 16-bit pool as before; the fp8 pool with q rounded to fp8 (declared)
-        kernels.append(replace(k, kv_dtypes=k.kv_dtypes - {DType.FP8_E4M3}))
+        # the 16-bit pool as before; the fp8 pool with q rounded to fp8 (declared, one
+        # scale per batch: what the cast pretends to do)
+        if k.kv_dtypes - {DType.FP8_E4M3}:
+            kernels.append(replace(k, kv_dtypes=k.kv_dtypes - {DType.FP8_E4M3}))
         kernels.append(replace(k, kv_dtypes=frozenset({DType.FP8_E4M3}),
-                               q_compute_dtype=DType.FP8_E4M3))
+                               q_compute_dtype=DType.FP8_E4M3, q_compute_scale="batch"))
     return replace(caps, kernels=tuple(kernels))
 
 

@@ -157,7 +157,9 @@ def fp8_pow2_scale(amax):
     """``(scale, 1 / scale)`` per row: the smallest power of two with ``amax / scale <= 448``
     (fp8 e4m3's largest value), from the float32 bits, so both are exact; an all-zero row
     gets the smallest normal float32."""
-    ratio = tl.maximum(amax / 448.0, 1.1754943508222875e-38)
+    # IEEE division, as the oracle divides: an approximate one can put a max of exactly
+    # 448 * 2**k above the power of two and double the scale
+    ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
     bits = ratio.to(tl.int32, bitcast=True)
     expo = bits & 0x7F800000
     expo = tl.where((bits & 0x7FFFFF) != 0, expo + (1 << 23), expo)
@@ -183,22 +185,35 @@ def to_fp8(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def kv_tile_fp8(KV, row, offs_lat, offs_pe, mask_n, MODE: tl.constexpr):
-    """One tile of an fp8 cache as the operands of fp8 x fp8 score dots:
-    ``(k_lat [lat, N], k_pe [64, N], v [N, lat])``, the K parts fp8 as stored; ``v`` fp16
-    (MODE 1, 2), fp8 as loaded (MODE 3), or fp8 from a second, transposed load (MODE 4).
-    Masked rows read 0."""
+def round_q_rows_fp8(q_row, offs_lat, offs_pe, mask_h, EMULATE: tl.constexpr):
+    """``(q_lat, q_pe, scale)``: the query rows at ``q_row`` (one per head, masked by
+    ``mask_h``; latent columns ``offs_lat``, rope columns ``offs_pe``) rounded to fp8 e4m3
+    with one power-of-two ``scale`` per row over its 576 values (``q ~ q_fp8 * scale``),
+    attnreg's ``q_compute_scale`` "row" convention (``attnreg.testing.workload.round_q``
+    rounds the same way).  EMULATE: see :func:`to_fp8`."""
+    q_lat = tl.load(q_row + offs_lat[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(q_lat), 1), tl.max(tl.abs(q_pe), 1))
+    scale, inv = fp8_pow2_scale(amax)
+    return (to_fp8(q_lat * inv[:, None], EMULATE), to_fp8(q_pe * inv[:, None], EMULATE),
+            scale)
+
+
+@triton.jit
+def kv_tile_fp8(KV, row, offs_lat, offs_pe, mask_n):
+    """One tile of an fp8 cache for fp8 x fp8 score dots: ``(k_lat [lat, N], k_pe [64, N],
+    v [N, lat])``, the K parts fp8 as stored, ``v`` converted to fp16 (exact) for a 16-bit
+    P @ V.  Masked rows read 0.
+
+    Tried and removed (issue 31, ``scripts/probe_triton_fp8_mma.py`` at 72b60ec on the
+    H200): an fp8 P @ V (P scaled by 256), with V as loaded or from a second, transposed
+    load: 4-5x slower at 64+ heads (2653-2843 vs 524-549 us at B=128, L=4096, H=128), as
+    Triton feeds the transposed fp8 operand from shared memory byte by byte.
+    """
     kv_row = KV + row[:, None]
     kv = tl.load(kv_row + offs_lat[None, :], mask=mask_n[:, None], other=0.0)
     kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
-    if MODE <= 2:
-        v = kv.to(tl.float16)
-    elif MODE == 3:
-        v = kv
-    else:
-        k_t = tl.load(KV + row[None, :] + offs_lat[:, None], mask=mask_n[None, :], other=0.0)
-        v = tl.trans(k_t)
-    return tl.trans(kv), tl.trans(kpe), v
+    return tl.trans(kv), tl.trans(kpe), kv.to(tl.float16)
 
 
 @triton.jit

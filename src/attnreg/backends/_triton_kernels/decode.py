@@ -25,8 +25,10 @@ Design (why it is shaped like this)
   outputs with their log-sum-exp.  Nothing is read back to the host and, given a
   workspace, nothing is allocated: replays with other ``seq_lens`` stay correct.
 * fp32 accumulation, exp2-based online softmax (``sm_scale * log2(e)`` folded into one
-  multiply), fp8 e4m3 cache converted to 16-bit dot operands on chip (see ``kv_tile``)
-  and ``kv_scale`` folded into the score scale and the output.
+  multiply), ``kv_scale`` folded into the score scale and the output.  An fp8 e4m3 cache
+  is converted to 16-bit dot operands on chip (see ``kv_tile``) up to 32 heads; from 33
+  (``FP8_SCORES``) the score dots are fp8 x fp8 on q rounded per head row (declared:
+  ``q_compute_dtype`` fp8, ``q_compute_scale`` "row"), P @ V 16-bit (``kv_tile_fp8``).
 
 Measured (one H200, bf16, page_size 1, CUDA-graph replay, cold L2; see
 benchmarks/triton_decode_tuning.py): 537 us at B=128, L=4096, H=128 (~270 TFLOP/s of
@@ -64,23 +66,19 @@ from ._common import (
     check_lse,
     check_tensor,
     dot_upcast,
-    fp8_pow2_scale,
     interpreting,
     kv_dtypes_for,
     kv_tile,
     kv_tile_fp8,
     next_pow2,
+    round_q_rows_fp8,
     tile_rows,
-    to_fp8,
 )
 from ._launch import BoundLaunch, direct_context
 
 D_LATENT = 512
 D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
-#: P's gain before it is rounded to fp8 for an fp8 x fp8 P @ V (P <= 1; 256 <= 448 keeps
-#: the largest in range and the small ones off e4m3's subnormals); undone on the output
-P_FP8_GAIN = tl.constexpr(256.0)
 
 #: The compiled kernel of the latest JIT launch of each kernel (diagnostics: registers,
 #: spills).
@@ -155,7 +153,7 @@ def _mla_decode_kernel(
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, FP8_TWO_LOADS: tl.constexpr,
-    FP8_MMA: tl.constexpr, STORE_LSE: tl.constexpr,
+    FP8_SCORES: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     hb = tl.program_id(0)
     sid = tl.program_id(1)
@@ -183,33 +181,22 @@ def _mla_decode_kernel(
 
     q_row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     # Dot operand dtype: q's, or fp16 for an fp8 cache read twice (see kv_tile); P's
-    # dtype (PDT) is the same, except fp8 when P @ V multiplies fp8 by fp8.
+    # dtype (PDT) is the same, except fp16 beside fp8 score dots (V converted to fp16).
     if FP8_TWO_LOADS:
         DT: tl.constexpr = tl.float16
     else:
         DT: tl.constexpr = Q.dtype.element_ty
-    if FP8_MMA >= 3:
-        PDT: tl.constexpr = tl.float8e4nv
-    elif FP8_MMA > 0:
+    if FP8_SCORES:
         PDT: tl.constexpr = tl.float16
     else:
         PDT: tl.constexpr = DT
-    if FP8_MMA > 0:
-        # q rounded to fp8 with one power-of-two scale per head row (exact to undo): the
-        # scores are fp8 x fp8 dots, rescaled per row with the softmax scale
-        qf_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0)
-        qf_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0)
-        qf_lat = qf_lat.to(tl.float32)
-        qf_pe = qf_pe.to(tl.float32)
-        q_amax = tl.maximum(tl.max(tl.abs(qf_lat), 1), tl.max(tl.abs(qf_pe), 1))
-        q_scale, q_inv = fp8_pow2_scale(q_amax)
-        q_lat = to_fp8(qf_lat * q_inv[:, None], UPCAST)  # UPCAST here: the interpreter
-        q_pe = to_fp8(qf_pe * q_inv[:, None], UPCAST)
+    if FP8_SCORES:
+        # fp8 x fp8 score dots (a 64-head tile is bound by its serial chain, and an fp8 K
+        # operand needs no conversion into a 16-bit shared tile): q rounded to fp8 with
+        # one power-of-two scale per head row, undone on the scores with the softmax
+        # scale.  Declared (q_compute_dtype fp8, q_compute_scale "row").
+        q_lat, q_pe, q_scale = round_q_rows_fp8(q_row, offs_d, offs_pe, mask_h, UPCAST)
         score_scale = (scale * q_scale)[:, None]
-        if FP8_MMA == 2:
-            # the remainder at 16x the scale: hi + lo / 16 holds q to ~8 bits (bf16's)
-            q_lat_lo = to_fp8((qf_lat * q_inv[:, None] - q_lat.to(tl.float32)) * 16.0, UPCAST)
-            q_pe_lo = to_fp8((qf_pe * q_inv[:, None] - q_pe.to(tl.float32)) * 16.0, UPCAST)
     else:
         q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(DT)
         q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
@@ -227,8 +214,8 @@ def _mla_decode_kernel(
         kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE,
                                  BLOCK_N, True, ONE_PAGE)
         # One load of the latent tile: K for the scores, V for the output.
-        if FP8_MMA > 0:
-            k_lat, k_pe, v = kv_tile_fp8(kv_base, row, offs_d, offs_pe, mask_n, FP8_MMA)
+        if FP8_SCORES:
+            k_lat, k_pe, v = kv_tile_fp8(kv_base, row, offs_d, offs_pe, mask_n)
         else:
             k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True,
                                      KV_FP8, FP8_TWO_LOADS)
@@ -249,10 +236,6 @@ def _mla_decode_kernel(
             qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             if end > n0:
                 qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
-                if FP8_MMA == 2:
-                    qk_lo = _dot(q_pe_lo, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
-                                 UPCAST)
-                    qk_pe = _dot(q_lat_lo, k_lat, qk_lo, UPCAST) * 0.0625 + qk_pe
             # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
             # operand layout (a constant else-value would take its own shared memory).
             alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
@@ -265,20 +248,13 @@ def _mla_decode_kernel(
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(qk - m_new[:, None])
                 l_new = l_i * alpha + tl.sum(p, 1)
-                if FP8_MMA >= 3:
-                    p16 = to_fp8(p * P_FP8_GAIN, UPCAST)
-                else:
-                    p16 = p.to(PDT)
+                p16 = p.to(PDT)
             acc = acc * alpha[:, None]
             acc = _dot(p16, v, acc, UPCAST)
             m_i = m_new
             l_i = l_new
         else:
             qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
-            if FP8_MMA == 2:
-                qk_lo = _dot(q_pe_lo, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32),
-                             UPCAST)
-                qk = _dot(q_lat_lo, k_lat, qk_lo, UPCAST) * 0.0625 + qk
             qk = _dot(q_lat, k_lat, qk, UPCAST) * score_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
@@ -287,18 +263,12 @@ def _mla_decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            if FP8_MMA >= 3:
-                acc = _dot(to_fp8(p * P_FP8_GAIN, UPCAST), v, acc, UPCAST)
-            else:
-                acc = _dot(p.to(PDT), v, acc, UPCAST)
+            acc = _dot(p.to(PDT), v, acc, UPCAST)
             m_i = m_new
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    if FP8_MMA >= 3:
-        o = acc * (kvs / (l_safe * P_FP8_GAIN))[:, None]
-    else:
-        o = acc * (kvs / l_safe)[:, None]
+    o = acc * (kvs / l_safe)[:, None]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         po = (PO + b.to(tl.int64) * stride_pob + sid * stride_pos
@@ -470,7 +440,7 @@ class _DecodePlan:
         ps = kv_cache.shape[1]
         min_chunk = triton.cdiv(max(1, min_chunk), cfg.block_n) * cfg.block_n  # _split_chunk
         is_fp8 = KV_FP8_DTYPE is not None and kv_cache.dtype == KV_FP8_DTYPE
-        fp8_mma = cfg.fp8_mma if is_fp8 else 0
+        fp8_scores = is_fp8 and cfg.fp8_scores
         if self.split and workspace is not None:
             po_strides = tuple(workspace.partial_out.stride()[:3])
             pl_strides = tuple(workspace.partial_lse.stride()[:2])
@@ -491,9 +461,9 @@ class _DecodePlan:
                   *pl_strides, lse_stride, H, num_splits, min_chunk),
             constexprs=(ps, cfg.page_tiles and ps >= cfg.block_n, cfg.block_h, cfg.block_n,
                         D_LATENT, D_ROPE, self.split, is_fp8, self.scale_ptr,
-                        dot_upcast(q.dtype) or (fp8_mma > 0 and interpreting()),
-                        cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads and not fp8_mma,
-                        fp8_mma, store_lse and not self.split),
+                        dot_upcast(q.dtype) or (fp8_scores and interpreting()),
+                        cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads and not fp8_scores,
+                        fp8_scores, store_lse and not self.split),
             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             dtypes=(q.dtype, kv_cache.dtype, page_table.dtype, torch.int32, out.dtype,
                     torch.float32 if self.split else out.dtype,

@@ -44,9 +44,11 @@ from ._common import (
     check_lse,
     check_tensor,
     dot_upcast,
+    interpreting,
     kv_tile,
     lse_launch_args,
     next_pow2,
+    round_q_rows_fp8,
     tile_rows,
 )
 from .decode import D_LATENT, D_ROPE, _split_chunk, check_absorbed_inputs
@@ -123,6 +125,7 @@ def _mla_extend_kernel(
     KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr,
     LSE=None, stride_lse_t=0, STORE_LSE: tl.constexpr = False,
+    ROUND_Q: tl.constexpr = False, EMULATE_FP8: tl.constexpr = False,
 ):
     qb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -150,8 +153,18 @@ def _mla_extend_kernel(
     offs_d = tl.arange(0, D_V)
     offs_pe = D_V + tl.arange(0, D_PE)
     q_row = Q + (q_start + qi).to(tl.int64) * stride_qt + h * stride_qh
-    q_nope = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_r[:, None], other=0.0)
-    q_pe = tl.load(q_row[:, None] + offs_pe[None, :], mask=mask_r[:, None], other=0.0)
+    if ROUND_Q:
+        # q rounded to fp8 per (query, head) row exactly as the decode kernel's fp8 score
+        # dots round it (a verify step computes what the decode step would), kept in q's
+        # dtype (exact) and the row's scale folded into the score scale
+        q8_nope, q8_pe, q_scale = round_q_rows_fp8(q_row[:, None], offs_d, offs_pe, mask_r,
+                                                   EMULATE_FP8)
+        q_nope = q8_nope.to(Q.dtype.element_ty)
+        q_pe = q8_pe.to(Q.dtype.element_ty)
+        scale = (scale * q_scale)[:, None]
+    else:
+        q_nope = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_r[:, None], other=0.0)
+        q_pe = tl.load(q_row[:, None] + offs_pe[None, :], mask=mask_r[:, None], other=0.0)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -322,7 +335,7 @@ def _check_extend_workspace(workspace, T: int, H: int, splits: int, dev) -> None
 
 def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *, sm_scale,
                kv_scale=1.0, max_extend_len=None, num_splits=1, workspace=None,
-               min_chunk=None, lse=None):
+               min_chunk=None, lse=None, round_q_fp8=False):
     """Absorbed MLA extend (prefill with a cached prefix) over a paged latent cache.
 
     Parameters
@@ -362,6 +375,11 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
         Also write each (query row, head)'s log-sum-exp (natural log, see
         :func:`~attnreg.backends._triton_kernels.mla_decode`); rows past
         ``qo_indptr[B]`` are left untouched.
+    round_q_fp8 : bool
+        Compute with q rounded to fp8 e4m3, one power-of-two scale per (query, head) row,
+        as :func:`mla_decode` does with an fp8 cache at 33+ heads (its fp8 score dots):
+        the backend asks for it on a verify / draft-extend step, so that such a step
+        computes what the decode step would.
 
     Raises
     ------
@@ -407,12 +425,12 @@ def mla_extend(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *
                             sm_scale=sm_scale, kv_scale=kv_scale,
                             max_extend_len=max_extend_len, num_splits=num_splits,
                             workspace=workspace, min_chunk=min_chunk, cfg=_extend_config(H),
-                            lse=lse)
+                            lse=lse, round_q_fp8=bool(round_q_fp8))
 
 
 def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, out, *,
                      sm_scale, kv_scale, max_extend_len: int, num_splits: int, workspace,
-                     min_chunk, cfg: ExtendConfig, lse=None):
+                     min_chunk, cfg: ExtendConfig, lse=None, round_q_fp8=False):
     """Launch the extend (and merge) kernels on validated inputs with config ``cfg``."""
     T, H, _ = q.shape
     B = qo_indptr.shape[0] - 1
@@ -450,6 +468,7 @@ def _mla_extend_impl(q, kv_cache, page_table, seq_lens, prefix_lens, qo_indptr, 
         UPCAST=dot_upcast(q.dtype), SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **lse_launch_args(lse, "stride_lse_t", not split),
+        **({"ROUND_Q": True, "EMULATE_FP8": interpreting()} if round_q_fp8 else {}),
     )
     if split:
         block_d = 128

@@ -39,10 +39,11 @@ from ._common import (
     SPECULATIVE_DECODE_MODES,
     SPECULATIVE_EAGER_MODES,
 )
-from .triton_sizing import decode_capture_bytes, extend_capture_bytes
+from .triton_sizing import FP8_SCORES_MIN_HEADS, decode_capture_bytes, extend_capture_bytes
 
 MIN_SM = 80
 PAGE_SIZES = (1, 16, 32, 64)
+DECODE_KERNEL = "triton mla_decode (split-KV; verify / draft extend: mla_extend)"
 
 #: FULL decode: one flat fp32 workspace of partial outputs and LSEs serving every
 #: captured batch size.
@@ -76,14 +77,28 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         # The kernels convert an fp8 cache to the query dtype in registers, but a
         # 16-bit cache must already be in the query dtype (bf16/bf16 or fp16/fp16;
         # they refuse bf16 queries over an fp16 cache): one entry per query dtype.
+        # Decode over an fp8 cache computes differently from FP8_SCORES_MIN_HEADS heads
+        # up (the 64-head tiles take fp8 x fp8 score dots on q rounded per head row, and
+        # verify / draft-extend steps round q the same way), so its range is split there.
         kernels = tuple(
-            KernelConstraints(ForwardMethod.MLA, frozenset({phase}), MLA_DIMS, frozenset({dt}),
-                              frozenset({dt, DType.FP8_E4M3}), page_sizes=PAGE_SIZES,
-                              max_heads=128, kernel=name, split_kv=split, lse=True)
-            for phase, name, split in (
-                (Phase.DECODE, "triton mla_decode (split-KV; verify / draft extend: "
-                               "mla_extend)", SplitKV.DYNAMIC),
-                (Phase.PREFILL, "triton mla_extend (split-KV)", SplitKV.DYNAMIC))
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS,
+                              frozenset({dt}), frozenset(kv), page_sizes=PAGE_SIZES,
+                              min_heads=lo, max_heads=hi, kernel=DECODE_KERNEL + note,
+                              split_kv=SplitKV.DYNAMIC, lse=True, q_compute_dtype=rounds,
+                              q_compute_scale="row" if rounds else "batch")
+            for dt in (DType.BF16, DType.FP16)
+            for kv, lo, hi, note, rounds in (
+                ({dt}, 1, 128, "", None),
+                ({DType.FP8_E4M3}, 1, FP8_SCORES_MIN_HEADS - 1, "; fp8 cache: 16-bit dots",
+                 None),
+                ({DType.FP8_E4M3}, FP8_SCORES_MIN_HEADS, 128,
+                 "; fp8 cache: fp8 score dots, q rounded per head row", DType.FP8_E4M3))
+        ) + tuple(
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS,
+                              frozenset({dt}), frozenset({dt, DType.FP8_E4M3}),
+                              page_sizes=PAGE_SIZES, max_heads=128,
+                              kernel="triton mla_extend (split-KV)", split_kv=SplitKV.DYNAMIC,
+                              lse=True)
             for dt in (DType.BF16, DType.FP16)
         ) + (
             KernelConstraints(ForwardMethod.MHA, frozenset({Phase.PREFILL}), MHA_DIMS, HALF,

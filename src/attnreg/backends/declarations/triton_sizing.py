@@ -17,6 +17,7 @@ from attnreg.registry import CaptureShape
 __all__ = [
     "DEFAULT_NUM_SMS",
     "EXTEND_MIN_CHUNK_TOKENS",
+    "FP8_SCORES_MIN_HEADS",
     "LATENT",
     "MAX_SPLITS",
     "MIN_CHUNK_TOKENS",
@@ -27,6 +28,7 @@ __all__ = [
     "decode_config",
     "decode_graph_rows",
     "decode_partial_rows",
+    "decode_rounds_q",
     "default_extend_splits",
     "default_max_splits",
     "extend_capture_bytes",
@@ -51,6 +53,10 @@ DEFAULT_NUM_SMS = 160
 #: query values, the merge traffic of a 512-wide fp32 partial per head) outweighs the
 #: parallelism it adds.  Each DecodeConfig carries its own value.
 MIN_CHUNK_TOKENS = 256
+#: Fewest query heads at which the decode kernel, over an fp8 cache, takes fp8 x fp8 score
+#: dots on q rounded to fp8 per head row (``DecodeConfig.fp8_scores``: the 64-head tiles);
+#: the ``triton`` declaration's ``q_compute_dtype`` / ``q_compute_scale`` hold from here.
+FP8_SCORES_MIN_HEADS = 33
 #: Shortest KV chunk an extend split gets from the heuristic: each split adds a 64-row x
 #: 512 fp32 partial output to write and merge, which a few hundred tokens of attention repay.
 EXTEND_MIN_CHUNK_TOKENS = 256
@@ -82,12 +88,10 @@ class DecodeConfig(NamedTuple):
     # a page of >= block_n tokens holds whole tiles: address a tile from one page-table
     # read instead of one per token (tile_rows in _triton_kernels/_common.py)
     page_tiles: bool = True
-    # fp8 cache only: fp8 x fp8 dots (q rounded to fp8 in the kernel, one power-of-two
-    # scale per query row).  0 off; 1 scores in fp8, P @ V in fp16 (V converted); 2 as 1
-    # with q split into two fp8 parts (hi + lo / 16: bf16's precision, two score dots);
-    # 3 both in fp8 (P scaled by 256), V read as loaded; 4 both in fp8, V from a second,
-    # transposed load of the tile
-    fp8_mma: int = 0
+    # fp8 cache only: fp8 x fp8 score dots, q rounded to fp8 in the kernel with one
+    # power-of-two scale per head row (declared: q_compute_dtype fp8, scale "row"); P @ V
+    # in fp16 (see the kernel and kv_tile_fp8 in _triton_kernels/_common.py)
+    fp8_scores: bool = False
 
 
 def _is_fp8(kv_dtype: object) -> bool:
@@ -130,7 +134,15 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       One-page tiles (page size 64): bf16 505.0 vs 572.0 per-token (B=128, L=4096),
       55.7 vs 65.3 (B=1, L=32768), 31.4 vs 32.7 (B=8, L=1024), 93.7 vs 99.3 (B=64,
       L=2048); with an fp8 cache they lose (715.2 vs 674.1, 33.5 vs 32.8, 114.3 vs
-      110.6; 67.2 vs 68.2 the one gain), so an fp8 cache keeps the per-token path.
+      110.6; 67.2 vs 68.2 the one gain) with fp16 dots on a converted tile.
+      fp8 cache, 64+ heads: fp8 x fp8 score dots on q rounded per head row
+      (``fp8_scores``; issue 31, ``scripts/probe_triton_fp8_mma.py`` on the H200,
+      2026-12-03, graph replay, page 1 / 64): B=128, L=4096, H=128 527.5 / 517.9 us
+      against 653.0 / 666.7 with fp16 dots (bf16 cache 535.2 / 502.4); B=64, L=2048,
+      H=64 90.0 / 89.0 vs 103.5 / 107.4 (bf16 89.1 / 91.6); B=1, L=32768, H=128 55.8 /
+      55.4 vs 62.0 / 63.8; B=8, L=1024, H=128 31.0 / 31.0 vs 31.1 / 31.6.  One-page
+      tiles gain with it at page 64 (517.9 vs 545.0 per-token).  At 16 heads fp8 score
+      dots are slower (318.3 vs 220.1 us at B=128, L=4096), so the fp16 dots stay.
     * Every config of one head class has the same ``block_h``, ``ctas_per_sm`` and
       ``min_chunk``, so :func:`default_max_splits`, which does not know the cache dtype,
       sizes the launch right for both.
@@ -140,9 +152,17 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
         if fp8:
             return DecodeConfig(16, 32, 4, 3, ctas_per_sm=2, fp8_two_loads=True)
         return DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
-    if num_heads <= 32:
+    if num_heads < FP8_SCORES_MIN_HEADS:
         return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
-    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=64, page_tiles=not fp8)
+    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=64, page_tiles=True,
+                        fp8_scores=fp8)
+
+
+def decode_rounds_q(num_heads: int, kv_dtype: object) -> bool:
+    """Whether a decode-phase step of ``num_heads`` over a ``kv_dtype`` cache computes with
+    q rounded to fp8 per (token, head) row: the decode kernel's fp8 score dots, and the
+    extend kernel on verify / draft-extend steps, so that both compute the same."""
+    return decode_config(num_heads, kv_dtype).fp8_scores
 
 
 def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_seq_len: int,
