@@ -22,11 +22,14 @@ replay (:meth:`attnreg.profiling.Clock.calls`):
 * attnreg's backends created through the registry and captured through
   :class:`attnreg.runtime.GraphSession` (one bucket = B, replay metadata
   prepared once, then the graph alone timed): triton at page 1 and 64,
-  flashinfer_mla (fa3) at page 1 and 64, the flashmla plugin at page 64.
+  flashinfer_mla (fa3) at page 1 and 64, the flashmla plugin at page 64 (with an FP8
+  pool twice: the model's bf16 q, which it rounds inside the graph, and the engine's own
+  fp8 q with its scale, the kernel's declared input, rounded outside as the raw peer's).
 
 Every timed output is first compared with a float32 reference on its first
-four sequences.  From the times: each wrapper over its raw kernel (target
-1.03x at every shape and dtype), each FP8-declaring path's bf16 / FP8 time
+four sequences.  From the times: each wrapper over its raw kernel given the same
+inputs (:func:`wrapped_raw`; target 1.03x at every shape and dtype), each FP8-declaring
+path's bf16 / FP8 time
 (target 1.25x at (128, 4096, 16), (32, 8192, 16), (64, 2048, 64), never below
 1.0), and the per-bucket plan: a decode profile built from this run's
 page-64 attnreg times per head count, resolved into a plan
@@ -78,9 +81,23 @@ ROWS: tuple[Variant, ...] = (
     Variant("flashinfer_mla p64", "flashinfer_mla", {"mla_backend": "fa3"}, page_size=64),
     Variant("flashmla plugin", "flashmla", page_size=64),
 )
-#: wrapper -> the raw kernel it wraps
+#: attnreg's rows whose query the engine hands as fp8 with its scale (``q_scale=``, the
+#: declared kernel input), over an FP8 pool only; not in the per-bucket plan's profile
+FP8_Q_PLUGIN = "flashmla plugin, fp8 q"
+ENGINE_FP8_Q_ROWS: tuple[Variant, ...] = (Variant(FP8_Q_PLUGIN, "flashmla", page_size=64),)
+ROUNDED_RAW = f"{FLASHMLA_RAW} + q rounding"
+#: wrapper -> the raw kernel it wraps, given the same inputs: the plugin's bf16-q FP8 decode
+#: against the raw call with the same rounding in the graph (:data:`OVERHEAD`), its fp8-q
+#: decode against the raw call alone (both take fp8 q)
 WRAPS = {"flashinfer_mla p1": FA3_P1, "flashinfer_mla p64": FA3_P64,
-         "flashmla plugin": FLASHMLA_RAW}
+         "flashmla plugin": FLASHMLA_RAW, FP8_Q_PLUGIN: FLASHMLA_RAW}
+
+
+def wrapped_raw(wrapper: str, dtype: str) -> str:
+    """The raw row ``wrapper`` is compared with at ``dtype`` (see :data:`WRAPS`)."""
+    if wrapper == "flashmla plugin" and dtype == "fp8_e4m3":
+        return ROUNDED_RAW
+    return WRAPS[wrapper]
 
 
 # ----------------------------------------------------------------------------------------
@@ -233,7 +250,7 @@ for _raw_label in (FA3_P1, FA3_P64):
                          ("graph plan + zeroing x1", {"graph_wrapper": True,
                                                       "zero_launches": 1})):
         OVERHEAD[f"{_raw_label} {_what}"] = (_raw_label, _opts, "bf16")
-OVERHEAD[f"{FLASHMLA_RAW} + q rounding"] = (FLASHMLA_RAW, {"round_in_graph": True}, "fp8_e4m3")
+OVERHEAD[ROUNDED_RAW] = (FLASHMLA_RAW, {"round_in_graph": True}, "fp8_e4m3")
 
 
 # ----------------------------------------------------------------------------------------
@@ -270,13 +287,21 @@ def _attnreg(ctx: RunContext, v: Variant, pool: Any, batch: Any, q: Any, ref: An
     from attnreg.runtime import GraphSession, MLAConfig, StepInputs
 
     B, L, H = shape
+    fp8_q = v in ENGINE_FP8_Q_ROWS
     cfg = MLAConfig(num_heads=H, page_size=pool.page_size, kv_dtype=dtype, device=ctx.device,
-                    max_context_len=L)
+                    max_context_len=L, q_dtype="fp8_e4m3" if fp8_q else "bf16")
     be = get_registry().create(v.backend, cfg, **v.options)
     ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B], writes_kv=False,
                        device_graphs=None if ctx.cuda else False)
     ses.capture()
-    out = ses.replay(batch, StepInputs([q]), bucket=B)[0]  # inputs + replay metadata, once
+    inputs = StepInputs([q])
+    if fp8_q:  # the engine's own rounding (outside the graph, as the raw peer's q is)
+        from attnreg.runtime import quantize_q_fp8
+
+        q8, q_scale = quantize_q_fp8(q, ctx.torch.ones(B, dtype=ctx.torch.bool,
+                                                       device=q.device))
+        inputs = StepInputs.one(q8, q_scale=q_scale)
+    out = ses.replay(batch, inputs, bucket=B)[0]  # inputs + replay metadata, once
     return _check_and_time(ctx, out, ref, dtype, ses.graph((ForwardMode.DECODE, B)).replay)
 
 
@@ -320,7 +345,8 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
             if refused:
                 results[v.label] = {"skipped": refused[0]}
                 continue
-            refused = _kv_refusals(v, dtype, page, H)
+            refused = _kv_refusals(v, dtype, page, H,
+                                   q_dtype="fp8_e4m3" if v in ENGINE_FP8_Q_ROWS else "bf16")
             if refused:
                 results[v.label] = {"not_declared": "; ".join(refused)}
             else:
@@ -339,11 +365,12 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
     return row
 
 
-def _kv_refusals(v: Variant, dtype: str, page: int, heads: int) -> list[str]:
-    """Why the declaration refuses a pool of ``dtype`` (q stays bf16)."""
+def _kv_refusals(v: Variant, dtype: str, page: int, heads: int, *,
+                 q_dtype: str = "bf16") -> list[str]:
+    """Why the declaration refuses a pool of ``dtype`` for queries of ``q_dtype``."""
     from attnreg.registry import Platform, get_registry
     caps = get_registry().declaration(v.backend, Platform.detect())
-    return list(caps.check_request("mla", "decode", head_dims=(576, 512), q_dtype="bf16",
+    return list(caps.check_request("mla", "decode", head_dims=(576, 512), q_dtype=q_dtype,
                                    kv_dtype=dtype, page_size=page, num_heads=heads))
 
 
@@ -432,7 +459,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
     raw_reasons = _raw_reasons(ctx)
     reg = get_registry()
     row_reasons: dict[str, str] = {}
-    for v in ROWS:
+    for v in ROWS + ENGINE_FP8_Q_ROWS:
         try:
             avail = reg.availability(v.backend)
             row_reasons[v.label] = "" if avail.available else (avail.reason or "unavailable")
@@ -450,8 +477,10 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                                      "dtype": dtype, "skipped": "time budget used up"})
                 continue
             try:
-                data["rows"].append(measure_shape(ctx, shape, dtype, raw_reasons, list(ROWS),
-                                                  row_reasons))
+                data["rows"].append(measure_shape(
+                    ctx, shape, dtype, raw_reasons,
+                    list(ROWS + (ENGINE_FP8_Q_ROWS if dtype == "fp8_e4m3" else ())),
+                    row_reasons))
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the others
                 data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
                                      "dtype": dtype, "error": error_text(exc)})
@@ -472,7 +501,8 @@ def _ratios(data: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     rows = [r for r in data.get("rows", []) if r.get("results")]
     wrap: list[tuple[str, float]] = []
     for r in rows:
-        for w, raw in WRAPS.items():
+        for w in WRAPS:
+            raw = wrapped_raw(w, r["dtype"])
             a, b = _us(r, w), _us(r, raw)
             if a and b:
                 wrap.append((f"{w} / {raw} at ({r['B']}, {r['L']}, {r['H']}) {r['dtype']}",
@@ -490,6 +520,12 @@ def _ratios(data: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
                 fp8.append((f"{label} at ({B}, {L}, {H})", a / b))
                 if (B, L, H) in FP8_SHAPES and label in [v.label for v in ROWS]:
                     named.append((f"{label} at ({B}, {L}, {H})", a / b))
+        # the plugin serving an FP8 pool from the engine's fp8 q, against its bf16 pool
+        a, b = _us(r, "flashmla plugin"), _us(f, FP8_Q_PLUGIN)
+        if a and b:
+            fp8.append((f"{FP8_Q_PLUGIN} at ({B}, {L}, {H})", a / b))
+            if (B, L, H) in FP8_SHAPES:
+                named.append((f"{FP8_Q_PLUGIN} at ({B}, {L}, {H})", a / b))
     return {"wrapper": wrap, "fp8_all": fp8, "fp8_named": named}
 
 
@@ -500,8 +536,8 @@ def checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> li
     worst_named = min(r["fp8_named"], key=lambda x: x[1], default=None)
     worst_any = min(fp8_attnreg, key=lambda x: x[1], default=None)
     out = [
-        evaluate("peers.wrapper", "slowest attnreg backend over the raw kernel it wraps "
-                 "(graph replay, every P1 shape, bf16 and FP8)",
+        evaluate("peers.wrapper", "slowest attnreg backend over the raw kernel it wraps, "
+                 "given the same inputs (graph replay, every P1 shape, bf16 and FP8)",
                  worst_wrap[1] if worst_wrap else None, "x", "<=", target=WRAPPER_MAX,
                  detail=worst_wrap[0] if worst_wrap else ""),
         evaluate("peers.fp8_speedup", "smallest bf16 / FP8 time of an attnreg backend at "
@@ -534,7 +570,7 @@ def checks(data: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> li
 def overhead(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Each overhead row's time beside the raw call it adds to, and beside attnreg's wrapper
     of that call (us; None where either did not run)."""
-    wrapper_of = {raw: w for w, raw in WRAPS.items()}
+    wrapper_of = {raw: w for w, raw in WRAPS.items() if w != FP8_Q_PLUGIN}
     out = []
     for r in data.get("rows", []):
         if not r.get("results"):
@@ -564,6 +600,8 @@ def _render_overhead(data: dict[str, Any]) -> list[str]:
 
 def render(data: dict[str, Any], page: Page) -> list[str]:
     labels = [FA3_P1, FA3_P64, FLASHMLA_RAW] + [v.label for v in ROWS]
+    if any(FP8_Q_PLUGIN in (r.get("results") or {}) for r in data.get("rows", [])):
+        labels.append(FP8_Q_PLUGIN)
     lines = [f"One process, {data.get('timing')}; us per decode of one layer.  Raw peers "
              "called directly (planned / scheduled outside the graph); attnreg's backends "
              "through GraphSession.", ""]

@@ -53,7 +53,8 @@ def _res(us: float | None) -> dict[str, Any]:
 def _row(shape: tuple[int, int, int], dtype: str, **times: float) -> dict[str, Any]:
     names = {"fa3_p1": "raw fa3 p1", "fa3_p64": "raw fa3 p64", "fm": "raw FlashMLA",
              "t64": "triton p64", "fi1": "flashinfer_mla p1", "fi64": "flashinfer_mla p64",
-             "plugin": "flashmla plugin", "t1": "triton p1"}
+             "plugin": "flashmla plugin", "t1": "triton p1",
+             "fm_round": "raw FlashMLA + q rounding", "plugin_q8": "flashmla plugin, fp8 q"}
     return {"B": shape[0], "L": shape[1], "H": shape[2], "dtype": dtype,
             "results": {names[k]: _res(v) for k, v in times.items()}}
 
@@ -64,7 +65,8 @@ def test_ratios_plan_and_checks_from_made_up_times():
         _row(a, "bf16", fa3_p1=54.0, fa3_p64=53.0, fm=50.0, t64=30.0, fi64=55.0, plugin=52.0),
         _row(b, "bf16", fa3_p1=166.0, fa3_p64=156.0, fm=165.0, t64=163.0, fi64=160.0,
              plugin=167.0),
-        _row(b, "fp8_e4m3", fm=120.0, t64=120.0, plugin=130.0),
+        _row(b, "fp8_e4m3", fm=120.0, t64=120.0, plugin=130.0, fm_round=128.0,
+             plugin_q8=121.0),
     ]
     plan = decode_peers.planned(None, rows, "bf16", "cuda:sm90")
     chosen = {(x["B"], x["L"]): x["backend"] for x in plan["rows"]}
@@ -74,9 +76,16 @@ def test_ratios_plan_and_checks_from_made_up_times():
     assert plan["best_raw"] == "raw FlashMLA"  # sqrt(50 * 165) < sqrt(53 * 156)
     data = {"rows": rows, "planned": {"bf16": plan}}
     checks = {c.id: c for c in decode_peers.checks(data)}
-    assert checks["peers.wrapper"].measured == pytest.approx(130.0 / 120.0)  # the fp8 plugin
+    # each wrapper beside the raw call given the same inputs: the fp8 plugin's bf16-q row
+    # beside the raw call that rounds q in the graph too, its fp8-q row beside the raw call
+    wrap = dict(decode_peers._ratios(data)["wrapper"])
+    assert wrap["flashmla plugin / raw FlashMLA + q rounding at (128, 4096, 16) fp8_e4m3"] \
+        == pytest.approx(130.0 / 128.0)
+    assert wrap["flashmla plugin, fp8 q / raw FlashMLA at (128, 4096, 16) fp8_e4m3"] \
+        == pytest.approx(121.0 / 120.0)
+    assert checks["peers.wrapper"].measured == pytest.approx(52.0 / 50.0)  # the worst
     assert checks["peers.wrapper"].detail == \
-        "flashmla plugin / raw FlashMLA at (128, 4096, 16) fp8_e4m3"
+        "flashmla plugin / raw FlashMLA at (1, 32768, 16) bf16"
     assert checks["peers.wrapper"].status == "missed"
     assert checks["peers.fp8_speedup"].measured == pytest.approx(167.0 / 130.0)  # the plugin
     assert checks["peers.fp8_speedup"].status == "target met"

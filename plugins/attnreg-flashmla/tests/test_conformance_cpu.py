@@ -107,9 +107,12 @@ def test_the_cpu_run_covers_every_sparse_kernel_eagerly_refusing_and_captured():
 
 
 def test_the_oracle_rounds_q_for_the_fp8_kernel_only():
-    eager = {c.combo.kv_dtype: c.combo for c in CLAIMS if _plain_eager(c)}
-    assert kernel_q_compute_dtype(CAPS, eager[DType.FP8_E4M3]) is DType.FP8_E4M3
-    assert kernel_q_compute_dtype(CAPS, eager[DType.BF16]) is None
+    eager = {(c.combo.q_dtype, c.combo.kv_dtype): c.combo for c in CLAIMS if _plain_eager(c)}
+    bf16, fp8 = DType.BF16, DType.FP8_E4M3
+    assert kernel_q_compute_dtype(CAPS, eager[bf16, fp8]) is fp8
+    assert kernel_q_compute_dtype(CAPS, eager[bf16, bf16]) is None
+    # the engine's own fp8 q (with its scale) is the kernel's input: nothing to round
+    assert kernel_q_compute_dtype(CAPS, eager[fp8, fp8]) is None
 
 
 @pytest.mark.parametrize("claim", CLAIMS, ids=[c.id for c in CLAIMS])

@@ -74,15 +74,15 @@ def test_nothing_is_declared_off_sm90_and_the_reason_says_why(platform, needle):
 def test_sm90_declares_the_measured_decode_kernels_only():
     caps = _caps("cuda:sm90")
     assert caps.platform_reason == ""
-    bf16, fp8 = caps.kernels
-    for kernel in (bf16, fp8):
+    bf16, fp8, fp8_q = caps.kernels
+    for kernel in (bf16, fp8, fp8_q):
         assert kernel.method is ForwardMethod.MLA
         assert kernel.phases == frozenset({Phase.DECODE})
         assert kernel.head_dims == ((576, 512),)
         assert kernel.page_sizes == (PAGE_SIZE,) == (64,)
-        # the engine's q is bf16 for both; fp16 ran once without an accuracy check
-        assert kernel.q_dtypes == frozenset({DType.BF16})
         assert kernel.split_kv is SplitKV.HOST_PLANNED
+    # the model's q is bf16; fp16 ran once without an accuracy check
+    assert bf16.q_dtypes == fp8.q_dtypes == frozenset({DType.BF16})
     assert bf16.kv_dtypes == frozenset({DType.BF16}) and bf16.q_compute_dtype is None
     assert bf16.head_counts == HEAD_COUNTS == (1, 2, 4, 8, 16, 32, 64, 128)
     # the bf16 kernel's LSE matched the oracle on the H200; the fp8 kernel's was never checked
@@ -91,6 +91,10 @@ def test_sm90_declares_the_measured_decode_kernels_only():
     assert fp8.kv_dtypes == frozenset({DType.FP8_E4M3})
     assert fp8.q_compute_dtype is DType.FP8_E4M3
     assert fp8.head_counts == FP8_HEAD_COUNTS == (16, 32, 64, 128)
+    # the kernel's own input: an engine's fp8 q with its scale, taken as given
+    assert fp8_q.q_dtypes == fp8_q.kv_dtypes == frozenset({DType.FP8_E4M3})
+    assert fp8_q.q_compute_dtype is None and not fp8_q.lse
+    assert (fp8_q.kernel, fp8_q.head_counts) == (fp8.kernel, fp8.head_counts)
     assert caps.methods(Phase.PREFILL) == ()
 
 
@@ -151,10 +155,12 @@ def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
              and c.check is Check.MATCHES_REFERENCE and c.forward_mode is None
              and c.combo.sm_scale is None]
     assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.BF16) == list(HEAD_COUNTS)
-    assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.FP8_E4M3) \
-        == list(FP8_HEAD_COUNTS)
-    assert {(c.page_size, c.q_dtype, c.phase) for c in eager} \
-        == {(64, DType.BF16, Phase.DECODE)}
+    for q in (DType.BF16, DType.FP8_E4M3):  # the model's q, and the engine's own fp8 q
+        assert sorted(c.num_heads for c in eager if c.kv_dtype is DType.FP8_E4M3
+                      and c.q_dtype is q) == list(FP8_HEAD_COUNTS)
+    assert {(c.page_size, c.q_dtype, c.kv_dtype, c.phase) for c in eager} \
+        == {(64, DType.BF16, DType.BF16, Phase.DECODE), (64, DType.BF16, DType.FP8_E4M3,
+            Phase.DECODE), (64, DType.FP8_E4M3, DType.FP8_E4M3, Phase.DECODE)}
     refused = {c.check for c in claims if c.kind is ClaimKind.REFUSAL}
     assert {Check.PAGE_SIZE, Check.NUM_HEADS, Check.Q_DTYPE, Check.KV_DTYPE,
             Check.INDEX_DTYPE} <= refused
@@ -163,10 +169,12 @@ def test_every_accepted_head_count_and_page_size_becomes_a_device_claim():
                                                           (GraphMode.FULL, Check.REPLAY)}
     # one replay claim per pool dtype and served forward mode, each with a head count its
     # kernel was run with
-    assert sorted((str(c.forward_mode), c.combo.kv_dtype.value, c.combo.num_heads)
-                  for c in capture if c.check is Check.REPLAY) == [
-        ("None", "bf16", 1), ("None", "fp8_e4m3", 16),
-        ("target_verify", "bf16", 1), ("target_verify", "fp8_e4m3", 16)]
+    assert sorted((str(c.forward_mode), c.combo.q_dtype.value, c.combo.kv_dtype.value,
+                   c.combo.num_heads) for c in capture if c.check is Check.REPLAY) == [
+        ("None", "bf16", "bf16", 1), ("None", "bf16", "fp8_e4m3", 16),
+        ("None", "fp8_e4m3", "fp8_e4m3", 16),
+        ("target_verify", "bf16", "bf16", 1), ("target_verify", "bf16", "fp8_e4m3", 16),
+        ("target_verify", "fp8_e4m3", "fp8_e4m3", 16)]
     # dense claims are decode only; the sparse kernels (DSA) serve prefill too
     sparse = {Check.SPARSE, Check.SPARSE_INDEX, Check.SPARSE_REFUSES_CAPTURE,
               Check.SPARSE_REPLAY}

@@ -29,9 +29,10 @@ def test_backends_lists_it_with_its_plugin_on_sm90(cli):
     (entry,) = [b for b in data["backends"] if b["name"] == BACKEND_NAME]
     assert (entry["plugin"], entry["distribution"]) == ("flashmla", "attnreg-flashmla")
     assert entry["available"] is True
-    bf16, fp8 = entry["capabilities"]["kernels"]
+    bf16, fp8, fp8_q = entry["capabilities"]["kernels"]
     assert bf16["page_sizes"] == [64] and bf16["head_counts"] == list(HEAD_COUNTS)
     assert (fp8["kv_dtypes"], fp8["q_compute_dtype"]) == (["fp8_e4m3"], "fp8_e4m3")
+    assert (fp8_q["q_dtypes"], fp8_q["q_compute_dtype"]) == (["fp8_e4m3"], None)
     assert not data["errors"]
 
 

@@ -267,6 +267,77 @@ def test_fp8_padded_rows_neither_set_the_q_scale_nor_leave_output():
     assert torch.count_nonzero(out[2:]) == 0
 
 
+# -- an engine's own fp8 query ------------------------------------------------------------
+
+def _engine_fp8(q, gain=4.0):
+    """q as an engine that rounds it itself hands it: fp8 and its float32 [1] scale."""
+    return kernel.quantize_q(q * gain, torch.ones(q.shape[0], dtype=torch.bool))
+
+
+def test_an_engines_fp8_query_reaches_the_kernel_as_given_with_its_scale(monkeypatch):
+    be = _backend(kv_dtype="fp8_e4m3", q_dtype="fp8_e4m3")
+    pool = _pool(be, scale=0.5)
+    batch = decode_batch(pool, [1, 90, 64, 130], shuffle=6)
+    q8, q_scale = _engine_fp8(_queries(4, seed=8))
+
+    def no_rounding(*args, **kwargs):
+        raise AssertionError("an fp8 query must not be rounded again")
+
+    monkeypatch.setattr(kernel, "quantize_q", no_rounding)
+    out = be.forward_decode(q8, None, None, pool, batch, q_scale=q_scale)
+    assert out.dtype == torch.bfloat16
+    want = _oracle(q8.float() * q_scale, pool, batch)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("q_kind,scale_kind,needle", [
+    ("fp8", None, "an fp8 query needs its float32 dequantisation scale"),
+    ("fp8", "two", "expected one float32 element"),
+    ("bf16", "one", "only an fp8 query carries a scale"),
+])
+def test_a_query_scale_is_checked_before_a_launch(q_kind, scale_kind, needle):
+    be = _backend(kv_dtype="fp8_e4m3", q_dtype="fp8_e4m3")
+    pool = _pool(be)
+    batch = decode_batch(pool, [5, 70])
+    q = _queries(2)
+    q8, q_scale = _engine_fp8(q)
+    scale = {None: None, "one": q_scale, "two": torch.ones(2)}[scale_kind]
+    calls = len(fake_flash_mla.CALLS)
+    with pytest.raises(UnsupportedError, match=needle):
+        be.forward_decode(q8 if q_kind == "fp8" else q, None, None, pool, batch,
+                          q_scale=scale)
+    assert [n for n, _ in fake_flash_mla.CALLS[calls:]] == ["get_mla_decoding_metadata"]
+
+
+def test_an_fp8_query_over_a_bf16_pool_is_refused_by_the_declaration():
+    be = _backend()
+    pool = _pool(be)
+    q8, q_scale = _engine_fp8(_queries(2))
+    with pytest.raises(UnsupportedError, match="q dtype fp8_e4m3 not in"):
+        be.forward_decode(q8, None, None, pool, decode_batch(pool, [5, 70]), q_scale=q_scale)
+
+
+def test_a_session_replays_each_steps_fp8_query_with_its_own_scale():
+    from attnreg.runtime import GraphSession, StepInputs
+
+    be = _backend(kv_dtype="fp8_e4m3", q_dtype="fp8_e4m3")
+    pool = _pool(be, num_pages=60, scale=0.5)
+    session = GraphSession(be, pool, phase="decode", mode="full", buckets=[4],
+                           max_seq_len=2048, device_graphs=False, writes_kv=False)
+    session.capture()
+    statics = session.statics
+    assert statics is not None and statics.qs[0].dtype == torch.float8_e4m3fn
+    assert statics.outs[0].dtype == torch.bfloat16 and len(statics.q_scales) == 1
+    for gain, lens in ((4.0, [300, 2, 65]), (1 / 64, [700, 64, 500, 3])):
+        batch = decode_batch(pool, lens, shuffle=len(lens))
+        q8, q_scale = _engine_fp8(_queries(len(lens), seed=len(lens)), gain)
+        (out,) = session.replay(batch, StepInputs.one(q8, q_scale=q_scale))
+        # a scale frozen at capture (or the first step's) would be off by 256x here
+        want = _oracle(q8.float() * q_scale, pool, batch)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+        pool.free(sorted({p for row in batch.page_table.tolist() for p in row if p}))
+
+
 # -- layers -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_dtype,scales", [("bf16", 1.0), ("fp8_e4m3", (0.5, 0.25, 1.0))])

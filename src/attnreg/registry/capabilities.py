@@ -455,6 +455,10 @@ class KernelConstraints:
     output when asked (``forward_*(..., return_lse=True)``; natural log, see
     ``attnreg.runtime.lse``); a request for it elsewhere is refused.
 
+    ``q_dtypes`` may hold ``fp8_e4m3`` for absorbed MLA: the kernel takes an
+    engine's own fp8 query as its input, with one float32 dequantisation scale
+    (``forward_*(q, q_scale=)``, real q = q * q_scale), and writes a bf16 output.
+
     ``q_compute_dtype`` is set when the kernel takes q in one of ``q_dtypes``
     but computes with it rounded to another dtype, e.g. an FP8-KV decode
     kernel that multiplies fp8 by fp8 and so quantises a bf16 q to fp8 e4m3.

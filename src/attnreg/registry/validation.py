@@ -10,6 +10,7 @@ from .capabilities import (
     VALID_GRAPH_MODES,
     Capabilities,
     CaptureSupport,
+    DType,
     ForwardMethod,
     ForwardMode,
     ForwardModeSupport,
@@ -104,6 +105,9 @@ def _validate_kernel(k: KernelConstraints) -> list[str]:
             reasons.append(f"{where}: absorbed MLA is (576, 512), got {tuple(pair)}")
     if not k.q_dtypes or not k.kv_dtypes:
         reasons.append(f"{where}: q and kv dtypes must be non-empty")
+    if DType.FP8_E4M3 in k.q_dtypes and k.method is not ForwardMethod.MLA:
+        reasons.append(f"{where}: an fp8 query (with its q_scale) is absorbed MLA's only; "
+                       f"{k.method} takes q, k and v in one 16-bit dtype")
     for p in k.page_sizes:
         if p <= 0 or p & (p - 1):
             reasons.append(f"{where}: page size {p} is not a positive power of two")

@@ -33,6 +33,7 @@ from .chunked_prefix import merge_prefix_chunks
 from .config import MLAConfig
 from .dtypes import resolve_device
 from .errors import KernelErrors
+from .forward_io import hook_options, lse_for, output_for
 from .graph_buffers import BuffersT, GraphState
 from .lse import PrefixDecompress
 from .metadata import ATTENTION_CAPTURE_MODES, ForwardMetadata, PlanT, graph_mode_now, phase_of
@@ -241,30 +242,30 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
                        rope_new: torch.Tensor | None, pool: MLAKVPool,
                        batch: ForwardBatch | None = None, *,
                        out: torch.Tensor | None = None, layer_id: int = 0,
-                       return_lse: bool = False, lse: torch.Tensor | None = None) -> Any:
+                       return_lse: bool = False, lse: torch.Tensor | None = None,
+                       q_scale: torch.Tensor | None = None) -> Any:
         """Write each sequence's new token (latent_new / rope_new ``[B, 512]`` / ``[B, 64]``,
         None: written) at ``batch.out_cache_loc`` of layer ``layer_id``, then attend with q
         ``[B, H, 576]``; returns ``[B, H, 512]`` (``out=``), or with ``return_lse`` / a
         float32 ``lse=[B, H]`` ``(out, lse)`` where the kernel declares ``lse``.
         ``batch``: eager the batch (planned if it was not); under capture the captured
-        one, or None.  See docs/runtime.md, "Shapes" and "Log-sum-exp"."""
+        one, or None.  ``q_scale``: an fp8 ``q``'s float32 ``[1]`` scale (bf16 output).
+        See docs/runtime.md, "Shapes", "Log-sum-exp" and "An fp8 query"."""
         md = self._metadata_for(batch)
         mode = self.active_graph_mode(Phase.DECODE)
         kv = self._layer(pool, layer_id)
         want_lse = return_lse or lse is not None
         self._refuse(self.refusals.decode(md, mode, q, kv, latent_new, rope_new, out, lse,
-                                          want_lse))
+                                          want_lse, q_scale))
         if latent_new is not None and rope_new is not None:
             self._write_kv(kv, md, latent_new, rope_new)
-        if out is None:
-            out = q.new_empty((md.batch_size, q.shape[1], self.config.kv_lora_rank))
+        out = output_for(q, out, md.batch_size, self.config.kv_lora_rank)
+        hook = hook_options(q_scale, lse_for(lse, q) if want_lse else None)
+        self._forward_decode_impl(q, kv, md, out, **hook)
         if not want_lse:
-            self._forward_decode_impl(q, kv, md, out)
             return out
-        lse_out = self._lse(lse, q)
-        self._forward_decode_impl(q, kv, md, out, lse=lse_out)
-        self._mask_padded_lse(lse_out, md)
-        return out, lse_out
+        self._mask_padded_lse(hook["lse"], md)
+        return out, hook["lse"]
 
     def forward_extend(self, q: torch.Tensor, latent_new: torch.Tensor | None,
                        rope_new: torch.Tensor | None, pool: MLAKVPool | None,
@@ -274,7 +275,8 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
                        out: torch.Tensor | None = None, layer_id: int = 0,
                        return_lse: bool = False, lse: torch.Tensor | None = None,
                        decompress: PrefixDecompress | None = None,
-                       chunk_tokens: int | None = None) -> Any:
+                       chunk_tokens: int | None = None,
+                       q_scale: torch.Tensor | None = None) -> Any:
         """Write the new tokens (when given) into layer ``layer_id`` of ``pool``, then attend:
         EXTEND and the speculative TARGET_VERIFY / DRAFT_EXTEND (absorbed MLA) batches.
 
@@ -282,27 +284,28 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         ``kv_indptr``) or MHA_CHUNKED_KV (eager; ``k`` / ``v`` of the new tokens, the
         prefix read in chunks of ``chunk_tokens`` and decompressed by ``decompress(latent,
         rope) -> (k, v)``: :mod:`attnreg.runtime.chunked_prefix`).  Other options as for
-        :meth:`forward_decode`; docs/runtime.md, "Shapes"."""
+        :meth:`forward_decode` (``q_scale`` too); docs/runtime.md, "Shapes"."""
         method = ForwardMethod.parse(method)
         md = self._metadata_for(batch)
         mode = self.active_graph_mode(md.phase)
         kv = self._layer(pool, layer_id) if pool is not None else None
         want_lse = return_lse or lse is not None
         self._refuse(self.refusals.extend(md, mode, method, q, kv, k, v, latent_new, rope_new,
-                                          out, lse, want_lse, decompress, chunk_tokens))
+                                          out, lse, want_lse, decompress, chunk_tokens,
+                                          q_scale))
         if latent_new is not None and rope_new is not None:
             assert kv is not None
             self._write_kv(kv, md, latent_new, rope_new)
         v_dim = self.config.kv_lora_rank if method is ForwardMethod.MLA else \
             self.config.mha_head_dims[1]
-        if out is None:
-            out = q.new_empty((md.num_tokens, q.shape[1], v_dim))
+        out = output_for(q, out, md.num_tokens, v_dim)
         chunked = method is ForwardMethod.MHA_CHUNKED_KV
-        if not (want_lse or chunked):  # chunks merge by their LSE: the kernel produces it
-            self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v)
+        # chunks merge by their LSE: the kernel produces it
+        hook = hook_options(q_scale, lse_for(lse, q) if want_lse or chunked else None)
+        self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v, **hook)
+        if "lse" not in hook:
             return out
-        lse_out = self._lse(lse, q)
-        self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v, lse=lse_out)
+        lse_out = hook["lse"]
         if chunked:
             merge_prefix_chunks(q, kv, md, out, lse_out, decompress=decompress,
                                 chunk_tokens=chunk_tokens, page_size=self.config.page_size,
@@ -333,7 +336,8 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
                              md: ForwardMetadata[PlanT], out: torch.Tensor, *,
                              lse: torch.Tensor | None = None) -> None:
         """Absorbed decode into ``out`` over ``pool`` (the layer, new tokens written);
-        ``lse`` (float32 [B, H]) only where the decode kernel declares ``lse``."""
+        ``lse`` (float32 [B, H]) only where the decode kernel declares ``lse``; ``q_scale``
+        only with an fp8 q (where a kernel declares one)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement decode")
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
@@ -383,11 +387,6 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         if md is None:
             raise refusal_error(self.name, self.refusals.no_metadata())
         return md
-
-    @staticmethod
-    def _lse(given: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-        """``given`` (already checked), else a float32 ``[q rows, heads]``."""
-        return given if given is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
 
     def _mask_padded_lse(self, lse: torch.Tensor, md: ForwardMetadata[PlanT]) -> None:
         """Padding rows of a replayed graph get an LSE of -inf (they attend no key)."""

@@ -29,7 +29,9 @@ class MLAConfig:
     page_size : int
         Tokens per KV-pool page.
     kv_dtype, q_dtype : DType or str
-        ``bf16``, ``fp16``, ``fp8_e4m3`` (kv only) or ``fp32``.
+        ``bf16``, ``fp16``, ``fp8_e4m3`` or ``fp32``.  An ``fp8_e4m3`` q is an engine's
+        own fp8 query, handed with its ``q_scale`` to a kernel that declares it
+        (docs/runtime.md, "An fp8 query"); the output is then bf16.
     device : str
         ``"cpu"`` or ``"cuda"`` (``"cuda:1"`` ...).  ``BackendRegistry.create``
         takes the platform from it (``cpu``, or the detected GPU).

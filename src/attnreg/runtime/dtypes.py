@@ -14,6 +14,7 @@ __all__ = [
     "device_num_sms",
     "device_sm",
     "dtype_from_torch",
+    "output_dtype",
     "quantize_q_fp8",
     "resolve_device",
     "torch_dtype",
@@ -41,6 +42,17 @@ def dtype_from_torch(dtype: torch.dtype) -> DType | None:
         if tdt == dtype:
             return name
     return None
+
+
+def output_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of attention's output (and of the new KV rows an engine hands with it)
+    for queries of ``q_dtype``: the query's own, bf16 for an fp8 query.
+
+    An fp8 query is the model's bf16 query that the engine rounded for a kernel that
+    declares fp8 among its ``q_dtypes`` (it comes with its ``q_scale``); the model around
+    the attention still runs in bf16.
+    """
+    return torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

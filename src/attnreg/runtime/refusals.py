@@ -324,6 +324,12 @@ class RequestChecker:
         return _if("q tensor", validation.query_problems(q, (rows, self.config.num_heads, dim),
                                                          self.device, "q"), _SHAPES_HINT)
 
+    @staticmethod
+    def query_scale(q: torch.Tensor, q_scale: torch.Tensor | None) -> list[Refusal]:
+        """An fp8 query without its ``q_scale`` (or a bad one), or a scale with any other."""
+        return _if("q_scale", validation.query_scale_problems(q, q_scale),
+                   "pass q_scale=<float32 [1] on q's device> with an fp8 q, and only then")
+
     def new_rows(self, kv: MLAKVLayer | None, latent: torch.Tensor | None,
                  rope: torch.Tensor | None, rows: int) -> list[Refusal]:
         """The new tokens' cache rows (both None: nothing to write)."""
@@ -363,8 +369,8 @@ class RequestChecker:
     # -- forwards ----------------------------------------------------------------------
     def decode(self, md: ForwardMetadata[Any], mode: GraphMode, q: torch.Tensor,
                kv: MLAKVLayer, latent: torch.Tensor | None, rope: torch.Tensor | None,
-               out: torch.Tensor | None, lse: torch.Tensor | None, want_lse: bool
-               ) -> list[Refusal]:
+               out: torch.Tensor | None, lse: torch.Tensor | None, want_lse: bool,
+               q_scale: torch.Tensor | None = None) -> list[Refusal]:
         """Everything ``forward_decode`` refuses, once the metadata is a decode batch's."""
         if md.forward_mode is not ForwardMode.DECODE:
             what = "an extend" if md.forward_mode is ForwardMode.EXTEND else \
@@ -385,6 +391,8 @@ class RequestChecker:
         if kv.kv_format is not None:
             refused += self.dense_rows(kv, "dense MLA decode")
         refused += self.query(q, md.batch_size, cfg.kv_row_dim)
+        if q_scale is not None or q.dtype == torch.float8_e4m3fn:
+            refused += self.query_scale(q, q_scale)
         if latent is not None or rope is not None:
             refused += self.new_rows(kv, latent, rope, md.num_tokens)
         if out is not None or lse is not None:
@@ -395,7 +403,8 @@ class RequestChecker:
                q: torch.Tensor, kv: MLAKVLayer | None, k: torch.Tensor | None,
                v: torch.Tensor | None, latent: torch.Tensor | None, rope: torch.Tensor | None,
                out: torch.Tensor | None, lse: torch.Tensor | None, want_lse: bool,
-               decompress: PrefixDecompress | None = None, chunk_tokens: int | None = None) -> list[Refusal]:
+               decompress: PrefixDecompress | None = None, chunk_tokens: int | None = None,
+               q_scale: torch.Tensor | None = None) -> list[Refusal]:
         """Everything ``forward_extend`` refuses (MHA_CHUNKED_KV with :meth:`chunked`)."""
         fmode, phase = md.forward_mode, md.phase
         if fmode is ForwardMode.DECODE:
@@ -405,6 +414,8 @@ class RequestChecker:
         if q.dim() != 3:
             return refused + self.query_form(method, phase, q)
         if method is ForwardMethod.MHA_CHUNKED_KV:
+            if q_scale is not None:
+                refused += self.query_scale(q, q_scale)
             return refused + self.chunked(md, q, kv, k, v, latent, rope, out, lse, decompress,
                                           chunk_tokens)
         if decompress is not None or chunk_tokens is not None:
@@ -438,6 +449,8 @@ class RequestChecker:
                 refused += self.ragged_kv(q, k, v, md.num_kv_tokens, "ragged MHA k / v",
                                           "k and v cover prefix + new tokens, ragged by "
                                           "kv_indptr")
+        if q_scale is not None or q.dtype == torch.float8_e4m3fn:
+            refused += self.query_scale(q, q_scale)
         return (refused + self.pool(kv) + self.new_rows(kv, latent, rope, md.num_tokens)
                 + self.outputs(q, out, (md.num_tokens, q.shape[1], v_dim), lse))
 

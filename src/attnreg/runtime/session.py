@@ -49,7 +49,7 @@ from attnreg.registry.capabilities import PHASE_FORWARD_MODES, VALID_GRAPH_MODES
 
 from .backend import AttentionBackend
 from .batch import SPECULATIVE_MODES, ForwardBatch
-from .dtypes import torch_dtype
+from .dtypes import output_dtype, torch_dtype
 from .graph_runner import CapturedGraph, EagerStep, GraphRecorder, GraphRunner
 from .index_buffer import IndexBuffer
 from .indices import IndexLayout, PackedIndices
@@ -310,21 +310,26 @@ class GraphSession:
         rows = max(nt for _, nt in self._shapes.values())
         dev = self.pool.device
         qdt = torch_dtype(cfg.q_dtype)
+        # an fp8 q's outputs and new KV rows are the model's bf16 (output_dtype)
+        odt = output_dtype(qdt)
         heads = cfg.num_heads
         mla = self.method is ForwardMethod.MLA
         qk = cfg.kv_row_dim if mla else cfg.mha_head_dims[0]
         dv = cfg.kv_lora_rank if mla else cfg.mha_head_dims[1]
 
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=qdt, device=dev)
+        def zeros(*shape: int, dtype: torch.dtype = qdt) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=dev)
 
         n = self.layers
         statics = StaticBuffers(
             qs=[zeros(rows, heads, qk) for _ in range(n)],
-            latents=[zeros(rows, cfg.kv_lora_rank) for _ in range(n)] if self.writes_kv else [],
-            ropes=[zeros(rows, cfg.qk_rope_head_dim) for _ in range(n)] if self.writes_kv
-            else [],
-            outs=[zeros(rows, heads, dv) for _ in range(n)])
+            latents=[zeros(rows, cfg.kv_lora_rank, dtype=odt) for _ in range(n)]
+            if self.writes_kv else [],
+            ropes=[zeros(rows, cfg.qk_rope_head_dim, dtype=odt) for _ in range(n)]
+            if self.writes_kv else [],
+            outs=[zeros(rows, heads, dv, dtype=odt) for _ in range(n)],
+            q_scales=[torch.ones(1, dtype=torch.float32, device=dev) for _ in range(n)]
+            if qdt == torch.float8_e4m3fn else [])
         if not mla:
             statics.k = zeros(max_kv_rows, heads, cfg.mha_head_dims[0])
             statics.v = zeros(max_kv_rows, heads, cfg.mha_head_dims[1])
@@ -458,7 +463,8 @@ class GraphSession:
 
         inputs = StepInputs([first(q) for q in s.qs],
                             [first(t) for t in s.latents] if s.latents else [],
-                            [first(t) for t in s.ropes] if s.ropes else [], s.k, s.v)
+                            [first(t) for t in s.ropes] if s.ropes else [], s.k, s.v,
+                            list(s.q_scales))
         return inputs, [first(o) for o in s.outs]
 
     def _graph_step(self, key: BucketKey, batch: ForwardBatch | None = None,
@@ -505,11 +511,11 @@ class GraphSession:
             rope = inputs.rope_new[i] if ses.writes_kv else None
             if step.forward_mode is ForwardMode.DECODE:
                 ses.backend.forward_decode(inputs.q[i], latent, rope, ses.pool, step.batch,
-                                           out=outs[i], layer_id=i)
+                                           out=outs[i], layer_id=i, q_scale=inputs.q_scale[i])
             else:
                 ses.backend.forward_extend(inputs.q[i], latent, rope, ses.pool, step.batch,
                                            method=ses.method, k=inputs.k, v=inputs.v,
-                                           out=outs[i], layer_id=i)
+                                           out=outs[i], layer_id=i, q_scale=inputs.q_scale[i])
 
     # -- run ---------------------------------------------------------------------------
     def decide(self, batch: ForwardBatch, facts: ReplayBatch | None = None
@@ -746,11 +752,13 @@ class GraphSession:
             rope = inputs.rope_new[i] if self.writes_kv else None
             if batch.forward_mode is ForwardMode.DECODE:
                 out.append(self.backend.forward_decode(inputs.q[i], latent, rope, self.pool,
-                                                       batch, layer_id=i))
+                                                       batch, layer_id=i,
+                                                       q_scale=inputs.q_scale[i]))
             else:
                 out.append(self.backend.forward_extend(inputs.q[i], latent, rope, self.pool,
                                                        batch, method=self.method, k=inputs.k,
-                                                       v=inputs.v, layer_id=i))
+                                                       v=inputs.v, layer_id=i,
+                                                       q_scale=inputs.q_scale[i]))
         return out
 
     # -- inputs ------------------------------------------------------------------------
@@ -782,6 +790,9 @@ class GraphSession:
                 continue
             static[:n].copy_(value)
             static[n:rows].zero_()
+        for static_scale, value_scale in zip(s.q_scales, inputs.q_scale):
+            if value_scale is not None:  # a scale is a value, not rows: nothing to pad
+                static_scale.copy_(value_scale.reshape(static_scale.shape))
         for static_kv, value_kv in ((s.k, inputs.k), (s.v, inputs.v)):
             if static_kv is not None and value_kv is not None:
                 t = value_kv.shape[0]

@@ -88,6 +88,8 @@ class StepInputs:
     the new tokens' cache rows (``None``: the caller wrote them already, or the
     session does not write the KV).  ``k`` / ``v``: the ragged MHA inputs of
     prefix + new tokens (the MHA method only), shared by the layers.
+    ``q_scale[i]``: layer ``i``'s float32 ``[1]`` dequantisation scale when its q is
+    fp8 (a kernel declaring fp8 queries), else None.
     """
 
     q: list[torch.Tensor]
@@ -95,6 +97,7 @@ class StepInputs:
     rope_new: list[torch.Tensor | None] = field(default_factory=list)
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    q_scale: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.q)
@@ -102,16 +105,19 @@ class StepInputs:
             self.latent_new = [None] * n
         if not self.rope_new:
             self.rope_new = [None] * n
-        if len(self.latent_new) != n or len(self.rope_new) != n:
-            raise ValueError(f"StepInputs: {n} q, {len(self.latent_new)} latent_new and "
-                             f"{len(self.rope_new)} rope_new; give one of each per layer")
+        if not self.q_scale:
+            self.q_scale = [None] * n
+        if len(self.latent_new) != n or len(self.rope_new) != n or len(self.q_scale) != n:
+            raise ValueError(f"StepInputs: {n} q, {len(self.latent_new)} latent_new, "
+                             f"{len(self.rope_new)} rope_new and {len(self.q_scale)} "
+                             "q_scale; give one of each per layer")
 
     @classmethod
     def one(cls, q: torch.Tensor, latent_new: torch.Tensor | None = None,
             rope_new: torch.Tensor | None = None, *, k: torch.Tensor | None = None,
-            v: torch.Tensor | None = None) -> StepInputs:
+            v: torch.Tensor | None = None, q_scale: torch.Tensor | None = None) -> StepInputs:
         """The inputs of a one-layer step."""
-        return cls([q], [latent_new], [rope_new], k, v)
+        return cls([q], [latent_new], [rope_new], k, v, [q_scale])
 
     @property
     def layers(self) -> int:
@@ -197,7 +203,7 @@ class StaticBuffers:
 
     A bucket's graph records views of their first rows.  ``latents`` / ``ropes``
     are empty when the session does not write the KV; ``k`` / ``v`` exist for the
-    MHA method only.
+    MHA method only; ``q_scales`` (one float32 ``[1]`` per layer) for fp8 queries only.
     """
 
     qs: list[torch.Tensor]
@@ -206,6 +212,7 @@ class StaticBuffers:
     outs: list[torch.Tensor]
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    q_scales: list[torch.Tensor] = field(default_factory=list)
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every static tensor by name (``q[layer 1]`` ... for several layers)."""
@@ -214,6 +221,8 @@ class StaticBuffers:
         for i in range(n):
             at = f"[layer {i}]" if n > 1 else ""
             out[f"q{at}"] = self.qs[i]
+            if self.q_scales:
+                out[f"q_scale{at}"] = self.q_scales[i]
             if self.latents:
                 out[f"latent_new{at}"] = self.latents[i]
                 out[f"rope_new{at}"] = self.ropes[i]

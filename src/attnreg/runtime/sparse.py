@@ -18,6 +18,7 @@ import torch
 from attnreg.registry import GraphMode
 
 from .batch import ForwardBatch
+from .forward_io import lse_for
 from .kv_formats import FP8_DS_MLA_TILE, pack_fp8_ds_mla, unpack_fp8_ds_mla
 from .metadata import ForwardMetadata
 from .pool import MLAKVLayer, MLAKVPool
@@ -56,7 +57,7 @@ class SparseForward:
             backend._write_kv(kv, md, latent_new, rope_new)
         if out is None:
             out = q.new_empty((*q.shape[:2], backend.config.kv_lora_rank))
-        lse_out = backend._lse(lse, q) if want_lse else None
+        lse_out = lse_for(lse, q) if want_lse else None
         self._forward_sparse_impl(q, kv, md, out, topk_indices, lse=lse_out)
         if lse_out is None:
             return out

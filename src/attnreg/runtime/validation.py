@@ -20,6 +20,7 @@ from attnreg.registry import Capabilities, ForwardMethod
 
 from .batch import ForwardBatch
 from .config import MLAConfig
+from .dtypes import output_dtype
 from .index_buffer import OVERWRITTEN
 from .indices import INDEX_FIELDS
 from .pool import MLAKVLayer, MLAKVPool
@@ -167,7 +168,25 @@ def ragged_kv_problems(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config
 def output_problems(out: torch.Tensor, q: torch.Tensor, shape: tuple[int, int, int]
                     ) -> list[str]:
     """What is wrong with a caller's ``out=`` tensor for queries ``q``."""
-    if tuple(out.shape) != shape or out.dtype != q.dtype or out.device != q.device:
+    want = output_dtype(q.dtype)
+    if tuple(out.shape) != shape or out.dtype != want or out.device != q.device:
         return [f"got {tuple(out.shape)} {out.dtype} on {out.device}, expected {shape} "
-                f"{q.dtype} on {q.device}"]
+                f"{want} on {q.device}"]
+    return []
+
+
+def query_scale_problems(q: torch.Tensor, q_scale: torch.Tensor | None) -> list[str]:
+    """What is wrong with the ``q_scale`` given with ``q``: an fp8 query needs one (float32,
+    one element, on q's device: real q = q * q_scale), any other query takes none."""
+    if q.dtype != torch.float8_e4m3fn:
+        if q_scale is None:
+            return []
+        return [f"q_scale was given with a {q.dtype} query; only an fp8 query carries a "
+                "scale"]
+    if q_scale is None:
+        return ["an fp8 query needs its float32 dequantisation scale (q_scale=, one "
+                "element: real q = q * q_scale)"]
+    if q_scale.dtype != torch.float32 or q_scale.numel() != 1 or q_scale.device != q.device:
+        return [f"q_scale is {tuple(q_scale.shape)} {q_scale.dtype} on {q_scale.device}; "
+                f"expected one float32 element on {q.device}"]
     return []

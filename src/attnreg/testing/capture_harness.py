@@ -410,7 +410,8 @@ class CapturedForward:
         """One workload per layer (the first for layers without one of their own)."""
         per_layer = [works[i] if i < len(works) else works[0] for i in range(self.layers)]
         return StepInputs([w.q for w in per_layer], [w.latent_new for w in per_layer],
-                          [w.rope_new for w in per_layer], works[0].k, works[0].v)
+                          [w.rope_new for w in per_layer], works[0].k, works[0].v,
+                          [w.q_scale for w in per_layer])
 
     def _fill(self, works: list[Workload]) -> None:
         self.session.load(self.key, self._inputs(works))
@@ -457,7 +458,7 @@ def capture_once(backend: AttentionBackend, pool: MLAKVPool, work: Workload, *,
         device_graphs=False, warmup=0)
     session.capture(batches={bucket: batch},
                     inputs={bucket: StepInputs.one(work.q, work.latent_new, work.rope_new,
-                                                   k=work.k, v=work.v)})
+                                                   k=work.k, v=work.v, q_scale=work.q_scale)})
     return session
 
 

@@ -318,7 +318,10 @@ def dtype_pairs(k: KernelConstraints) -> list[tuple[DType, DType]]:
     pairs: list[tuple[DType, DType]] = []
     for q in _ordered(k.q_dtypes):
         if q is DType.FP8_E4M3:
-            continue  # fp8 queries are not part of any built-in claim
+            # an engine's fp8 q (with its scale) over an fp8 cache: absorbed MLA only
+            if k.page_sizes and DType.FP8_E4M3 in k.kv_dtypes:
+                pairs.append((q, q))
+            continue
         if not k.page_sizes:
             if q in k.kv_dtypes:
                 pairs.append((q, q))

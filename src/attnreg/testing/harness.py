@@ -25,7 +25,14 @@ from attnreg.registry import (
     SupportKind,
     UnsupportedError,
 )
-from attnreg.runtime import AttentionBackend, EagerStep, GraphRunner, MLAConfig, MLAKVPool
+from attnreg.runtime import (
+    AttentionBackend,
+    EagerStep,
+    GraphRunner,
+    MLAConfig,
+    MLAKVPool,
+    output_dtype,
+)
 
 from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served, capture_once
@@ -174,14 +181,14 @@ class Harness:
         if work.batch.forward_mode is ForwardMode.DECODE:
             return backend.forward_decode(work.q, work.latent_new, work.rope_new, pool,
                                           work.batch, layer_id=work.layer_id,
-                                          return_lse=return_lse)
+                                          return_lse=return_lse, q_scale=work.q_scale)
         extra: dict[str, object] = {}
         if work.method is ForwardMethod.MHA_CHUNKED_KV:
             extra = {"decompress": work.decompress, "chunk_tokens": work.chunk_tokens}
         return backend.forward_extend(work.q, work.latent_new, work.rope_new, pool, work.batch,
                                       method=work.method, k=work.k, v=work.v,
                                       layer_id=work.layer_id, return_lse=return_lse,
-                                      **extra)  # type: ignore[arg-type]
+                                      q_scale=work.q_scale, **extra)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------
     # eager correctness
@@ -711,12 +718,14 @@ class _Piecewise:
         hidden = {name: buf(getattr(first, name), rows) for name in ("q", "latent_new",
                                                                       "rope_new")}
         hidden_kv = {name: buf(getattr(first, name), kv_rows) for name in ("k", "v")}
+        if first.q_scale is not None:  # an fp8 q's scale, copied in by piece A as well
+            hidden_kv["q_scale"] = buf(first.q_scale, 1)
         static = {name: torch.zeros_like(t) for name, t in hidden.items() if t is not None}
         static_kv = {name: torch.zeros_like(t) for name, t in hidden_kv.items()
                      if t is not None}
         out_dim = config.kv_lora_rank if method is ForwardMethod.MLA else config.v_head_dim
-        attn_out = torch.zeros(rows, config.num_heads, out_dim, dtype=first.q.dtype,
-                               device=dev)
+        attn_out = torch.zeros(rows, config.num_heads, out_dim,
+                               dtype=output_dtype(first.q.dtype), device=dev)
         final = torch.zeros_like(attn_out)
         # the batch the eager attention serves: the first one at capture, then each replay's
         current = [first]
@@ -734,17 +743,18 @@ class _Piecewise:
             n = work.rows
             self.backend.init_forward_metadata(work.batch)
             kt, vt = static_kv.get("k"), static_kv.get("v")
+            q_scale = static_kv.get("q_scale")
             if work.spec.phase is Phase.DECODE:
                 self.backend.forward_decode(static["q"][:n], static["latent_new"][:n],
                                             static["rope_new"][:n], pool, work.batch,
-                                            out=attn_out[:n])
+                                            out=attn_out[:n], q_scale=q_scale)
             else:
                 tk = work.k.shape[0] if work.k is not None else 0
                 self.backend.forward_extend(
                     static["q"][:n], static["latent_new"][:n], static["rope_new"][:n],
                     pool, work.batch, method=method,
                     k=kt[:tk] if kt is not None else None,
-                    v=vt[:tk] if vt is not None else None, out=attn_out[:n])
+                    v=vt[:tk] if vt is not None else None, out=attn_out[:n], q_scale=q_scale)
 
         def piece_b() -> None:
             final.copy_(attn_out)

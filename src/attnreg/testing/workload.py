@@ -28,6 +28,8 @@ from attnreg.runtime import (
     decode_batch,
     draft_extend_batch,
     extend_batch,
+    output_dtype,
+    quantize_q_fp8,
     torch_dtype,
     verify_batch,
 )
@@ -38,6 +40,7 @@ from .integrity import guarded_pool, ledger_of, nonfinite_problem
 
 __all__ = [
     "FP8_POOL_SCALE",
+    "FP8_Q_GAINS",
     "LARGE_Q_GAINS",
     "LSE_TOLERANCE",
     "TOLERANCES",
@@ -93,6 +96,11 @@ TOLERANCES: dict[DType, Tolerance] = {
     DType.BF16: Tolerance(2e-2, 2e-2),
     DType.FP8_E4M3: Tolerance(8e-2, 8e-2),
 }
+
+
+#: The magnitudes of an engine's fp8 queries, by workload seed: each gain moves the
+#: power-of-two ``q_scale`` by a factor of 2 to 4, so no two consecutive seeds share one.
+FP8_Q_GAINS = (1.0, 4.0, 0.25, 2.0, 0.5)
 
 
 def make_config(combo: Combo, device: str, *, max_context_len: int = 8192) -> MLAConfig:
@@ -176,6 +184,8 @@ class Workload:
     q_compute_dtype: DType | None = None
     #: and its ``q_compute_scale``: one scale per batch, or per query row
     q_compute_scale: str = "batch"
+    #: an fp8 ``q``'s float32 ``[1]`` dequantisation scale (``forward_*(q_scale=)``)
+    q_scale: torch.Tensor | None = None
 
     def tolerance_dtype(self, q_dtype: DType) -> DType:
         """The dtype whose :data:`TOLERANCES` entry the output is held to: the kernel's
@@ -325,7 +335,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     if prefix_rows.shape[0]:
         layer.write(slots[cached].to(device=dev, dtype=torch.int32),
                     prefix_rows[:, :lora], prefix_rows[:, lora:])
-    new = raw[~cached].to(qdt)                      # the model hands new rows in q dtype
+    # the model hands new rows in its own dtype: q's, bf16 beside an fp8 q
+    new = raw[~cached].to(output_dtype(qdt))
     # every sequence's rows as the pool stores them (float32, on the device): the oracle's
     stored = layer.quantize_roundtrip(raw.to(dev))
     stored_new = layer.quantize_roundtrip(new.float().to(dev))
@@ -336,14 +347,25 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     rows = batch.num_tokens
     k = v = None
     decompress = None
+    q_scale = None
     if method is ForwardMethod.MLA:
         q = _randn(gen, rows, heads, pool.row_dim)
         if q_gains:
             gains = torch.tensor([float(q_gains[i % len(q_gains)]) for i in range(rows)])
             q = q * gains[:, None, None]
-        q = q.to(qdt).to(dev)
-        expected, lse = oracle_mla(round_q(q, q_compute_dtype, q_compute_scale), stored, spec, lora,
-                                   config.softmax_scale)
+        if qdt == torch.float8_e4m3fn:
+            # an engine's fp8 q: the model's q rounded with attnreg's one power-of-two
+            # scale per batch (the runtime's own rounding), handed with that scale.  Its
+            # magnitude moves with the seed (x1/4 .. x4), so the workloads of one claim
+            # carry different scales: a backend that keeps one it saw before is refuted
+            gain = FP8_Q_GAINS[seed % len(FP8_Q_GAINS)]
+            q, q_scale = quantize_q_fp8((q * gain).to(torch.bfloat16).to(dev),
+                                        torch.ones(rows, dtype=torch.bool, device=dev))
+            oracle_q = q.float() * q_scale
+        else:
+            q = q.to(qdt).to(dev)
+            oracle_q = round_q(q, q_compute_dtype, q_compute_scale)
+        expected, lse = oracle_mla(oracle_q, stored, spec, lora, config.softmax_scale)
     elif method is ForwardMethod.MHA_CHUNKED_KV:
         qk, dv = config.mha_head_dims
         q = _randn(gen, rows, heads, qk).to(qdt).to(dev)
@@ -365,7 +387,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                     new_slots=slots[~cached].tolist(), expected_lse=lse, layer_id=layer_id,
                     pages=[list(p) for p in pages], decompress=decompress,
                     chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype,
-                    q_compute_scale=q_compute_scale)
+                    q_compute_scale=q_compute_scale, q_scale=q_scale)
     ledger = ledger_of(pool)
     if ledger is not None:
         # the prefixes just written are the pool's new baseline; the slots are this

@@ -24,7 +24,10 @@ The conformance suite must refute each one, with a message pointing at the cause
   softmax scale fixed at 1/sqrt(192) whatever ``MLAConfig.sm_scale`` says, and
   heads beyond the first 8 given the first 8's output;
 * ``planted_fp8_q_unscaled`` (m, ``fp8_q_unscaled``): over an FP8 pool, q cast to fp8
-  e4m3 without a scale (|q| > 448 saturates or becomes NaN), as ``trtllm_mla`` did.
+  e4m3 without a scale (|q| > 448 saturates or becomes NaN), as ``trtllm_mla`` did;
+* ``planted_fp8_q_scale_ignored`` / ``planted_fp8_q_scale_kept`` (n, ``fp8_q_scale``):
+  an engine's fp8 query whose ``q_scale`` is dropped, or whose first scale per layer is
+  reused for every later step (``planted_fp8_q_scale_correct`` is their control).
 
 Load one with ``--attnreg-plugin planted.<module>`` (``tests/conformance`` on
 ``PYTHONPATH``) or ``load_registry(extra_plugins=[("planted", module)])``.

@@ -25,7 +25,10 @@ and the dense decode entry it calls; measured on an H200 on 2026-12-01):
   head) but refuses a bf16 q: q must be fp8 too, with one per-tensor scale.
   The runtime rounds q on the device (``q_compute_dtype`` fp8); with q rounded
   the relative error was 2.9e-2..3.5e-2 for 16, 32, 64 and 128 heads, the
-  heads declared for it.  Output bf16.
+  heads declared for it.  Output bf16.  An engine that rounds q itself (fused
+  into its q projection) hands it as fp8 with ``q_scale``: the kernel's own
+  input, declared as a third entry (fp8 q over the fp8 cache), which costs no
+  launch beside the kernel (issue 31).
 * Split-KV: the kernel's grid is ``num_sm_parts`` thread-block groups, each
   working through the (sequence, KV block) ranges a scheduler kernel
   (``get_mla_decoding_metadata``) assigns from the *device* sequence lengths.
@@ -404,6 +407,13 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
                               page_sizes=(PAGE_SIZE,), max_heads=max(FP8_HEAD_COUNTS),
                               head_counts=FP8_HEAD_COUNTS, kernel=FP8_KERNEL,
                               split_kv=SplitKV.HOST_PLANNED, q_compute_dtype=DType.FP8_E4M3),
+            # The kernel's own input: the engine hands q already in fp8 with its scale
+            # (forward_*(q_scale=)), so nothing is rounded in the graph beside the kernel.
+            KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), ((576, 512),),
+                              q_dtypes=frozenset({DType.FP8_E4M3}),
+                              kv_dtypes=frozenset({DType.FP8_E4M3}), page_sizes=(PAGE_SIZE,),
+                              max_heads=max(FP8_HEAD_COUNTS), head_counts=FP8_HEAD_COUNTS,
+                              kernel=FP8_KERNEL, split_kv=SplitKV.HOST_PLANNED),
         )
         unavailable = (("prefill / extend", _DECODE_ONLY),)
         both = frozenset({Phase.DECODE, Phase.PREFILL})

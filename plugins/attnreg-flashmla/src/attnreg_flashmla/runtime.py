@@ -230,21 +230,25 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
     # ------------------------------------------------------------------------------
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
                              md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor, *,
-                             lse: torch.Tensor | None = None) -> None:
-        self._attend(q, pool, md, out, lse)
+                             lse: torch.Tensor | None = None,
+                             q_scale: torch.Tensor | None = None) -> None:
+        self._attend(q, pool, md, out, lse, q_scale)
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
-                             v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
+                             v: torch.Tensor | None, lse: torch.Tensor | None = None,
+                             q_scale: torch.Tensor | None = None) -> None:
         # Only target-verify batches get here (the plan refused every other extend); the
         # base class allows nothing but absorbed MLA over the pool for them.
         assert pool is not None and method is ForwardMethod.MLA
-        self._attend(q, pool, md, out, lse)
+        self._attend(q, pool, md, out, lse, q_scale)
 
     def _attend(self, q: torch.Tensor, layer: MLAKVLayer, md: ForwardMetadata[FlashMLAPlan],
-                out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """One kernel call for ``s_q`` query tokens per sequence over ``layer``."""
+                out: torch.Tensor, lse: torch.Tensor | None,
+                q_scale: torch.Tensor | None) -> None:
+        """One kernel call for ``s_q`` query tokens per sequence over ``layer``; an fp8
+        ``q`` (the base class checked it comes with its ``q_scale``) goes in as given."""
         plan = self._plan(md)
         tokens = plan.tokens_per_seq
         if plan.schedule is None:
@@ -256,12 +260,16 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         scale = self.config.softmax_scale
         q = q if q.is_contiguous() else q.contiguous()
         if self._fp8:
-            # q is rounded to fp8 per tensor on the device (the declaration says so:
-            # q_compute_dtype fp8); padded sequences of a replay (length 0) do not set the
-            # scale: seq_lens is the live-row mask as is (nonzero = live, no comparison
-            # launch).  Rows grouped per sequence: [B, s_q * H, 576].
-            q8, q_descale = kernel.quantize_q(q.view(md.batch_size, -1, q.shape[-1]),
-                                              md.seq_lens)
+            if q_scale is not None:
+                # the engine's own fp8 q and scale: the kernel's input as it is
+                q8, q_descale = q, q_scale.reshape(1)
+            else:
+                # q is rounded to fp8 per tensor on the device (the declaration says so:
+                # q_compute_dtype fp8); padded sequences of a replay (length 0) do not set
+                # the scale: seq_lens is the live-row mask as is (nonzero = live, no
+                # comparison launch).  Rows grouped per sequence: [B, s_q * H, 576].
+                q8, q_descale = kernel.quantize_q(q.view(md.batch_size, -1, q.shape[-1]),
+                                                  md.seq_lens)
             result, lse_lib = kernel.decode(self._lib, q8.view(q.shape), layer.buffer,
                                             md.page_table, md.seq_lens, plan.schedule,
                                             softmax_scale=scale, tokens_per_seq=tokens,

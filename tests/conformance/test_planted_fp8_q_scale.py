@@ -1,0 +1,47 @@
+"""(n) An engine's fp8 query mishandled: ``planted_fp8_q_scale_ignored`` (drops
+``q_scale``) is refuted by every fp8-query claim, ``planted_fp8_q_scale_kept`` (reuses
+each layer's first scale) by every claim that runs a second batch, and the control that
+dequantises with each call's own scale holds them all.  One exhaustive cpu run: the
+eager claims and the capture-mode paths (the session's static ``q_scale``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ._run import by_status, conformance
+
+pytest.importorskip("torch")
+
+IGNORED, KEPT, CORRECT = (f"planted_fp8_q_scale_{d}" for d in ("ignored", "kept", "correct"))
+FP8Q = "fp8_e4m3-fp8_e4m3/p16/h2/576x512"
+
+
+def test_an_fp8_querys_scale_must_reach_every_call(tmp_path):
+    args = ["--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
+            "-k", "fp8_e4m3-fp8_e4m3 and p16 and h2 and (eager or fp8_large_q)"]
+    for backend in (IGNORED, KEPT, CORRECT):
+        args += ["--backend", backend]
+    code, out, data = conformance(tmp_path, *args)
+    assert code == 1 and data is not None, out
+    refuted, verified = by_status(data, "refuted"), by_status(data, "verified")
+
+    def ids(statuses: dict[str, str], backend: str) -> set[str]:
+        return {cid.removeprefix(backend + "/") for cid in statuses if
+                cid.startswith(backend + "/")}
+
+    # the control holds every claim the run made, eager and through each capture path
+    assert not ids(refuted, CORRECT), out
+    held = ids(verified, CORRECT)
+    assert {f"eager/decode/mla/{FP8Q}", f"eager/prefill/mla/{FP8Q}",
+            f"capture/decode/full/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05",
+            f"capture/prefill/tc_piecewise/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05"} <= held
+    # a dropped scale: nothing holds
+    assert ids(refuted, IGNORED) == held, out
+    # a kept scale: every claim whose batches carry another scale than the first
+    kept = ids(refuted, KEPT)
+    assert {f"eager/decode/mla/{FP8Q}", f"eager/prefill/mla/{FP8Q}",
+            f"capture/decode/full/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05",
+            f"capture/decode/full/target_verify/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05",
+            f"capture/prefill/breakable/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05"} <= kept, out
+    for cid in kept:
+        assert "output differs from the float64 oracle" in refuted[f"{KEPT}/{cid}"]
