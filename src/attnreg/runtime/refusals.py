@@ -327,6 +327,8 @@ class RequestChecker:
     @staticmethod
     def query_scale(q: torch.Tensor, q_scale: torch.Tensor | None) -> list[Refusal]:
         """An fp8 query without its ``q_scale`` (or a bad one), or a scale with any other."""
+        if q_scale is None and q.dtype != torch.float8_e4m3fn:
+            return []  # every forward of a 16-bit q asks: answered without building anything
         return _if("q_scale", validation.query_scale_problems(q, q_scale),
                    "pass q_scale=<float32 [1] on q's device> with an fp8 q, and only then")
 
@@ -391,8 +393,7 @@ class RequestChecker:
         if kv.kv_format is not None:
             refused += self.dense_rows(kv, "dense MLA decode")
         refused += self.query(q, md.batch_size, cfg.kv_row_dim)
-        if q_scale is not None or q.dtype == torch.float8_e4m3fn:
-            refused += self.query_scale(q, q_scale)
+        refused += self.query_scale(q, q_scale)
         if latent is not None or rope is not None:
             refused += self.new_rows(kv, latent, rope, md.num_tokens)
         if out is not None or lse is not None:
@@ -414,8 +415,7 @@ class RequestChecker:
         if q.dim() != 3:
             return refused + self.query_form(method, phase, q)
         if method is ForwardMethod.MHA_CHUNKED_KV:
-            if q_scale is not None:
-                refused += self.query_scale(q, q_scale)
+            refused += self.query_scale(q, q_scale)
             return refused + self.chunked(md, q, kv, k, v, latent, rope, out, lse, decompress,
                                           chunk_tokens)
         if decompress is not None or chunk_tokens is not None:
@@ -449,8 +449,7 @@ class RequestChecker:
                 refused += self.ragged_kv(q, k, v, md.num_kv_tokens, "ragged MHA k / v",
                                           "k and v cover prefix + new tokens, ragged by "
                                           "kv_indptr")
-        if q_scale is not None or q.dtype == torch.float8_e4m3fn:
-            refused += self.query_scale(q, q_scale)
+        refused += self.query_scale(q, q_scale)
         return (refused + self.pool(kv) + self.new_rows(kv, latent, rope, md.num_tokens)
                 + self.outputs(q, out, (md.num_tokens, q.shape[1], v_dim), lse))
 
