@@ -16,8 +16,10 @@
 #          other backends' non-capture claims beside; FA4=1: flash_attn_cute's conformance.
 # integrity the capture planted defects of the integrity set on cuda.
 # fp8q     the FlashMLA plugin's conformance (its fp8-q entry beside the others) and the
-#          planted fp8-query defects (a dropped or a kept q_scale) with their control under
-#          real graphs, at once; then the plugin's GPU tests.
+#          planted fp8-query defects (a kept q_scale, one scale per step) with their control
+#          under real graphs, at once; then the plugin's GPU tests.
+# wide     scripts/probe_triton_wide_heads.py (Triton decode at 64-128 heads: warp
+#          specialization, one program for 128 heads).
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # claims   conformance of CLAIMS_BACKENDS (default triton reference flashmla) restricted to K (a
 #          -k expression, default fp8_large_q), the FlashMLA plugin loaded; in the
@@ -27,7 +29,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|sparsebench|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|wide|sparsebench|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -119,10 +121,16 @@ case $step in
   fp8q)
     conf flashmla $(limit 400) --plugin attnreg_flashmla.plugin --backend flashmla &
     (cd tests/conformance && conf planted-fp8q $(limit 400) --plugin planted.fp8_q_scale \
-      --backend planted_fp8_q_scale_kept --backend planted_fp8_q_scale_correct \
+      --backend planted_fp8_q_scale_kept --backend planted_fp8_q_scale_per_step \
+      --backend planted_fp8_q_scale_correct \
       -k "fp8_e4m3-fp8_e4m3 and capture and h16 and not capture_memory") &
     wait
     gpu_tests plugin-gpu-tests $(limit 540) plugins/attnreg-flashmla/tests
+    ;;
+  wide)
+    timeout $(left $(limit 540)) python3 scripts/probe_triton_wide_heads.py \
+      --out "$OUT/wide-heads.json" >"$OUT/wide.log" 2>&1
+    echo "rc=$?" >>"$OUT/wide.log"
     ;;
   sparsebench)
     timeout $(left $(limit 400)) python3 -m benchmarks --only sparse --out "$OUT/sparse" \
@@ -136,7 +144,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|sparsebench|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|wide|sparsebench|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"

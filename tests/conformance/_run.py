@@ -25,7 +25,7 @@ def conformance(tmp_path: Path, *args: str, timeout: float = 1200
     """(exit code, stdout + stderr, parsed report or None)."""
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "attnreg", "conformance", "--json", str(report), *args],
+        [sys.executable, "-m", "attnreg", "conformance", "--output", str(report), *args],
         check=False, cwd=tmp_path, env=env(),
         capture_output=True, text=True, timeout=timeout)
     data = json.loads(report.read_text()) if report.exists() else None

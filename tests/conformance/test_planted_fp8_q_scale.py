@@ -12,14 +12,15 @@ from ._run import by_status, conformance
 
 pytest.importorskip("torch")
 
-IGNORED, KEPT, CORRECT = (f"planted_fp8_q_scale_{d}" for d in ("ignored", "kept", "correct"))
+IGNORED, KEPT, PER_STEP, CORRECT = (f"planted_fp8_q_scale_{d}"
+                                    for d in ("ignored", "kept", "per_step", "correct"))
 FP8Q = "fp8_e4m3-fp8_e4m3/p16/h2/576x512"
 
 
 def test_an_fp8_querys_scale_must_reach_every_call(tmp_path):
     args = ["--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
-            "-k", "fp8_e4m3-fp8_e4m3 and p16 and h2 and (eager or fp8_large_q)"]
-    for backend in (IGNORED, KEPT, CORRECT):
+            "-k", "fp8_e4m3-fp8_e4m3 and p16 and h2 and (eager or fp8_large_q) and not multi_layer"]
+    for backend in (IGNORED, KEPT, PER_STEP, CORRECT):
         args += ["--backend", backend]
     code, out, data = conformance(tmp_path, *args)
     assert code == 1 and data is not None, out
@@ -45,3 +46,24 @@ def test_an_fp8_querys_scale_must_reach_every_call(tmp_path):
             f"capture/prefill/breakable/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05"} <= kept, out
     for cid in kept:
         assert "output differs from the float64 oracle" in refuted[f"{KEPT}/{cid}"]
+    # one scale per step: every single-layer claim holds (the next test refutes it)
+    assert ids(verified, PER_STEP) == held, out
+
+
+def test_each_layer_of_a_step_gets_its_own_query_scale(tmp_path):
+    """The step's first layer's scale used for every layer: only the multi-layer claims of
+    the fp8-query pair (each layer's query carries its own scale) can see it."""
+    code, out, data = conformance(
+        tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
+        "--backend", PER_STEP, "--backend", CORRECT,
+        "-k", "multi_layer and fp8_e4m3-fp8_e4m3 and p16 and h2 and decode")
+    assert code == 1 and data is not None, out
+    refuted, verified = by_status(data, "refuted"), by_status(data, "verified")
+    claims = {c["id"].removeprefix(PER_STEP + "/") for c in data["claims"]
+              if c["id"].startswith(PER_STEP + "/")}
+    assert {f"eager/decode/mla/multi_layer/{FP8Q}",
+            f"capture/decode/full/multi_layer/mla/{FP8Q}"} <= claims, out
+    assert {f"{PER_STEP}/{cid}" for cid in claims} == set(refuted), out
+    assert {f"{CORRECT}/{cid}" for cid in claims} == set(verified), out
+    for cid, message in refuted.items():
+        assert "(layer 1)" in message or "layer 1:" in message, (cid, message)

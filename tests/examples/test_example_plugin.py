@@ -118,7 +118,7 @@ def test_conformance_suite_passes_on_cpu(site, tmp_path):
     """Run from the repository root, as the tutorial does."""
     report = tmp_path / "report.json"
     proc = attnreg(site, "conformance", "--backend", BACKEND, "--device", "cpu",
-                   "--json", str(report))
+                   "--output", str(report))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(report.read_text())
     assert data["summary"]["by_backend"][BACKEND]["refuted"] == 0

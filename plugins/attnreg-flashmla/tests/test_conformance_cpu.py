@@ -48,16 +48,6 @@ def _undeclared_configuration(claim) -> bool:
                                    page_size=combo.page_size, num_heads=combo.num_heads))
 
 
-#: attnreg's claim builder (attnreg.testing.claims.multi_layer_combo, as merged with the
-#: engine contract) puts the fp8 pool of a multi_layer claim at the base configuration's
-#: head count (1), which the fp8 kernel (16, 32, 64, 128 heads) does not accept; the fix
-#: belongs to attnreg (pick the fp8 variant through declared_variant).  Until it lands
-#: those claims cannot hold for any backend whose fp8 kernel takes fewer head counts.
-_CORE_MULTI_LAYER_BUG = ("attnreg core: the multi_layer claim's fp8 configuration is one "
-                         "the declaration refuses (claims.multi_layer_combo skips "
-                         "declared_variant)")
-
-
 @pytest.fixture
 def harness(registry, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla)
@@ -117,7 +107,8 @@ def test_the_oracle_rounds_q_for_the_fp8_kernel_only():
 
 @pytest.mark.parametrize("claim", CLAIMS, ids=[c.id for c in CLAIMS])
 def test_claim_holds_against_the_stand_in(harness, claim):
-    if _undeclared_configuration(claim):
-        assert claim.check is Check.MULTI_LAYER, claim.id  # no other claim may do this
-        pytest.xfail(_CORE_MULTI_LAYER_BUG)
+    # every claim that should hold names a configuration the declaration accepts (the
+    # multi-layer claim's fp8 configurations once took the base's head count, which the
+    # fp8 kernels refuse)
+    assert not _undeclared_configuration(claim), claim.id
     harness.run(claim)

@@ -680,6 +680,13 @@ class PaddedRows(_GraphCheck):
         harness.check_graph(claim, GraphOptions(padded=True))
 
 
+def _own_per_layer(combo: Combo | None) -> str:
+    """What each layer of a multi-layer claim has of its own."""
+    if combo is not None and combo.q_dtype is DType.FP8_E4M3:
+        return "own contents, kv scales and query scales"
+    return "own contents and kv scales"
+
+
 @register_check
 class MultiLayer(_GraphCheck):
     """Several layers of one pool, one plan per step: each layer matches its own oracle,
@@ -694,16 +701,15 @@ class MultiLayer(_GraphCheck):
         for phase in (Phase.DECODE, Phase.PREFILL):
             if ForwardMethod.MLA not in x.caps.methods(phase):
                 continue
-            combo = x.multi_layer_combo(ForwardMethod.MLA, phase)
-            if combo is None:
-                continue
             specs = eager_specs(phase)[:2]
-            claims.append(self.claim(
-                x, ClaimKind.EAGER, combo,
-                f"{MULTI_LAYER_COUNT} layers of one pool (own contents and kv scales), "
-                f"planned once per step with init_forward_metadata and run per layer_id, "
-                f"each match their own oracle on {', '.join(specs)} ({combo.describe()}); "
-                "every layer writes only its own slots", batches=specs))
+            for combo in x.multi_layer_combos(ForwardMethod.MLA, phase):
+                claims.append(self.claim(
+                    x, ClaimKind.EAGER, combo,
+                    f"{MULTI_LAYER_COUNT} layers of one pool ({_own_per_layer(combo)}), "
+                    f"planned once per step with init_forward_metadata and run per "
+                    f"layer_id, each match their own oracle on {', '.join(specs)} "
+                    f"({combo.describe()}); every layer writes only its own slots",
+                    batches=specs))
         return claims
 
     def graph_claims(self, x: Expansion, site: CaptureSite) -> list[Claim]:
@@ -711,11 +717,11 @@ class MultiLayer(_GraphCheck):
             return []
         replay = site.replay
         return [self.capture_claim(
-            x, site, f"{site.where}, {MULTI_LAYER_COUNT} layers of one pool (own contents "
-            "and kv scales) captured in one graph over one captured plan replay "
+            x, site, f"{site.where}, {MULTI_LAYER_COUNT} layers of one pool "
+            f"({_own_per_layer(combo)}) captured in one graph over one captured plan replay "
             f"{', '.join(replay[:2])} with every layer matching its own oracle",
-            combo=x.multi_layer_combo(site.method, site.phase) or site.base,
-            batches=replay[:2])]
+            combo=combo, batches=replay[:2])
+            for combo in x.multi_layer_combos(site.method, site.phase) or [site.base]]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         if claim.kind is ClaimKind.EAGER:

@@ -457,19 +457,32 @@ def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase
     return out
 
 
-def multi_layer_combo(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
-                      heads: Sequence[int] | None) -> Combo | None:
-    """The base configuration, with an fp8 pool where declared (per-layer scales matter):
-    the fp8 kernel's own base where it takes other head counts than the base's."""
+def multi_layer_combos(caps: Capabilities, method: ForwardMethod, phase: Phase, device: str,
+                       heads: Sequence[int] | None) -> list[Combo]:
+    """The configurations a multi-layer claim runs: the base, with an fp8 pool where
+    declared (per-layer kv scales matter; the fp8 kernel's own base where it takes other
+    head counts than the base's), and, where a kernel takes an engine's fp8 query over
+    that pool, that pair too (each layer's query carries its own ``q_scale``)."""
     base = base_combo(caps, method, phase, device, heads)
     if base is None:
-        return None
+        return []
     fp8 = [(q, kv) for q, kv in pairs_for(caps, method, phase) if kv is DType.FP8_E4M3]
     if not fp8:
-        return base
-    # the fp8 kernel may take other head counts or page sizes than the base's
-    return declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
-                            device, heads) or base
+        return [base]
+    # a 16-bit query over the fp8 pool first (the claim ids of one fp8 pair predate the
+    # fp8-query one), then an engine's fp8 query over it where declared
+    fp8.sort(key=lambda pair: pair[0] is DType.FP8_E4M3)
+    first = declared_variant(caps, replace(base, q_dtype=fp8[0][0], kv_dtype=fp8[0][1]),
+                             device, heads) or base
+    out = [first]
+    for q, kv in fp8[1:]:
+        if q is DType.FP8_E4M3:
+            variant = declared_variant(caps, replace(base, q_dtype=q, kv_dtype=kv), device,
+                                       heads)
+            if variant is not None and variant != first:
+                out.append(variant)
+            break
+    return out
 
 
 def is_refused(caps: Capabilities, combo: Combo, **fields: object) -> bool:
@@ -553,8 +566,8 @@ class Expansion:
         """:func:`dtype_variants` of ``base``."""
         return dtype_variants(self.caps, base, method, phase, self.device, self.heads)
 
-    def multi_layer_combo(self, method: ForwardMethod, phase: Phase) -> Combo | None:
-        return multi_layer_combo(self.caps, method, phase, self.device, self.heads)
+    def multi_layer_combos(self, method: ForwardMethod, phase: Phase) -> list[Combo]:
+        return multi_layer_combos(self.caps, method, phase, self.device, self.heads)
 
     def refused(self, combo: Combo, **fields: object) -> bool:
         """Whether the declaration rejects ``combo`` with ``fields`` changed."""

@@ -98,9 +98,10 @@ TOLERANCES: dict[DType, Tolerance] = {
 }
 
 
-#: The magnitudes of an engine's fp8 queries, by workload seed: each gain moves the
-#: power-of-two ``q_scale`` by a factor of 2 to 16 from the seed before, so no two
-#: consecutive seeds share one.
+#: The magnitudes of an engine's fp8 queries, by workload seed plus layer: each gain moves
+#: the power-of-two ``q_scale`` by a factor of 2 to 16 from the one before, so no two
+#: consecutive seeds share one, nor two adjacent layers of one step (a backend that
+#: keeps a scale it saw before, or one layer's for the step, is refuted).
 FP8_Q_GAINS = (1.0, 4.0, 0.25, 2.0, 0.5)
 
 
@@ -357,9 +358,9 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
         if qdt == torch.float8_e4m3fn:
             # an engine's fp8 q: the model's q rounded with attnreg's one power-of-two
             # scale per batch (the runtime's own rounding), handed with that scale.  Its
-            # magnitude moves with the seed (FP8_Q_GAINS: x1/4 .. x4), so the workloads of one claim
-            # carry different scales: a backend that keeps one it saw before is refuted
-            gain = FP8_Q_GAINS[seed % len(FP8_Q_GAINS)]
+            # magnitude moves with the seed and the layer (FP8_Q_GAINS: x1/4 .. x4), so the
+            # workloads of one claim, and the layers of one step, carry different scales
+            gain = FP8_Q_GAINS[(seed + layer_id) % len(FP8_Q_GAINS)]
             q, q_scale = quantize_q_fp8((q * gain).to(torch.bfloat16).to(dev),
                                         torch.ones(rows, dtype=torch.bool, device=dev))
             oracle_q = q.float() * q_scale

@@ -12,6 +12,11 @@ served by dequantising q to bf16 and running Triton's fp8-pool kernel.
   later step.  The first batch of each claim is right; every later batch whose
   query has another magnitude (:data:`attnreg.testing.workload.FP8_Q_GAINS`) is
   off by a power of two.
+* ``planted_fp8_q_scale_per_step``: uses the scale of the step's first layer for
+  every layer of that step (a descale taken once per step, e.g. with the plan, as
+  if the engine had one for the whole model).  Every single-layer claim holds; only
+  the multi-layer claims of the fp8-query pair, whose layers carry their own
+  scales, refute it.
 
 The correct form of the same backend (``q.to(bf16) * q_scale`` every call) holds
 every claim on the output: ``planted_fp8_q_scale_correct``, the control.  Not its
@@ -35,6 +40,7 @@ from ._common import spec, triton_like
 
 IGNORED = "planted_fp8_q_scale_ignored"
 KEPT = "planted_fp8_q_scale_kept"
+PER_STEP = "planted_fp8_q_scale_per_step"
 CORRECT = "planted_fp8_q_scale_correct"
 
 
@@ -84,6 +90,28 @@ class Fp8QueryScaleKept(Fp8QueryCorrect):
         return kept.setdefault(id(pool.buffer), q_scale.clone())
 
 
+class Fp8QueryScalePerStep(Fp8QueryCorrect):
+    def _forward_decode_impl(self, q: torch.Tensor, pool: Any, md: Any, out: torch.Tensor,
+                             *, q_scale: torch.Tensor | None = None, **kwargs: Any) -> None:
+        super()._forward_decode_impl(q, pool, md, out, q_scale=self._step_scale(md, q_scale),
+                                     **kwargs)
+
+    def _forward_extend_impl(self, q: torch.Tensor, pool: Any, md: Any, out: torch.Tensor,
+                             *, method: ForwardMethod, q_scale: torch.Tensor | None = None,
+                             **kwargs: Any) -> None:
+        super()._forward_extend_impl(q, pool, md, out, method=method,
+                                     q_scale=self._step_scale(md, q_scale), **kwargs)
+
+    def _step_scale(self, md: Any, q_scale: torch.Tensor | None) -> torch.Tensor | None:
+        # THE DEFECT: the first layer's scale (the tensor itself: under capture, layer 0's
+        # static scale) serves every layer planned with the same metadata
+        if q_scale is None:
+            return None
+        if self.__dict__.get("_step_md") is not md:
+            self.__dict__["_step_md"], self.__dict__["_step_q_scale"] = md, q_scale
+        return self.__dict__["_step_q_scale"]
+
+
 @attnreg.hookimpl
 def attnreg_register_backends(register: Any) -> None:
     register(spec(IGNORED, "an fp8 query's q_scale dropped",
@@ -91,6 +119,9 @@ def attnreg_register_backends(register: Any) -> None:
                   f"{__name__}:Fp8QueryScaleIgnored"))
     register(spec(KEPT, "an fp8 query's first q_scale kept for every later step",
                   lambda ctx: _with_fp8_queries(KEPT, ctx), f"{__name__}:Fp8QueryScaleKept"))
+    register(spec(PER_STEP, "the first layer's q_scale used for every layer of a step",
+                  lambda ctx: _with_fp8_queries(PER_STEP, ctx),
+                  f"{__name__}:Fp8QueryScalePerStep"))
     register(spec(CORRECT, "(control) an fp8 query dequantised with its own q_scale",
                   lambda ctx: _with_fp8_queries(CORRECT, ctx),
                   f"{__name__}:Fp8QueryCorrect"))
