@@ -103,11 +103,12 @@ def test_on_cuda_one_kernel_in_a_graph_that_follows_the_flags():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_with_a_source_the_live_rows_are_copied_in_the_same_launch(dtype):
+@pytest.mark.parametrize("row", [(3, 700), (9, 1000)])  # 3 blocks; 9 (more than 8 spans)
+def test_with_a_source_the_live_rows_are_copied_in_the_same_launch(dtype, row):
     kernel = _kernel()
     gen = torch.Generator().manual_seed(7)
-    t = torch.randn(6, 3, 700, generator=gen).to(dtype)
-    src = torch.randn(6, 3, 700, generator=gen).to(dtype)
+    t = torch.randn(6, *row, generator=gen).to(dtype)
+    src = torch.randn(6, *row, generator=gen).to(dtype)
     flags = torch.tensor([0, 0, 1, 0, 1, 1], dtype=torch.int32)
     want = src.clone()
     want[flags.ne(0)] = 0

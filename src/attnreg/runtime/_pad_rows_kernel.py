@@ -23,9 +23,15 @@ __all__ = ["fill_flagged_rows_fused", "supports"]
 
 #: elements one program writes per step (4 warps: 8 per thread, a 16-byte bf16 store)
 _BLOCK = 1024
-#: programs per row at most; a row of more blocks loops (a flagged row is written by
-#: up to this many programs, an unflagged one costs each of them one 4-byte load)
+#: programs per row at most without a source; a row of more blocks loops (a flagged row
+#: is written by up to this many programs, an unflagged one costs each of them one 4-byte
+#: load)
 _MAX_SPANS = 8
+#: with a source every row is written, so one program per block (up to this many per row):
+#: 8 programs looping over a row's blocks took 3.4-3.5 us inside a graph for a 1 MiB
+#: decode output ([8, 128, 512] bf16; [1, 128, 512]: 3.4 us), about twice the plain copy
+#: of the same bytes (1.4-1.7 us; H200, scripts/profile_peers_kernels.py)
+_MAX_COPY_SPANS = 1024
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -83,9 +89,9 @@ def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float,
     if n == 0:
         return
     blocks = triton.cdiv(n, _BLOCK)
-    spans = min(blocks, _MAX_SPANS)
-    blocks_per_span = triton.cdiv(blocks, spans)
     has_src = src is not None
+    spans = min(blocks, _MAX_COPY_SPANS if has_src else _MAX_SPANS)
+    blocks_per_span = triton.cdiv(blocks, spans)
     _fill_flagged_rows[(rows, spans)](t, flags, src if has_src else t, float(value),
                                       t.stride(0), src.stride(0) if has_src else 0, n,
                                       blocks_per_span, HAS_SRC=has_src, BLOCK=_BLOCK,
