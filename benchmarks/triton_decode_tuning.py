@@ -153,16 +153,29 @@ def _precompile_worker(job):
         return (H, cfg_t, split, f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def precompile(jobs, workers):
+def compile_in_workers(worker, jobs, workers, what="variants"):
+    """``[worker(job) for job in jobs]``, each in one of ``workers`` spawned processes (the
+    Triton binaries land in the shared cache, so the timed process only loads them)."""
     import concurrent.futures as cf
     import multiprocessing as mp
     t = time.time()
-    res = []
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        for r in ex.map(_precompile_worker, jobs):
-            res.append(r)
-    print(f"precompiled {len(jobs)} variants in {time.time() - t:.1f}s", flush=True)
+        res = list(ex.map(worker, jobs))
+    print(f"compiled {len(jobs)} {what} in {time.time() - t:.1f}s", flush=True)
     return res
+
+
+def compile_report(worker, jobs, workers) -> dict:
+    """:func:`compile_in_workers` over the sorted ``jobs`` (``worker`` returns ``(job,
+    status)``): ``job -> status``, each printed as a ``kernel`` line."""
+    compiled = dict(compile_in_workers(worker, sorted(jobs), workers, "kernels"))
+    for job, status in sorted(compiled.items()):
+        print("kernel", job, status, flush=True)
+    return compiled
+
+
+def precompile(jobs, workers):
+    return compile_in_workers(_precompile_worker, jobs, workers)
 
 
 def bench(fn, rep=60):

@@ -21,15 +21,20 @@ load) and q split into two fp8 parts; benchmarks/results/probes/ holds those run
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.triton_decode_tuning import SHAPES, bench, graph_of, make_inputs, reference  # noqa: E402
+from benchmarks.triton_decode_tuning import (  # noqa: E402
+    SHAPES,
+    bench,
+    compile_report,
+    graph_of,
+    make_inputs,
+    reference,
+)
 
 PAGES = (1, 64)
 
@@ -108,13 +113,8 @@ def main(argv=None) -> int:
             for ps in PAGES:
                 for split in (True, False):
                     jobs.add((16 if H <= 16 else 128, kvn, tuple(cfg), ps, split))
-    t0 = time.time()
-    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as ex:
-        compiled = dict(ex.map(_compile, sorted(jobs)))
-    print(f"compiled {len(jobs)} in {time.time() - t0:.0f} s", flush=True)
+    compiled = compile_report(_compile, jobs, args.workers)
     meta["kernels"] = [[list(j), st] for j, st in sorted(compiled.items())]
-    for j, st in sorted(compiled.items()):
-        print("kernel", j, st, flush=True)
     rows = []
     for (B, L, H) in SHAPES:
         for ps in PAGES:

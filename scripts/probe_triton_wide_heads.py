@@ -25,17 +25,22 @@ sequences) before it is timed; a variant that does not compile or run records it
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import importlib
 import json
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.triton_decode_tuning import SHAPES, bench, graph_of, make_inputs, reference  # noqa: E402
+from benchmarks.triton_decode_tuning import (  # noqa: E402
+    SHAPES,
+    bench,
+    compile_report,
+    graph_of,
+    make_inputs,
+    reference,
+)
 
 PAGES = (1, 64)
 KERNELS = ROOT / "src" / "attnreg" / "backends" / "_triton_kernels"
@@ -121,13 +126,8 @@ def main(argv=None) -> int:
         jobs = {(128 if H >= 128 else 64, ws_mod, tuple(cfg), ps, split)
                 for (_B, _L, H) in shapes for _lab, ws_mod, cfg in variants(H)
                 for ps in PAGES for split in (True, False)}
-        t0 = time.time()
-        with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as ex:
-            compiled = dict(ex.map(_compile, sorted(jobs)))
-        print(f"compiled {len(jobs)} in {time.time() - t0:.0f} s", flush=True)
+        compiled = compile_report(_compile, jobs, args.workers)
         meta["kernels"] = [[list(j), st] for j, st in sorted(compiled.items())]
-        for j, st in sorted(compiled.items()):
-            print("kernel", j, st, flush=True)
         rows = []
         for (B, L, H) in shapes:
             for ps in PAGES:
