@@ -147,3 +147,18 @@ def test_flash_attn_cute_declares_the_output_it_allocates_in_the_graph(reg) -> N
     assert sm90.capture_memory.estimate(shape) == fa_decl.mha_capture_bytes(shape) \
         == 96 * 16 * 128 * 2
     assert sm100.capture_memory.estimate(shape) == 96 * 16 * 512 * 2
+
+
+@pytest.mark.parametrize("q_dtype", ["bf16", "fp8_e4m3"])
+def test_the_capture_shape_carries_the_query_dtype(q_dtype) -> None:
+    """A backend that rounds a 16-bit q inside its graphs (the FlashMLA plugin over an fp8
+    pool) allocates nothing for the engine's own fp8 q: its formula needs q's dtype."""
+    import torch
+
+    from attnreg.runtime.graph_buffers import GraphState
+
+    cfg = MLAConfig(num_heads=16, page_size=64, kv_dtype="fp8_e4m3", q_dtype=q_dtype)
+    shape = GraphState.shape_for(cfg, torch.device("cpu"), 4, 4, 1024)
+    assert shape.q_dtype is DType.parse(q_dtype) and shape.kv_dtype is DType.FP8_E4M3
+    assert CaptureShape(max_batch_size=1, max_num_tokens=1, max_seq_len=1,
+                        num_heads=1).q_dtype is DType.BF16  # the plugin API 1.1 form

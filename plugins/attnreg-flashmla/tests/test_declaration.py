@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from attnreg.registry import (
@@ -246,6 +247,9 @@ def test_an_fp8_pool_adds_the_rounded_queries():
                        page_size=64, kv_dtype=DType.FP8_E4M3)
     assert fp8_query_bytes(64, 128) == {"q_fp8": 64 * 128 * 576, "q_descale": 512}
     assert capture_bytes(fp8) - capture_bytes(bf16) == 64 * 128 * 576 + 512
+    # the engine's own fp8 q (with its scale) is the kernel's input: nothing is rounded
+    fp8_q = replace(fp8, q_dtype=DType.FP8_E4M3)
+    assert capture_bytes(fp8_q) == capture_bytes(bf16)
 
 
 def test_the_declaration_and_the_hook_import_neither_torch_nor_the_library():

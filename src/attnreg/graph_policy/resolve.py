@@ -268,14 +268,15 @@ def capture_shape(ctx: RuleContext, shapes: Sequence[CapturedShapes],
                   kv_pool_bytes: int | None = None) -> CaptureShape:
     """The bounds capture memory is estimated for: the largest captured batch and query
     rows of the phase's graphs, the engine's context, page size and pool, the model's
-    heads and KV dtype."""
+    heads, KV dtype and query (activation) dtype."""
     eng = ctx.engine
     return CaptureShape(
         max_batch_size=max((s.max_requests for s in shapes), default=1),
         max_num_tokens=max((s.num_tokens[-1] for s in shapes if s.num_tokens), default=1),
         max_seq_len=eng.max_context_len, num_heads=ctx.model.num_heads,
         page_size=eng.page_size or 1, kv_dtype=ctx.model.kv_dtype,
-        kv_pool_bytes=eng.kv_pool_bytes if kv_pool_bytes is None else kv_pool_bytes)
+        kv_pool_bytes=eng.kv_pool_bytes if kv_pool_bytes is None else kv_pool_bytes,
+        q_dtype=ctx.model.act_dtype)
 
 
 def _capture_bytes(ctx: RuleContext, mode: GraphMode,

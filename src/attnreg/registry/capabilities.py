@@ -282,6 +282,10 @@ class CaptureShape:
         Multiprocessors of the device; a backend whose split-KV workspace
         fills one wave of them scales with it.  0: unknown (startup queries run
         without torch), each such backend assumes its declared upper bound.
+    q_dtype
+        dtype of the query the engine hands (absorbed MLA): an fp8 one comes with
+        its scale, so a backend that would round a 16-bit q inside the graph
+        allocates nothing for it.  Default bf16 (plugin API 1.2).
     """
 
     max_batch_size: int
@@ -293,6 +297,7 @@ class CaptureShape:
     kv_pool_bytes: int = 0
     num_graphs: int = 0
     num_sms: int = 0
+    q_dtype: DType = DType.BF16
 
     @property
     def graphs(self) -> int:

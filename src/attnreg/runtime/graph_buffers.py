@@ -110,12 +110,13 @@ class GraphState(Generic[BuffersT]):
     def shape_for(config: MLAConfig, device: torch.device, max_bs: int, max_num_tokens: int,
                   max_seq_len: int) -> CaptureShape:
         """The :class:`~attnreg.registry.CaptureShape` of these bounds for ``config`` on
-        ``device``: its heads, page size, KV dtype and the device's multiprocessor count
-        (0 off CUDA)."""
+        ``device``: its heads, page size, KV and query dtypes and the device's
+        multiprocessor count (0 off CUDA)."""
         return CaptureShape(max_batch_size=max_bs, max_num_tokens=max_num_tokens,
                             max_seq_len=max_seq_len, num_heads=config.num_heads,
                             page_size=config.page_size, kv_dtype=DType.parse(config.kv_dtype),
-                            num_sms=device_num_sms(device) or 0)
+                            num_sms=device_num_sms(device) or 0,
+                            q_dtype=DType.parse(config.q_dtype))
 
     @property
     def base_bytes(self) -> int:

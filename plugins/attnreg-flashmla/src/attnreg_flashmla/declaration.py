@@ -299,7 +299,9 @@ def capture_bytes(shape: CaptureShape) -> int:
     sms = shape.num_sms or MAX_SM90_SMS
     call = max(sum(decode_call_bytes(batch, heads, t, sms).values()) for t in {1, tokens})
     total = sum(scheduler_bytes(batch, heads, sms).values()) + call
-    if DType.parse(shape.kv_dtype) is DType.FP8_E4M3:
+    if DType.parse(shape.kv_dtype) is DType.FP8_E4M3 and \
+            DType.parse(shape.q_dtype) is not DType.FP8_E4M3:
+        # a 16-bit q is rounded in the graph; the engine's own fp8 q is the kernel's input
         total += sum(fp8_query_bytes(batch, heads, tokens).values())
     return total
 
@@ -311,7 +313,7 @@ _CAPTURE_MEMORY = CaptureMemory(
              "[B, s_q H, 512], fp32 lse [B, s_q H], fp32 split-KV accumulators "
              "[B + num_sm_parts(H, s_q), s_q H, 512 + 1]; num_sm_parts(H, s_q) = "
              "max(SMs // ceil(s_q H / 64), 1), 132 SMs when unknown; an fp8 pool adds q "
-             "rounded to fp8 [B, s_q H, 576]"))
+             "rounded to fp8 [B, s_q H, 576] unless the engine hands q in fp8"))
 
 
 def sparse_call_bytes(rows: int, num_heads: int, *, fp8_rows: bool,
