@@ -20,7 +20,7 @@ FP8Q = "fp8_e4m3-fp8_e4m3/p16/h2/576x512"
 def test_an_fp8_querys_scale_must_reach_every_call(tmp_path):
     args = ["--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
             "-k", "fp8_e4m3-fp8_e4m3 and p16 and h2 and (eager or fp8_large_q) and not multi_layer"]
-    for backend in (IGNORED, KEPT, PER_STEP, CORRECT):
+    for backend in (IGNORED, KEPT, CORRECT):
         args += ["--backend", backend]
     code, out, data = conformance(tmp_path, *args)
     assert code == 1 and data is not None, out
@@ -46,13 +46,12 @@ def test_an_fp8_querys_scale_must_reach_every_call(tmp_path):
             f"capture/prefill/breakable/fp8_large_q/mla/{FP8Q}/sm_scale7.048e-05"} <= kept, out
     for cid in kept:
         assert "output differs from the float64 oracle" in refuted[f"{KEPT}/{cid}"]
-    # one scale per step: every single-layer claim holds (the next test refutes it)
-    assert ids(verified, PER_STEP) == held, out
 
 
 def test_each_layer_of_a_step_gets_its_own_query_scale(tmp_path):
-    """The step's first layer's scale used for every layer: only the multi-layer claims of
-    the fp8-query pair (each layer's query carries its own scale) can see it."""
+    """The step's first layer's scale used for every layer: the multi-layer claims of the
+    fp8-query pair (each layer's query carries its own scale) refute it.  (Every
+    single-layer claim verifies it: the H200 run of `scripts/h200.sh fp8q`.)"""
     code, out, data = conformance(
         tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
         "--backend", PER_STEP, "--backend", CORRECT,
