@@ -51,7 +51,8 @@ def test_an_fp8_querys_scale_must_reach_every_call(tmp_path):
 def test_each_layer_of_a_step_gets_its_own_query_scale(tmp_path):
     """The step's first layer's scale used for every layer: the multi-layer claims of the
     fp8-query pair (each layer's query carries its own scale) refute it.  (Every
-    single-layer claim verifies it: the H200 run of `scripts/h200.sh fp8q`.)"""
+    single-layer claim verifies it: capture claims in the H200 run of `scripts/h200.sh
+    fp8q`, eager ones in a cpu run.)"""
     code, out, data = conformance(
         tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
         "--backend", PER_STEP, "--backend", CORRECT,
