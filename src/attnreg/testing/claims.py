@@ -50,6 +50,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypedDict
 
 from attnreg.registry.capabilities import (
     SPECULATIVE_MODES,
@@ -400,12 +401,19 @@ def combos_of(caps: Capabilities, k: KernelConstraints, phase: Phase, device: st
     return out
 
 
+class QRounding(TypedDict):
+    """How a kernel rounds q: :func:`~attnreg.testing.workload.make_workload`'s keywords."""
+
+    q_compute_dtype: DType | None
+    q_compute_scale: str
+
+
 def kernel_q_compute_dtype(caps: Capabilities, combo: Combo) -> DType | None:
     """The ``q_compute_dtype`` of the declared kernel that serves ``combo`` (None: q as given)."""
-    return kernel_q_rounding(caps, combo)["q_compute_dtype"]  # type: ignore[return-value]
+    return kernel_q_rounding(caps, combo)["q_compute_dtype"]
 
 
-def kernel_q_rounding(caps: Capabilities, combo: Combo) -> dict[str, object]:
+def kernel_q_rounding(caps: Capabilities, combo: Combo) -> QRounding:
     """How the declared kernel that serves ``combo`` rounds q, as the keyword arguments
     of :func:`~attnreg.testing.workload.make_workload`: ``q_compute_dtype`` (None: q as
     given) and ``q_compute_scale``."""
@@ -413,8 +421,9 @@ def kernel_q_rounding(caps: Capabilities, combo: Combo) -> dict[str, object]:
         if combo.q_dtype in k.q_dtypes and combo.kv_dtype in k.kv_dtypes \
                 and (not k.page_sizes or combo.page_size in k.page_sizes) \
                 and k.accepts_heads(combo.num_heads):
-            return {"q_compute_dtype": k.q_compute_dtype, "q_compute_scale": k.q_compute_scale}
-    return {"q_compute_dtype": None, "q_compute_scale": "batch"}
+            return QRounding(q_compute_dtype=k.q_compute_dtype,
+                             q_compute_scale=k.q_compute_scale)
+    return QRounding(q_compute_dtype=None, q_compute_scale="batch")
 
 
 def base_combo(caps: Capabilities, method: ForwardMethod, phase: Phase,
