@@ -18,7 +18,7 @@ import torch
 from attnreg.registry import GraphMode
 
 from .batch import ForwardBatch
-from .forward_io import lse_for
+from .forward_io import lse_for, output_for
 from .kv_formats import FP8_DS_MLA_TILE, pack_fp8_ds_mla, unpack_fp8_ds_mla
 from .metadata import ForwardMetadata
 from .pool import MLAKVLayer, MLAKVPool
@@ -55,8 +55,7 @@ class SparseForward:
                                                 rope_new, out, lse, want_lse))
         if latent_new is not None and rope_new is not None:
             backend._write_kv(kv, md, latent_new, rope_new)
-        if out is None:
-            out = q.new_empty((*q.shape[:2], backend.config.kv_lora_rank))
+        out = output_for(q, out, q.shape[0], backend.config.kv_lora_rank)
         lse_out = lse_for(lse, q) if want_lse else None
         self._forward_sparse_impl(q, kv, md, out, topk_indices, lse=lse_out)
         if lse_out is None:
