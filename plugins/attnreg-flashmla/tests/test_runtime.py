@@ -336,6 +336,18 @@ def test_a_session_replays_each_steps_fp8_query_with_its_own_scale():
         want = _oracle(q8.float() * q_scale, pool, batch)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
         pool.free(sorted({p for row in batch.page_table.tolist() for p in row if p}))
+    # a step without its scale would replay with the last one; a 16-bit q would be cast
+    # to fp8 unscaled: both refused before anything is copied
+    from attnreg.runtime import SessionError
+
+    batch = decode_batch(pool, [40, 9])
+    q8, q_scale = _engine_fp8(_queries(2))
+    before = statics.q_scales[0].clone()
+    for bad in (StepInputs.one(q8), StepInputs.one(q8.to(torch.bfloat16), q_scale=q_scale),
+                StepInputs.one(q8.to(torch.bfloat16))):
+        with pytest.raises(SessionError, match="layer 0: .*q_dtype fp8_e4m3"):
+            session.replay(batch, bad)
+    assert torch.equal(statics.q_scales[0], before)
 
 
 # -- layers -----------------------------------------------------------------------------

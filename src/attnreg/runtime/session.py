@@ -769,6 +769,20 @@ class GraphSession:
             raise SessionError(f"inputs for {inputs.layers} layers, the session attends "
                                f"{self.layers}")
 
+    def _check_query_scales(self, inputs: StepInputs) -> None:
+        """A graph's static q is fp8 with a static scale exactly when the session's config
+        says so: a copy would otherwise cast a 16-bit q to fp8 without a scale (or drop an
+        fp8 q's scale), and a missing scale would leave the previous step's in place."""
+        fp8 = bool(self.statics is not None and self.statics.q_scales)
+        for i, (q, scale) in enumerate(zip(inputs.q, inputs.q_scale)):
+            if (q.dtype == torch.float8_e4m3fn) != fp8 or (scale is None) == fp8:
+                want = ("an fp8 q with its float32 q_scale" if fp8 else
+                        f"a {torch_dtype(self.backend.config.q_dtype)} q and no q_scale")
+                got = f"a {q.dtype} q " + ("without" if scale is None else "with") + \
+                    " a q_scale"
+                raise SessionError(f"layer {i}: {got}; this session's config (q_dtype "
+                                   f"{self.backend.config.q_dtype}) takes {want}")
+
     def load(self, key: BucketKey, inputs: StepInputs) -> None:
         """Copy ``inputs`` into the static inputs of bucket ``key``; zero its padding rows
         (what :meth:`replay` does first; for a caller that warms up or captures itself)."""
@@ -785,6 +799,7 @@ class GraphSession:
         if s.latents:
             pairs += list(zip(s.latents, inputs.latent_new)) + list(zip(s.ropes,
                                                                          inputs.rope_new))
+        self._check_query_scales(inputs)
         for static, value in pairs:
             if value is None:
                 continue
