@@ -33,7 +33,7 @@ from .chunked_prefix import merge_prefix_chunks
 from .config import MLAConfig
 from .dtypes import resolve_device
 from .errors import KernelErrors
-from .forward_io import hook_options, lse_for, output_for
+from .forward_io import hook_options, hook_result, lse_for, output_for
 from .graph_buffers import BuffersT, GraphState
 from .lse import PrefixDecompress
 from .metadata import ATTENTION_CAPTURE_MODES, ForwardMetadata, PlanT, graph_mode_now, phase_of
@@ -57,6 +57,8 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
 
     #: Overridden per instance by ``capabilities.backend``.
     name: str = "base"
+    #: True: hooks get ``out=None`` when none is given and return their kernel's output
+    returns_kernel_output: bool = False
 
     def __init__(self, config: MLAConfig, *, capabilities: Capabilities,
                  **kwargs: Any) -> None:
@@ -121,8 +123,7 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
     # -- graphs ------------------------------------------------------------------------
     def capture_shape(self, max_bs: int, max_num_tokens: int, max_seq_len: int
                       ) -> CaptureShape:
-        """The :class:`~attnreg.registry.CaptureShape` graph buffers are sized for (what the
-        declared ``CaptureMemory.estimate`` is asked about)."""
+        """The ``CaptureShape`` graph buffers are sized for (``CaptureMemory.estimate``'s)."""
         return GraphState.shape_for(self.config, self.device, max_bs, max_num_tokens,
                                     max_seq_len)
 
@@ -199,28 +200,27 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         return [] if self.graph_state is None else list(self.graph_state.captured.values())
 
     def graph_buffer_bytes(self) -> int:
-        """Bytes of this backend's graph buffers and captured plans (not the runtime's
-        ``GraphState.base_bytes``), from the typed state: no device allocator asked."""
+        """Bytes of its graph buffers and captured plans (from the typed state; not
+        ``GraphState.base_bytes``)."""
         return 0 if self.graph_state is None else self.graph_state.buffer_bytes()
 
     def zero_padded_rows(self, out: torch.Tensor, md: ForwardMetadata[PlanT], *,
                          src: torch.Tensor | None = None) -> None:
-        """Under graph metadata zero ``out``'s padding rows (``GraphState.zero_padded_rows``,
-        capture-safe), copying ``src`` (a library's own result) in by the same launch."""
+        """Under graph metadata zero ``out``'s padding rows (capture-safe), copying ``src`` (a
+        library's own result) in by the same launch; ``out`` may be that result itself."""
         if md.is_graph and self.graph_state is not None:
             self.graph_state.fill_padded_rows(out, md, 0.0, src=src)
         elif src is not None:
             out.copy_(src)
 
     def _require_graph_state(self) -> GraphState[BuffersT]:
-        if self.graph_state is None:
+        if (state := self.graph_state) is None:
             raise refusal_error(self.name, self.refusals.graph_state(None))
-        return self.graph_state
+        return state
 
     def _require_buffers(self) -> BuffersT:
         """The backend's own graph buffers (refused before ``init_cuda_graph_state``)."""
-        state = self._require_graph_state()
-        if state.buffers is None:
+        if (state := self._require_graph_state()).buffers is None:
             raise refusal_error(self.name, self.refusals.graph_state(state, buffers=True))
         return state.buffers
 
@@ -259,9 +259,11 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
                                           want_lse, q_scale))
         if latent_new is not None and rope_new is not None:
             self._write_kv(kv, md, latent_new, rope_new)
-        out = output_for(q, out, md.batch_size, self.config.kv_lora_rank)
+        shape = (md.batch_size, self.config.kv_lora_rank)
+        out = output_for(q, out, *shape, kernel_owns=self.returns_kernel_output)
         hook = hook_options(q_scale, lse_for(lse, q) if want_lse else None)
-        self._forward_decode_impl(q, kv, md, out, **hook)
+        out = hook_result("decode", out, self._forward_decode_impl(q, kv, md, out, **hook), q,
+                          *shape)
         if not want_lse:
             return out
         self._mask_padded_lse(hook["lse"], md)
@@ -298,11 +300,12 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
             self._write_kv(kv, md, latent_new, rope_new)
         v_dim = self.config.kv_lora_rank if method is ForwardMethod.MLA else \
             self.config.mha_head_dims[1]
-        out = output_for(q, out, md.num_tokens, v_dim)
-        chunked = method is ForwardMethod.MHA_CHUNKED_KV
-        # chunks merge by their LSE: the kernel produces it
+        chunked = method is ForwardMethod.MHA_CHUNKED_KV  # chunks merge into one out by LSE
+        out = output_for(q, out, md.num_tokens, v_dim,
+                         kernel_owns=self.returns_kernel_output and not chunked)
         hook = hook_options(q_scale, lse_for(lse, q) if want_lse or chunked else None)
-        self._forward_extend_impl(q, kv, md, out, method=method, k=k, v=v, **hook)
+        out = hook_result("extend", out, self._forward_extend_impl(
+            q, kv, md, out, method=method, k=k, v=v, **hook), q, md.num_tokens, v_dim)
         if "lse" not in hook:
             return out
         lse_out = hook["lse"]
@@ -334,19 +337,20 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
 
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
                              md: ForwardMetadata[PlanT], out: torch.Tensor, *,
-                             lse: torch.Tensor | None = None) -> None:
-        """Absorbed decode into ``out`` over ``pool`` (the layer, new tokens written);
-        ``lse`` (float32 [B, H]) only where the decode kernel declares ``lse``; ``q_scale``
-        only with an fp8 q (where a kernel declares one)."""
+                             lse: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Absorbed decode into ``out`` (None: returned, ``returns_kernel_output``) over
+        ``pool`` (the layer, new tokens written); ``lse`` (float32 [B, H]) only where the
+        decode kernel declares it; ``q_scale`` only with an fp8 q (where one is declared)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement decode")
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[PlanT], out: torch.Tensor, *,
                              method: ForwardMethod, k: torch.Tensor | None,
-                             v: torch.Tensor | None, lse: torch.Tensor | None = None) -> None:
-        """Extend attention into ``out`` (EXTEND, or MLA over the pool for TARGET_VERIFY /
-        DRAFT_EXTEND); for MLA the new tokens are already in ``pool``.  MHA_CHUNKED_KV:
-        causal MHA of the new tokens over ``k`` / ``v`` (ragged by ``qo_indptr``), with lse."""
+                             v: torch.Tensor | None, lse: torch.Tensor | None = None
+                             ) -> torch.Tensor | None:
+        """Extend attention into ``out`` (None: returned, as for decode): EXTEND, or MLA over
+        the pool for TARGET_VERIFY / DRAFT_EXTEND (new tokens already in ``pool``);
+        MHA_CHUNKED_KV: causal MHA of the new tokens over ``k`` / ``v`` (by ``qo_indptr``)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement extend")
 
     def _forward_prefix_chunk_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -363,8 +367,7 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         return KernelErrors(self.name, what)
 
     def _validate_batch(self, batch: ForwardBatch) -> None:
-        """Refuse a batch the runtime contract does not allow (int32 indices, shapes)."""
-        self._refuse(self.refusals.batch(batch))
+        self._refuse(self.refusals.batch(batch))  # int32 indices, shapes (the contract's)
 
     def _layer(self, pool: MLAKVPool, layer_id: int) -> MLAKVLayer:
         try:
@@ -372,7 +375,6 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         except IndexError as exc:
             raise refusal_error(self.name, self.refusals.layer(layer_id, str(exc))) from exc
 
-    # -- helpers -----------------------------------------------------------------------
     def _refuse(self, refusals: list[Refusal]) -> None:
         if refusals:
             raise refusal_error(self.name, refusals)
@@ -389,11 +391,10 @@ class AttentionBackend(SparseForward, Generic[PlanT, BuffersT]):
         return md
 
     def _mask_padded_lse(self, lse: torch.Tensor, md: ForwardMetadata[PlanT]) -> None:
-        """Padding rows of a replayed graph get an LSE of -inf (they attend no key)."""
-        if md.is_graph and self.graph_state is not None:
+        if md.is_graph and self.graph_state is not None:  # padding rows attend no key: -inf
             self.graph_state.fill_padded_rows(lse, md, float("-inf"))
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, heads={self.config.num_heads}, "
-                f"page_size={self.config.page_size}, kv_dtype={self.config.kv_dtype}, "
-                f"device={self.device})")
+        c = self.config
+        return (f"{type(self).__name__}(name={self.name!r}, heads={c.num_heads}, page_size="
+                f"{c.page_size}, kv_dtype={c.kv_dtype}, device={self.device})")

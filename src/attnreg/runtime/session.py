@@ -37,6 +37,7 @@ its ``_init_replay_impl``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -137,6 +138,14 @@ class GraphSession:
         syncs inside the graph, a hook before every replay (allocator churn),
         ``device_graphs=False`` on a cpu (capture runs once, replay re-runs),
         side-stream warm-up runs per bucket, a fake recorder in tests.
+    kernel_outputs : bool
+        Where the backend returns its kernel library's own output
+        (``AttentionBackend.returns_kernel_output``; FULL or BREAKABLE graphs of
+        :meth:`attend`-like steps), each bucket keeps the tensors its captured step
+        returned (:meth:`outputs`) instead of copying them into the static outputs:
+        one launch less per layer per replay, for one output per layer per bucket
+        (the static outputs stay, for eager steps).  A step of your own then returns
+        every layer's output, as :meth:`attend` does.  Default False.
     sparse : bool
         The step runs :meth:`~AttentionBackend.forward_sparse` (DSA; its own ``step``
         reads a static top-k index tensor): the graph state is allocated and each
@@ -162,7 +171,7 @@ class GraphSession:
                  forbid_sync: bool = False, before_replay: Callable[[], object] | None = None,
                  device_graphs: bool | None = None, capture_error_mode: str = "global",
                  warmup: int = 1, recorder: GraphRecorder | None = None,
-                 sparse: bool = False) -> None:
+                 sparse: bool = False, kernel_outputs: bool = False) -> None:
         self.backend = backend
         #: the step runs forward_sparse (DSA): capture checks read sparse_graph_modes
         self.sparse = bool(sparse)
@@ -215,8 +224,14 @@ class GraphSession:
         #: the static inputs and outputs (None with ``static_inputs=False``)
         self.statics: StaticBuffers | None = (
             self._allocate(max_kv_rows or 0) if static_inputs else None)
+        #: each bucket keeps its captured step's outputs (``kernel_outputs=`` and a backend
+        #: that returns its kernel's; not TC_PIECEWISE, whose attention runs eagerly)
+        self.kernel_outputs = bool(
+            kernel_outputs and backend.returns_kernel_output and static_inputs
+            and self.mode is not GraphMode.TC_PIECEWISE and not self.sparse)
+        self._kernel_outs: dict[BucketKey, list[torch.Tensor]] = {}
         self._graphs: dict[BucketKey, CapturedGraph] = {}
-        self._outs_by_rows: dict[int, list[torch.Tensor]] = {}
+        self._outs_by_rows: dict[tuple[BucketKey | None, int], list[torch.Tensor]] = {}
         self._decisions: dict[tuple[Any, ...], tuple[bool, int | None, ReplayReason]] = {}
         self._state_ready = False
         #: TC_PIECEWISE: the batch the eager attention plans at the next (re)run
@@ -401,6 +416,9 @@ class GraphSession:
 
     def record(self, key: BucketKey, *, warmup: int | None = None) -> CapturedGraph:
         """Record bucket ``key`` (after :meth:`bind`); ``warmup``: side-stream runs first."""
+        # a warm-up's kept outputs are let go before the capture, not freed inside it
+        self._kernel_outs.pop(key, None)
+        self._outs_by_rows.clear()
         if self.mode is GraphMode.TC_PIECEWISE:
             pieces: list[Callable[[], object] | EagerStep] = [
                 EagerStep(self._function(key, attention_only=True), "attention")]
@@ -493,6 +511,16 @@ class GraphSession:
             return piecewise
         step = self._graph_step(key)
         after = self.after_attention
+        if self.kernel_outputs:
+            bare = replace(step, outputs=None)  # the backend returns its kernel's outputs
+
+            def captured_own() -> None:
+                outs = self._kernel_outs[key] = self._step_outputs(key, self._step_fn(bare))
+                # views of earlier outputs are stale (capture; a re-run without device graphs)
+                self._outs_by_rows.clear()
+                if after is not None:
+                    after(replace(step, outputs=outs))
+            return captured_own
 
         def captured() -> None:
             self._step_fn(step)
@@ -500,22 +528,39 @@ class GraphSession:
                 after(step)
         return captured
 
+    def _step_outputs(self, key: BucketKey, outs: Any) -> list[torch.Tensor]:
+        """What a step of a ``kernel_outputs`` session returned: every layer's output of
+        the bucket's rows (refused otherwise: a replay would hand back nothing)."""
+        rows = self._shapes[key][1]
+        if isinstance(outs, list) and len(outs) == self.layers and all(
+                isinstance(o, torch.Tensor) and o.shape[0] == rows for o in outs):
+            return outs
+        raise SessionError(
+            f"the session keeps its backend's own outputs (kernel_outputs=True), but the "
+            f"step of {key[0]} bucket {key[1]} returned {type(outs).__name__}, not "
+            f"{self.layers} tensors of {rows} rows: return every layer's output from the "
+            "step (GraphSession.attend does), or build the session with kernel_outputs=False")
+
     @staticmethod
-    def attend(step: SessionStep) -> None:
-        """The default step: one forward per layer (``layer_id`` 0, 1, ...) of the session."""
+    def attend(step: SessionStep) -> list[torch.Tensor]:
+        """The default step: one forward per layer (``layer_id`` 0, 1, ...) of the session,
+        into ``step.outputs`` (None: what the backend returns); every layer's output."""
         ses, inputs = step.session, step.inputs
         assert inputs is not None
         outs = step.outputs or [None] * ses.layers
+        done: list[torch.Tensor] = []
         for i in range(ses.layers):
             latent = inputs.latent_new[i] if ses.writes_kv else None
             rope = inputs.rope_new[i] if ses.writes_kv else None
             if step.forward_mode is ForwardMode.DECODE:
-                ses.backend.forward_decode(inputs.q[i], latent, rope, ses.pool, step.batch,
-                                           out=outs[i], layer_id=i, q_scale=inputs.q_scale[i])
+                done.append(ses.backend.forward_decode(
+                    inputs.q[i], latent, rope, ses.pool, step.batch, out=outs[i], layer_id=i,
+                    q_scale=inputs.q_scale[i]))
             else:
-                ses.backend.forward_extend(inputs.q[i], latent, rope, ses.pool, step.batch,
-                                           method=ses.method, k=inputs.k, v=inputs.v,
-                                           out=outs[i], layer_id=i, q_scale=inputs.q_scale[i])
+                done.append(ses.backend.forward_extend(
+                    inputs.q[i], latent, rope, ses.pool, step.batch, method=ses.method,
+                    k=inputs.k, v=inputs.v, out=outs[i], layer_id=i, q_scale=inputs.q_scale[i]))
+        return done
 
     # -- run ---------------------------------------------------------------------------
     def decide(self, batch: ForwardBatch, facts: ReplayBatch | None = None
@@ -693,16 +738,41 @@ class GraphSession:
         graph.replay()
         if self.statics is None:
             return []
-        return self._out_views(rows)
+        return self._out_views(key, rows)
 
-    def _out_views(self, rows: int) -> list[torch.Tensor]:
-        """The first ``rows`` rows of every static output, made once per row count: the
-        static outputs never move, so the views stay valid (and each replay skips a slice
-        per layer)."""
-        views = self._outs_by_rows.get(rows)
+    def outputs(self, key: BucketKey) -> list[torch.Tensor]:
+        """Every layer's whole output of bucket ``key``: the rows its graph writes (padding
+        rows included), where each replay of it leaves them.  The static outputs' first
+        rows, or under :attr:`kernel_outputs` the tensors its captured step returned (the
+        last warm-up's before capture).
+
+        Raises
+        ------
+        SessionError
+            Without static outputs (``static_inputs=False``), or under
+            :attr:`kernel_outputs` before the bucket's step ran under capture.
+        """
+        if self.statics is None:
+            raise SessionError("this session has no static outputs (static_inputs=False): "
+                               "its step writes tensors of its own")
+        if not self.kernel_outputs:
+            rows = self._shapes[key][1]
+            return [o if o.shape[0] == rows else o[:rows] for o in self.statics.outs]
+        try:
+            return list(self._kernel_outs[key])
+        except KeyError:
+            raise SessionError(f"{key[0]} bucket {key[1]} has no outputs yet: the session "
+                               "keeps the backend's own (kernel_outputs=True), which its "
+                               "warm-up or capture returns") from None
+
+    def _out_views(self, key: BucketKey, rows: int) -> list[torch.Tensor]:
+        """The first ``rows`` rows of every output of bucket ``key``, made once: the
+        outputs never move, so the views stay valid (and each replay skips a slice per
+        layer).  The static outputs serve every bucket alike."""
+        at = (key if self.kernel_outputs else None, rows)
+        views = self._outs_by_rows.get(at)
         if views is None:
-            assert self.statics is not None
-            views = self._outs_by_rows[rows] = [o[:rows] for o in self.statics.outs]
+            views = self._outs_by_rows[at] = [o[:rows] for o in self.outputs(key)]
         return list(views)
 
     def _replay_metadata(self, key: BucketKey, batch: ForwardBatch) -> None:
@@ -729,8 +799,8 @@ class GraphSession:
         self.backend.init_forward_metadata(batch)
         if inputs is not None:
             self._check_inputs(inputs)
-            if self._step_fn is GraphSession.attend:
-                return self._eager_attend(batch, inputs)
+            if self._step_fn is GraphSession.attend:  # what the backend allocates
+                return GraphSession.attend(SessionStep(self, fm, batch, inputs, None))
             self._step_fn(SessionStep(self, fm, batch, inputs, None))
             return []
         if self.statics is None:
@@ -743,23 +813,6 @@ class GraphSession:
         views, outs = self._views(rows)
         self._step_fn(SessionStep(self, fm, batch, views, outs))
         return outs
-
-    def _eager_attend(self, batch: ForwardBatch, inputs: StepInputs) -> list[torch.Tensor]:
-        """The default step over the caller's inputs, returning what the backend allocates."""
-        out: list[torch.Tensor] = []
-        for i in range(self.layers):
-            latent = inputs.latent_new[i] if self.writes_kv else None
-            rope = inputs.rope_new[i] if self.writes_kv else None
-            if batch.forward_mode is ForwardMode.DECODE:
-                out.append(self.backend.forward_decode(inputs.q[i], latent, rope, self.pool,
-                                                       batch, layer_id=i,
-                                                       q_scale=inputs.q_scale[i]))
-            else:
-                out.append(self.backend.forward_extend(inputs.q[i], latent, rope, self.pool,
-                                                       batch, method=self.method, k=inputs.k,
-                                                       v=inputs.v, layer_id=i,
-                                                       q_scale=inputs.q_scale[i]))
-        return out
 
     # -- inputs ------------------------------------------------------------------------
     def _check_inputs(self, inputs: StepInputs | None) -> None:
