@@ -18,6 +18,9 @@
 # fp8q     the FlashMLA plugin's conformance (its fp8-q entry beside the others) and the
 #          planted fp8-query defects (a kept q_scale, one scale per step) with their control
 #          under real graphs, at once; then the plugin's GPU tests.
+# kout     the FlashMLA plugin's conformance (it returns its library's own output), the
+#          planted kernel-output defect and its control under real graphs, every backend's
+#          multi-layer claims, at once; then the plugin's and the runtime's GPU tests.
 # wide     scripts/probe_triton_wide_heads.py (Triton decode at 64-128 heads: warp
 #          specialization, one program for 128 heads).
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
@@ -29,7 +32,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|wide|sparsebench|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -127,6 +130,16 @@ case $step in
     wait
     gpu_tests plugin-gpu-tests $(limit 540) plugins/attnreg-flashmla/tests
     ;;
+  kout)
+    conf flashmla $(limit 400) --plugin attnreg_flashmla.plugin --backend flashmla &
+    (cd tests/conformance && conf planted-kout $(limit 400) --plugin planted.kernel_output \
+      --backend planted_kernel_output_shared --backend planted_kernel_output_correct \
+      -k "decode and h16 and p16 and (multi_layer or no_sync_alloc or padded_rows or capture_path or replay/)") &
+    conf multi-layer $(limit 400) --backend triton --backend flashinfer_mla -k multi_layer &
+    wait
+    gpu_tests plugin-gpu-tests $(limit 540) plugins/attnreg-flashmla/tests tests/runtime \
+      tests/kernels tests/backends
+    ;;
   wide)
     timeout $(left $(limit 540)) python3 scripts/probe_triton_wide_heads.py \
       --out "$OUT/wide-heads.json" >"$OUT/wide.log" 2>&1
@@ -144,7 +157,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|wide|sparsebench|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"

@@ -44,6 +44,7 @@ from attnreg.runtime import (
     GraphSession,
     MLAConfig,
     MLAKVPool,
+    SessionError,
     SessionStep,
     StepInputs,
     UnreplayableBreakError,
@@ -130,6 +131,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _block_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes the CUDA caching allocator counts as allocated for the blocks that start at
+    ``tensors``' storages (its block sizes, which round the request up)."""
+    starts = {t.untyped_storage().data_ptr() for t in tensors}
+    total = 0
+    for segment in torch.cuda.memory_snapshot():
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and address in starts:
+                total += block["size"]
+            address += block["size"]
+    return total
+
+
 class CapturedForward:
     """One captured forward of ``backend`` for ``phase`` under ``mode`` (FULL or BREAKABLE).
 
@@ -199,7 +214,8 @@ class CapturedForward:
             max_seq_len=max_seq_len, max_requests=max_bs, max_kv_rows=max_kv_rows,
             step=self._forward,
             after_attention=self._after_attention if mode is GraphMode.BREAKABLE else None,
-            device_graphs=real_graphs, warmup=0, forbid_sync=self.sync_check)
+            device_graphs=real_graphs, warmup=0, forbid_sync=self.sync_check,
+            kernel_outputs=True)
         self.key: BucketKey = (self.forward_mode, bucket)
         #: replays so far: every other one sends its batch packed in the session's index
         #: layout, so both fills of the replay metadata (one copy, per-tensor padded) are
@@ -208,13 +224,12 @@ class CapturedForward:
         self.runner = self.session.runner
         statics = self.session.statics
         assert statics is not None
-        self.qs, self.latents, self.ropes, self.outs = (statics.qs, statics.latents,
-                                                        statics.ropes, statics.outs)
+        self.qs, self.latents, self.ropes = statics.qs, statics.latents, statics.ropes
         self.k, self.v = statics.k, statics.v
         # BREAKABLE: the eager region scales each attention output by a host value
         # into ``mids``; the second segment copies them into ``finals``.
-        self.mids = [torch.zeros_like(o) for o in self.outs]
-        self.finals = [torch.zeros_like(o) for o in self.outs]
+        self.mids = [torch.zeros_like(o) for o in statics.outs]
+        self.finals = [torch.zeros_like(o) for o in statics.outs]
         self.graph: CapturedGraph | None = None
         self._empty_graphs: list[CapturedGraph] = []
         self._storage = {name: _storage_of(t) for name, t in self._statics().items()}
@@ -231,6 +246,12 @@ class CapturedForward:
     @property
     def out(self) -> torch.Tensor:
         return self.outs[0]
+
+    @property
+    def outs(self) -> list[torch.Tensor]:
+        """Every layer's whole attention output (the session's: its static outputs, or
+        the tensors a backend returning its kernel's own output returned; after warm-up)."""
+        return self.session.outputs(self.key)
 
     def _statics(self) -> dict[str, torch.Tensor]:
         statics = self.session.statics
@@ -290,6 +311,7 @@ class CapturedForward:
     def capture(self) -> None:
         """Record the function (without device graphs: run it once under ``capturing``)."""
         overhead = self._capture_overhead() if self.sync_check else 0
+        before = self._output_storages()
         self._when = "capture"
         try:
             self.graph = self.session.record(self.key, warmup=0)
@@ -302,9 +324,23 @@ class CapturedForward:
         self.check_storage("capture")
         stats = self.graph.stats
         if stats is not None:
-            self.memory = MemoryDelta(bytes_delta=stats.bytes_held - overhead,
+            # the outputs a backend returning its kernel's own hands the session stay
+            # allocated by design (the session keeps them): not the backend's state
+            kept = _block_bytes([o for o in self.outs if o.untyped_storage().data_ptr()
+                                 not in before]) if self.session.kernel_outputs else 0
+            self.memory = MemoryDelta(bytes_delta=stats.bytes_held - overhead - kept,
                                       allocations=stats.allocations, frees=stats.frees)
         self.capture_memory = self._measure_capture_memory()
+
+    def _output_storages(self) -> set[int]:
+        """Where the outputs a ``kernel_outputs`` session kept before a capture live (those
+        allocated before it are not the capture's to account)."""
+        if not self.session.kernel_outputs:
+            return set()
+        try:
+            return {o.untyped_storage().data_ptr() for o in self.outs}
+        except SessionError:
+            return set()
 
     def _measure_capture_memory(self) -> CaptureMemoryCheck:
         state = self.backend.graph_state
@@ -416,12 +452,13 @@ class CapturedForward:
     def _fill(self, works: list[Workload]) -> None:
         self.session.load(self.key, self._inputs(works))
 
-    def _forward(self, step: SessionStep) -> None:
+    def _forward(self, step: SessionStep) -> list[torch.Tensor]:
         """The session's step: one forward per layer over the static buffers; what served it
-        goes to :attr:`served`."""
+        goes to :attr:`served`.  Every layer's output (the session keeps a backend's own)."""
         with recording_served() as records:
-            GraphSession.attend(step)
+            outs = GraphSession.attend(step)
         self.served.append((self._when, records))
+        return outs
 
     def _after_attention(self, step: SessionStep) -> None:
         """BREAKABLE: the harness's own eager break after attention, then a copy after it."""
@@ -455,7 +492,7 @@ def capture_once(backend: AttentionBackend, pool: MLAKVPool, work: Workload, *,
         forward_modes={fm: per_seq} if decode_phase else None, method=method,
         max_seq_len=batch.max_seq_len, max_requests=batch.batch_size,
         max_kv_rows=work.k.shape[0] if work.k is not None else None,
-        device_graphs=False, warmup=0)
+        device_graphs=False, warmup=0, kernel_outputs=True)
     session.capture(batches={bucket: batch},
                     inputs={bucket: StepInputs.one(work.q, work.latent_new, work.rope_new,
                                                    k=work.k, v=work.v, q_scale=work.q_scale)})

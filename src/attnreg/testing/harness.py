@@ -235,7 +235,9 @@ class Harness:
     def _check_multi_layer_eager(self, claim: Claim, backend: AttentionBackend,
                                  config: MLAConfig, specs: Sequence[BatchSpec],
                                  layers: int) -> None:
-        """One plan per step, one forward per layer: each layer matches its own oracle."""
+        """One plan per step, one forward per layer: each layer matches its own oracle, and
+        still holds after the later layers ran (an output tensor reused by every call would
+        hand an engine that keeps a layer's output, e.g. two-batch overlap, another's)."""
         combo = _combo(claim)
         pool = make_pool(config, specs, num_layers=layers)
         problems: list[str] = []
@@ -245,6 +247,7 @@ class Harness:
                                          **q_compute)
             backend.init_forward_metadata(works[0].batch)
             planned = backend.forward_metadata
+            held: list[tuple[torch.Tensor, torch.Tensor]] = []
             for work in works:
                 inputs = InputGuard([work])
                 with explained(f"{spec.describe()}, eager, layer {work.layer_id}"):
@@ -261,6 +264,15 @@ class Harness:
                 msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
                 if msg:
                     problems.append(f"layer {work.layer_id}: {msg}")
+                held.append((out, out.clone()))
+            for layer, (out, seen) in enumerate(held[:-1]):
+                if not torch.equal(out.nan_to_num(), seen.nan_to_num()):
+                    problems.append(
+                        f"{spec.name}: layer {layer}'s output changed when a later layer's "
+                        "forward ran: the backend hands every call the same output tensor, so "
+                        "a caller that keeps one layer's output (two-batch overlap, a graph "
+                        "session's per-layer outputs) reads another layer's rows; return a "
+                        "new output per call (or write into the out= given)")
         if problems:
             raise ClaimRefuted("; ".join(problems))
 
