@@ -350,6 +350,65 @@ def test_a_session_replays_each_steps_fp8_query_with_its_own_scale():
     assert torch.equal(statics.q_scales[0], before)
 
 
+# -- the library's own output -------------------------------------------------------------
+
+def _recording_decode(monkeypatch, padding_garbage=False):
+    """kernel.decode, remembering each output the library allocated; ``padding_garbage``:
+    rows of length-0 sequences left NaN, as the real fp8 kernel leaves them unwritten."""
+    made = []
+    real = kernel.decode
+
+    def decode(lib, q, cache, page_table, seq_lens, *args, **kwargs):
+        out, lse = real(lib, q, cache, page_table, seq_lens, *args, **kwargs)
+        if padding_garbage:
+            rows = (seq_lens == 0).repeat_interleave(q.shape[0] // seq_lens.shape[0])
+            out[rows] = float("nan")
+        made.append(out)
+        return out, lse
+
+    monkeypatch.setattr(kernel, "decode", decode)
+    return made
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_a_forward_without_out_returns_the_librarys_output_not_a_copy(monkeypatch, kv_dtype):
+    made = _recording_decode(monkeypatch)
+    be = _backend(kv_dtype=kv_dtype)
+    assert be.returns_kernel_output
+    pool = _pool(be)
+    batch = decode_batch(pool, [1, 90, 64, 130], shuffle=6)
+    q = _queries(4)
+    got = be.forward_decode(q, None, None, pool, batch)
+    assert got is made[-1], "the library's output itself (no second tensor, no copy)"
+    given = torch.full_like(got, float("nan"))
+    assert be.forward_decode(q, None, None, pool, batch, out=given) is given
+    assert torch.equal(given, got)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_a_kernel_outputs_session_zeroes_padding_in_the_librarys_output(monkeypatch, kv_dtype):
+    from attnreg.runtime import GraphSession, StepInputs
+
+    # the bf16 kernel writes zero rows for empty sequences (measured); the fp8 one does not
+    made = _recording_decode(monkeypatch, padding_garbage=kv_dtype == "fp8_e4m3")
+    be = _backend(kv_dtype=kv_dtype)
+    pool = _pool(be, num_pages=60, scale=0.5 if kv_dtype == "fp8_e4m3" else 1.0)
+    session = GraphSession(be, pool, phase="decode", mode="full", buckets=[4],
+                           max_seq_len=2048, device_graphs=False, writes_kv=False,
+                           kernel_outputs=True)
+    session.capture()
+    assert session.kernel_outputs
+    batch = decode_batch(pool, [300, 2, 65])
+    q = _queries(3, seed=3)
+    (out,) = session.replay(batch, StepInputs.one(q))
+    (full,) = session.outputs((ForwardMode.DECODE, 4))
+    assert full is made[-1] and out.data_ptr() == full.data_ptr()
+    assert not full.isnan().any() and bool((full[3] == 0).all()), \
+        "the padding row is zeroed in the library's output"
+    want = _oracle(q if kv_dtype == "bf16" else _rounded(q), pool, batch)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 # -- layers -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_dtype,scales", [("bf16", 1.0), ("fp8_e4m3", (0.5, 0.25, 1.0))])

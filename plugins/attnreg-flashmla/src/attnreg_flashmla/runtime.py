@@ -119,6 +119,11 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         the dense decode kernels nor a sparse kernel accepts it.
     """
 
+    #: FlashMLA allocates its output: a forward called without ``out=`` (an engine's
+    #: layer, a graph session) returns that tensor instead of copying it into another
+    #: (measured on the H200: the copy was the one launch beside the library's two).
+    returns_kernel_output = True
+
     def __init__(self, config: MLAConfig, *, capabilities: Capabilities,
                  **kwargs: Any) -> None:
         super().__init__(config, capabilities=capabilities, **kwargs)
@@ -229,26 +234,27 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
     # forward
     # ------------------------------------------------------------------------------
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
-                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor, *,
+                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor | None, *,
                              lse: torch.Tensor | None = None,
-                             q_scale: torch.Tensor | None = None) -> None:
-        self._attend(q, pool, md, out, lse, q_scale)
+                             q_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self._attend(q, pool, md, out, lse, q_scale)
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
-                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor, *,
+                             md: ForwardMetadata[FlashMLAPlan], out: torch.Tensor | None, *,
                              method: ForwardMethod, k: torch.Tensor | None,
                              v: torch.Tensor | None, lse: torch.Tensor | None = None,
-                             q_scale: torch.Tensor | None = None) -> None:
+                             q_scale: torch.Tensor | None = None) -> torch.Tensor | None:
         # Only target-verify batches get here (the plan refused every other extend); the
         # base class allows nothing but absorbed MLA over the pool for them.
         assert pool is not None and method is ForwardMethod.MLA
-        self._attend(q, pool, md, out, lse, q_scale)
+        return self._attend(q, pool, md, out, lse, q_scale)
 
     def _attend(self, q: torch.Tensor, layer: MLAKVLayer, md: ForwardMetadata[FlashMLAPlan],
-                out: torch.Tensor, lse: torch.Tensor | None,
-                q_scale: torch.Tensor | None) -> None:
+                out: torch.Tensor | None, lse: torch.Tensor | None,
+                q_scale: torch.Tensor | None) -> torch.Tensor | None:
         """One kernel call for ``s_q`` query tokens per sequence over ``layer``; an fp8
-        ``q`` (the base class checked it comes with its ``q_scale``) goes in as given."""
+        ``q`` (the base class checked it comes with its ``q_scale``) goes in as given.
+        Into ``out`` when given, else the library's own output is returned."""
         plan = self._plan(md)
         tokens = plan.tokens_per_seq
         if plan.schedule is None:
@@ -282,14 +288,18 @@ class FlashMLABackend(AttentionBackend[FlashMLAPlan, FlashMLAGraphBuffers]):
         if self._fp8 or tokens > 1:
             # The bf16 kernel's rows for empty sequences (padding) were measured to be exactly
             # zero with one query token; not for the fp8 kernel, nor with several tokens
-            # (causal over a length-0 sequence), so those are zeroed as the result is copied
-            # into out (one launch in a graph; a plain copy for eager metadata).  The base
-            # class sets their LSE.
-            self.zero_padded_rows(out, md, src=result)
-        else:
+            # (causal over a length-0 sequence), so those are zeroed in the library's output
+            # or as it is copied into out (one launch in a graph; nothing or a plain copy
+            # for eager metadata, which has no padding).  The base class sets their LSE.
+            if out is None:
+                self.zero_padded_rows(result, md)
+            else:
+                self.zero_padded_rows(out, md, src=result)
+        elif out is not None:
             out.copy_(result)
         if lse is not None:
             kernel.store_lse(lse_lib, lse)
+        return result if out is None else None
 
     # ------------------------------------------------------------------------------
     # sparse (DSA)
