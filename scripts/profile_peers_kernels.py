@@ -91,7 +91,7 @@ def main() -> int:
                              max_context_len=L, q_dtype="fp8_e4m3" if fp8_q else "bf16")
             be = get_registry().create("flashmla", scfg)
             ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B],
-                               writes_kv=False)
+                               writes_kv=False, kernel_outputs=True)
             ses.capture()
             inputs = StepInputs([q])
             if fp8_q:
