@@ -314,3 +314,42 @@ def test_on_cuda_it_captures_without_a_host_sync_and_replays_with_new_values():
         graph.replay()
         want = _quantize_q_fp8_torch(q, live)
         _assert_same_bits((q8, descale), want, q, magnitude)
+
+
+def test_one_power_of_two_scale_formula_serves_the_batch_and_the_row_rounding():
+    """``pow2_scale`` is what the runtime's fused rounding (one scale per batch) and the
+    Triton decode's fp8 query rows (one per row) both call: for each max it gives the
+    oracle's scale (``testing.workload.round_q``: frexp of max / 448) and its exact
+    reciprocal, 1 for a non-finite max (the triton decode gave inf and -inf there before
+    it shared this formula) and the smallest normal float32 for a zero max."""
+    if _pow2_scales is None:
+        pytest.skip("triton is not installed")
+    values = MAGNITUDES + [448 * 2.0 ** k * (1 + 2.0 ** -23) for k in (-3, 0, 5)]
+    values += [float("inf"), float("nan")]
+    n = triton.next_power_of_2(len(values))
+    amax = torch.zeros(n)
+    amax[: len(values)] = torch.tensor(values)
+    scale, inv = torch.empty(n), torch.empty(n)
+    _pow2_scales[(1,)](amax, scale, inv, N=n)
+    ratio = torch.clamp(amax / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    mantissa, exponent = torch.frexp(ratio)
+    want = torch.ldexp(torch.ones_like(ratio), exponent - (mantissa == 0.5).to(exponent.dtype))
+    want = torch.where(torch.isfinite(amax), want, 1.0)
+    assert torch.equal(scale, want), (amax, scale, want)
+    assert torch.equal(inv * scale, torch.ones(n)), "an exact reciprocal"
+
+
+try:  # module level: the interpreter resolves a kernel's globals in its module
+    import triton
+    import triton.language as tl
+
+    from attnreg.runtime._quantize_q_kernel import pow2_scale
+
+    @triton.jit
+    def _pow2_scales(amax_ptr, scale_ptr, inv_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        scale, inv = pow2_scale(tl.load(amax_ptr + offs))
+        tl.store(scale_ptr + offs, scale)
+        tl.store(inv_ptr + offs, inv)
+except ImportError:
+    _pow2_scales = None

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SATURATES", "quantize_q_fp8_fused", "supports"]
+__all__ = ["SATURATES", "pow2_scale", "quantize_q_fp8_fused", "supports"]
 
 #: elements per block of one program's loop (4 warps: 16 a thread, two 16-byte bf16 loads)
 _BLOCK = 2048
@@ -120,6 +120,23 @@ def _e4m3_bits(y, SATURATE: tl.constexpr):
     return r | sign
 
 
+@triton.jit
+def pow2_scale(amax):
+    """``(scale, 1 / scale)``: the smallest power of two with ``amax / scale <= 448`` (fp8
+    e4m3's largest value), both exact (from the float32 bits); an all-zero max gets the
+    smallest normal float32, a non-finite one (inf / NaN) 1, as the torch form
+    (``_quantize_q_fp8_torch``) and the oracle (``testing.workload.round_q``) give.  Per
+    batch here, per row in the Triton decode's fp8 query rows: one formula for both."""
+    # amax / 448 rounded as IEEE does (``/`` may lower to div.full, up to 2 ulp off: 448 *
+    # 2**k would then round up a power), clamped to the smallest normal float32
+    ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    ratio = tl.where((amax == float("inf")) | (amax != amax), 1.0, ratio)
+    # the next power of two from the bits: a nonzero mantissa rounds the exponent up
+    e_bits = (ratio.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    return (e_bits.to(tl.float32, bitcast=True),
+            ((254 << 23) - e_bits).to(tl.float32, bitcast=True))
+
+
 @triton.jit(do_not_specialize=["blocks_per_span", "spans", "n_partial"])
 def _scale_cast(q_ptr, partial_ptr, out_ptr, descale_ptr,
                 q_sr, q_sh, q_sd, o_sr, o_sh, o_sd, n, blocks_per_span, spans, n_partial,
@@ -131,17 +148,9 @@ def _scale_cast(q_ptr, partial_ptr, out_ptr, descale_ptr,
     for start in range(0, n_partial, BLOCK_P):
         offs = start + tl.arange(0, BLOCK_P)
         m = tl.maximum(m, tl.load(partial_ptr + offs, mask=offs < n_partial, other=0.0))
-    amax = tl.max(m, axis=0)
-    # the torch form, step for step: amax / 448 rounded as IEEE does (``/`` may lower to
-    # div.full, up to 2 ulp off: 448 * 2**k would then round up a power), clamped to the
-    # smallest normal float32;
-    # a non-finite max (a live inf / NaN) gives 1; the next power of two from the bits
-    ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
-    ratio = tl.where(amax == float("inf"), 1.0, ratio)
-    e_bits = (ratio.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-    inv = ((254 << 23) - e_bits).to(tl.float32, bitcast=True)
+    descale, inv = pow2_scale(tl.max(m, axis=0))
     if (row == 0) & (span == 0):
-        tl.store(descale_ptr, e_bits.to(tl.float32, bitcast=True))
+        tl.store(descale_ptr, descale)
     q_base = q_ptr + row.to(tl.int64) * q_sr
     o_base = out_ptr + row.to(tl.int64) * o_sr
     for i in range(blocks_per_span):

@@ -15,6 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+# the power-of-two fp8 scale: one formula for the runtime's per-batch rounding and the
+# decode's per-row one
+from attnreg.runtime._quantize_q_kernel import pow2_scale
+
 #: Storage dtypes accepted for queries / outputs.
 Q_DTYPES = (torch.bfloat16, torch.float16)
 #: Storage dtypes accepted for the MLA KV cache (fp8 needs ``kv_scale``).
@@ -153,20 +157,6 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def fp8_pow2_scale(amax):
-    """``(scale, 1 / scale)`` per row: the smallest power of two with ``amax / scale <= 448``
-    (fp8 e4m3's largest value), from the float32 bits, so both are exact; an all-zero row
-    gets the smallest normal float32."""
-    # IEEE division, as the oracle divides: an approximate one can put a max of exactly
-    # 448 * 2**k above the power of two and double the scale
-    ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
-    bits = ratio.to(tl.int32, bitcast=True)
-    expo = bits & 0x7F800000
-    expo = tl.where((bits & 0x7FFFFF) != 0, expo + (1 << 23), expo)
-    return expo.to(tl.float32, bitcast=True), ((254 << 23) - expo).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def to_fp8(x, EMULATE: tl.constexpr):
     """float32 ``x`` (within +-448) rounded to nearest-even fp8 e4m3.
 
@@ -194,7 +184,7 @@ def round_q_rows_fp8(q_row, offs_lat, offs_pe, mask_h, EMULATE: tl.constexpr):
     q_lat = tl.load(q_row + offs_lat[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
     q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(q_lat), 1), tl.max(tl.abs(q_pe), 1))
-    scale, inv = fp8_pow2_scale(amax)
+    scale, inv = pow2_scale(amax)
     return (to_fp8(q_lat * inv[:, None], EMULATE), to_fp8(q_pe * inv[:, None], EMULATE),
             scale)
 
