@@ -17,8 +17,10 @@ from attnreg.graph_policy import EngineFacts, GraphConfig, ModelFacts, ReplayGat
 from attnreg.graph_policy.decode_profile import DecodeProfile  # noqa: E402
 from attnreg.registry import BackendSpec, get_registry, hookimpl  # noqa: E402
 from attnreg.registry.manager import load_registry  # noqa: E402
-from attnreg.runtime import MLAConfig, SessionError, StepInputs, decode_batch  # noqa: E402
+from attnreg.runtime import MLAConfig, SessionError, decode_batch  # noqa: E402
 from attnreg.runtime.bucket_sessions import BucketSessions  # noqa: E402
+
+from ._session_inputs import random_inputs, random_pool  # noqa: E402
 
 H, PAGE = 2, 16
 TWIN = "triton_twin"
@@ -66,17 +68,8 @@ def _plan(profile: DecodeProfile, reg):  # type: ignore[no-untyped-def]
                    decode_profile=profile)
 
 
-def _pool(cfg: MLAConfig):  # type: ignore[no-untyped-def]
-    pool = cfg.make_pool(60)
-    g = torch.Generator().manual_seed(5)
-    for layer in pool.layers:
-        layer.buffer.copy_(torch.randn(layer.buffer.shape, generator=g).to(layer.buffer.dtype))
-    return pool
 
 
-def _inputs(rows: int, seed: int) -> StepInputs:
-    g = torch.Generator().manual_seed(seed)
-    return StepInputs([torch.randn(rows, H, 576, generator=g).bfloat16()])
 
 
 def test_each_bucket_replays_through_the_backend_the_plan_gave_it(reg):
@@ -86,7 +79,7 @@ def test_each_bucket_replays_through_the_backend_the_plan_gave_it(reg):
         (1, TWIN), (4, "triton")]
     cfg = MLAConfig(num_heads=H, page_size=PAGE, max_context_len=256)
     backends = {"triton": reg.create("triton", cfg), TWIN: reg.create(TWIN, cfg)}
-    pool = _pool(cfg)
+    pool = random_pool(cfg)
     ses = BucketSessions(backends, pool, ReplayGate(plan), writes_kv=False,
                          device_graphs=False)
     assert {n: s.buckets for n, s in ses.sessions.items()} == {TWIN: (1,),
@@ -104,7 +97,7 @@ def test_each_bucket_replays_through_the_backend_the_plan_gave_it(reg):
             return _real(*a, **k)
         backend.forward_decode = spy  # type: ignore[method-assign]
     for lens, bucket, owner in (([40], 1, TWIN), ([30, 100, 7], 4, "triton")):
-        batch, inputs = decode_batch(pool, lens), _inputs(len(lens), seed=len(lens))
+        batch, inputs = decode_batch(pool, lens), random_inputs(len(lens), H, seed=len(lens))
         calls.clear()
         res = ses.run(batch, inputs)
         assert res.replayed and res.bucket == bucket and calls == [owner]
@@ -113,7 +106,7 @@ def test_each_bucket_replays_through_the_backend_the_plan_gave_it(reg):
         assert torch.allclose(res.output.float(), eager.float(), atol=2e-2)
     # more requests than the largest bucket: eager, on the phase's backend (triton)
     calls.clear()
-    big = ses.run(decode_batch(pool, [9] * 5), _inputs(5, seed=9))
+    big = ses.run(decode_batch(pool, [9] * 5), random_inputs(5, H, seed=9))
     assert not big.replayed and big.reason.rule == "gate.batch_slots" and calls == ["triton"]
     assert ses.eager_backend == "triton"
     assert ses.counts.replays == 2 and ses.counts.eager == {"gate.batch_slots": 1}
@@ -126,12 +119,12 @@ def test_outputs_equal_the_reference_at_every_bucket(reg):
     cfg = MLAConfig(num_heads=H, page_size=PAGE, max_context_len=256)
     backends = {"triton": reg.create("triton", cfg), TWIN: reg.create(TWIN, cfg)}
     oracle = get_registry().create("reference", cfg)
-    pool = _pool(cfg)
+    pool = random_pool(cfg)
     ses = BucketSessions(backends, pool, ReplayGate(plan), writes_kv=False,
                          device_graphs=False)
     ses.capture()
     for lens in ([50], [20, 200, 3]):
-        batch, inputs = decode_batch(pool, lens), _inputs(len(lens), seed=7 + len(lens))
+        batch, inputs = decode_batch(pool, lens), random_inputs(len(lens), H, seed=7 + len(lens))
         res = ses.run(batch, inputs)
         assert res.replayed
         oracle.init_forward_metadata(batch)
@@ -142,7 +135,7 @@ def test_outputs_equal_the_reference_at_every_bucket(reg):
 def test_a_missing_backend_or_another_pool_is_refused(reg):
     plan = _plan(_profile(fast_at_1=TWIN), reg)
     cfg = MLAConfig(num_heads=H, page_size=PAGE, max_context_len=256)
-    pool = _pool(cfg)
+    pool = random_pool(cfg)
     with pytest.raises(ValueError, match=r"give an instance of \['triton_twin'\]"):
         BucketSessions({"triton": reg.create("triton", cfg)}, pool, ReplayGate(plan),
                        device_graphs=False)

@@ -17,9 +17,10 @@ from attnreg.runtime import (  # noqa: E402
     GraphSession,
     MLAConfig,
     SessionError,
-    StepInputs,
     decode_batch,
 )
+
+from ._session_inputs import random_inputs, random_pool  # noqa: E402
 
 H = 2
 DECODE4 = (ForwardMode.DECODE, 4)
@@ -53,22 +54,13 @@ def _own_output_backend(cfg: MLAConfig, name: str = "triton", *,
     return OwnOutput(cfg, capabilities=base.capabilities)
 
 
-def _pool(cfg: MLAConfig, layers: int = 2) -> Any:
-    pool = cfg.make_pool(60, num_layers=layers)
-    g = torch.Generator().manual_seed(5)
-    for layer in pool.layers:
-        layer.buffer.copy_(torch.randn(layer.buffer.shape, generator=g).to(layer.buffer.dtype))
-    return pool
 
 
-def _inputs(rows: int, seed: int) -> StepInputs:
-    g = torch.Generator().manual_seed(seed)
-    return StepInputs([torch.randn(rows, H, 576, generator=g).bfloat16() for _ in range(2)])
 
 
 def test_a_forward_without_out_hands_back_the_kernels_own_tensor(cfg):
     be = _own_output_backend(cfg)
-    pool = _pool(cfg, layers=1)
+    pool = random_pool(cfg)
     batch = decode_batch(pool, [20, 7])
     q = torch.randn(2, H, 576).bfloat16()
     got = be.forward_decode(q, None, None, pool, batch)
@@ -80,7 +72,7 @@ def test_a_forward_without_out_hands_back_the_kernels_own_tensor(cfg):
 
 def test_a_hook_that_returns_the_wrong_rows_is_refused_not_passed_on(cfg):
     be = _own_output_backend(cfg, shape_bug=True)
-    pool = _pool(cfg, layers=1)
+    pool = random_pool(cfg)
     with pytest.raises(TypeError, match=r"decode hook .* output of shape \(2, 2, 512\)"):
         be.forward_decode(torch.randn(2, H, 576).bfloat16(), None, None, pool,
                           decode_batch(pool, [20, 7]))
@@ -89,7 +81,7 @@ def test_a_hook_that_returns_the_wrong_rows_is_refused_not_passed_on(cfg):
 def test_a_kernel_outputs_session_replays_into_each_buckets_own_outputs(cfg):
     be = _own_output_backend(cfg)
     oracle = get_registry().create("reference", cfg)
-    pool = _pool(cfg)
+    pool = random_pool(cfg, layers=2)
     afters: list[list[torch.Tensor]] = []
     ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[4, 2], layers=2,
                        writes_kv=False, kernel_outputs=True,
@@ -104,7 +96,7 @@ def test_a_kernel_outputs_session_replays_into_each_buckets_own_outputs(cfg):
     for o in ses.statics.outs:
         o.fill_(float("nan"))
     batch = decode_batch(pool, [30, 100, 7])
-    inputs = _inputs(3, seed=1)
+    inputs = random_inputs(3, H, layers=2, seed=1)
     res = ses.run(batch, inputs)
     assert res.replayed and res.bucket == 4
     now = ses.outputs(DECODE4)  # without device graphs a replay re-runs the step
@@ -114,12 +106,12 @@ def test_a_kernel_outputs_session_replays_into_each_buckets_own_outputs(cfg):
         assert torch.allclose(res.outputs[i].float(), want.float(), atol=2e-2)
         assert bool((now[i][3:] == 0).all()), "the padding row is zero"
         assert bool(ses.statics.outs[i].isnan().all()), "the static outputs are not written"
-    small = ses.run(decode_batch(pool, [12]), _inputs(1, seed=2))
+    small = ses.run(decode_batch(pool, [12]), random_inputs(1, H, layers=2, seed=2))
     assert small.bucket == 2 and small.output.data_ptr() == ses.outputs(DECODE2)[0].data_ptr()
 
 
 def test_without_the_option_or_a_returning_backend_the_static_outputs_serve(cfg):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, layers=2)
     plain = GraphSession(_own_output_backend(cfg), pool, phase="decode", mode="full",
                          buckets=[4, 2], layers=2, writes_kv=False)
     registered = GraphSession(get_registry().create("triton", cfg), pool, phase="decode",
@@ -134,7 +126,7 @@ def test_without_the_option_or_a_returning_backend_the_static_outputs_serve(cfg)
 
 
 def test_a_step_of_its_own_must_return_the_outputs_it_is_handed_none_for(cfg):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, layers=2)
     ses = GraphSession(_own_output_backend(cfg), pool, phase="decode", mode="full",
                        buckets=[2], layers=2, writes_kv=False, kernel_outputs=True,
                        step=lambda step: None)

@@ -30,20 +30,13 @@ from attnreg.runtime import (  # noqa: E402
     verify_batch,
 )
 
+from ._session_inputs import random_inputs, random_pool  # noqa: E402
+
 H = 2
 
 
-def _pool(cfg: MLAConfig, pages: int = 120, layers: int = 1):  # type: ignore[no-untyped-def]
-    pool = cfg.make_pool(pages, num_layers=layers)
-    g = torch.Generator().manual_seed(3)
-    for layer in pool.layers:
-        layer.buffer.copy_(torch.randn(layer.buffer.shape, generator=g).to(layer.buffer.dtype))
-    return pool
 
 
-def _inputs(rows: int, layers: int = 1, seed: int = 0, dim: int = 576) -> StepInputs:
-    g = torch.Generator().manual_seed(seed)
-    return StepInputs([torch.randn(rows, H, dim, generator=g).bfloat16() for _ in range(layers)])
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -63,7 +56,7 @@ def oracle(cfg: MLAConfig) -> Any:
 @pytest.fixture(scope="module")
 def decode_session(cfg: MLAConfig) -> tuple[GraphSession, Any]:
     """Triton decode + 3-draft verify graphs at buckets 2 and 4 over 2 layers."""
-    pool = _pool(cfg, layers=2)
+    pool = random_pool(cfg, 120, layers=2, seed=3)
     ses = GraphSession(get_registry().create("triton", cfg), pool, phase="decode", mode="full",
                        buckets=[4, 2], layers=2, writes_kv=False,
                        forward_modes={"decode": 1, "target_verify": 3})
@@ -82,7 +75,7 @@ def test_capture_takes_every_bucket_of_every_forward_mode_largest_first(decode_s
 def test_a_batch_pads_to_the_smallest_bucket_and_only_its_rows_come_back(decode_session, oracle):
     ses, pool = decode_session
     batch = decode_batch(pool, [30, 100, 7])
-    inputs = _inputs(3, layers=2, seed=1)
+    inputs = random_inputs(3, H, layers=2, seed=1)
     for out in ses.statics.outs:
         out.fill_(float("nan"))
     res = ses.run(batch, inputs)
@@ -92,7 +85,7 @@ def test_a_batch_pads_to_the_smallest_bucket_and_only_its_rows_come_back(decode_
         want = oracle.forward_decode(inputs.q[i], None, None, pool, batch, layer_id=i)
         assert _close(res.outputs[i], want), f"layer {i} differs from eager"
         assert bool((ses.statics.outs[i][3:4] == 0).all()), "the padding row is zero"
-    one = ses.run(decode_batch(pool, [12]), _inputs(1, layers=2, seed=2))
+    one = ses.run(decode_batch(pool, [12]), random_inputs(1, H, layers=2, seed=2))
     assert one.bucket == 2 and one.output.shape[0] == 1
 
 
@@ -100,13 +93,13 @@ def test_a_batch_no_bucket_holds_runs_eagerly_and_is_counted_by_rule(decode_sess
     ses, pool = decode_session
     before = ses.counts.eager["gate.batch_slots"]
     batch = decode_batch(pool, [5] * 5)
-    inputs = _inputs(5, layers=2, seed=4)
+    inputs = random_inputs(5, H, layers=2, seed=4)
     res = ses.run(batch, inputs)
     assert not res.replayed and res.bucket is None and res.reason.rule == "gate.batch_slots"
     assert ses.counts.eager["gate.batch_slots"] == before + 1
     want = oracle.forward_decode(inputs.q[1], None, None, pool, batch, layer_id=1)
     assert _close(res.outputs[1], want)
-    long = ses.run(decode_batch(pool, [300]), _inputs(1, layers=2))
+    long = ses.run(decode_batch(pool, [300]), random_inputs(1, H, layers=2))
     assert long.reason.rule == "gate.seq_len_above_max" and not long.replayed
     assert ses.counts.to_dict()["eager"]["gate.seq_len_above_max"] >= 1
 
@@ -115,31 +108,31 @@ def test_verify_batches_replay_their_draft_bucket_and_other_draft_counts_run_eag
         decode_session, oracle):
     ses, pool = decode_session
     batch = verify_batch(pool, [10, 40, 3], 3)
-    inputs = _inputs(9, layers=2, seed=5)
+    inputs = random_inputs(9, H, layers=2, seed=5)
     res = ses.run(batch, inputs)
     assert res.replayed and res.bucket == 4 and res.output.shape[0] == 9
     want = oracle.forward_extend(inputs.q[0], None, None, pool, batch)
     assert _close(res.output, want)
-    two = ses.run(verify_batch(pool, [10], 2), _inputs(2, layers=2))
+    two = ses.run(verify_batch(pool, [10], 2), random_inputs(2, H, layers=2))
     assert two.reason.rule == "gate.spec_query_len" and not two.replayed
-    draft = ses.run(draft_extend_batch(pool, [4], [2]), _inputs(2, layers=2))
+    draft = ses.run(draft_extend_batch(pool, [4], [2]), random_inputs(2, H, layers=2))
     assert draft.reason.rule == "gate.spec_forward_mode", "no draft-extend graphs captured"
 
 
 def test_a_draft_extend_session_serves_one_up_to_the_draft_tokens(cfg, oracle):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, 120, seed=3)
     ses = GraphSession(get_registry().create("triton", cfg), pool, phase="decode", mode="full",
                        buckets=[2], writes_kv=False, forward_modes={"draft_extend": 3})
     ses.capture()
     batch = draft_extend_batch(pool, [20, 5], [3, 1])
-    inputs = _inputs(4, seed=6)
+    inputs = random_inputs(4, H, seed=6)
     res = ses.run(batch, inputs)
     assert res.replayed and res.bucket == 2
     assert _close(res.output, oracle.forward_extend(inputs.q[0], None, None, pool, batch))
 
 
 def test_new_tokens_are_written_into_every_layer_from_the_static_inputs(cfg):
-    pool = _pool(cfg, layers=2)
+    pool = random_pool(cfg, 120, layers=2, seed=3)
     ses = GraphSession(get_registry().create("triton", cfg), pool, phase="decode", mode="full",
                        buckets=[2], layers=2)
     ses.capture()
@@ -155,7 +148,7 @@ def test_new_tokens_are_written_into_every_layer_from_the_static_inputs(cfg):
 
 
 def test_breakable_prefill_runs_the_callers_eager_break_between_segments(cfg, oracle):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, 120, seed=3)
     scaled: list[torch.Tensor] = []
     mids: list[torch.Tensor] = []
     factor = [2.0]
@@ -173,7 +166,7 @@ def test_breakable_prefill_runs_the_callers_eager_break_between_segments(cfg, or
                        after_attention=after)
     ses.capture()
     batch = extend_batch(pool, [0, 20], [3, 4])
-    inputs = _inputs(7, seed=9)
+    inputs = random_inputs(7, H, seed=9)
     factor[0] = 4.0   # a host value the break reads at replay, not the one captured
     res = ses.run(batch, inputs)
     assert res.replayed and res.bucket == 8
@@ -206,7 +199,7 @@ class FakeRecorder:
 
 
 def test_breakable_replay_plan_is_segment_break_segment(cfg):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, 120, seed=3)
     log: list[str] = []
 
     def after(step):  # type: ignore[no-untyped-def]
@@ -219,12 +212,12 @@ def test_breakable_replay_plan_is_segment_break_segment(cfg):
     graph = graphs[(ForwardMode.EXTEND, 4)]
     assert graph.plan == [("graph", "graph"), ("eager", "caller"), ("graph", "graph")]
     log.clear()
-    res = ses.run(extend_batch(pool, [0], [3]), _inputs(3))
+    res = ses.run(extend_batch(pool, [0], [3]), random_inputs(3, H))
     assert res.replayed and log == ["graph1", "break", "graph2"]
 
 
 def test_tc_piecewise_plans_the_real_batch_eagerly_at_every_replay(cfg, oracle):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, 120, seed=3)
     ref = get_registry().create("reference", cfg)
     copied: list[torch.Tensor] = []
 
@@ -238,7 +231,7 @@ def test_tc_piecewise_plans_the_real_batch_eagerly_at_every_replay(cfg, oracle):
         ses.capture()
     ses.capture(batches={8: capture_batch})
     batch = extend_batch(pool, [5, 30], [2, 3])
-    inputs = _inputs(5, seed=11)
+    inputs = random_inputs(5, H, seed=11)
     copied.clear()
     res = ses.run(batch, inputs)
     assert res.replayed and res.bucket == 8
@@ -248,7 +241,7 @@ def test_tc_piecewise_plans_the_real_batch_eagerly_at_every_replay(cfg, oracle):
 
 
 def test_tc_piecewise_replay_plan_runs_attention_eagerly_before_the_captured_piece(cfg):
-    pool = _pool(cfg)
+    pool = random_pool(cfg, 120, seed=3)
     log: list[str] = []
     ses = GraphSession(get_registry().create("reference", cfg), pool, phase="prefill",
                        mode="tc_piecewise", buckets=[4], max_requests=1, writes_kv=False,
@@ -263,7 +256,7 @@ def test_the_gate_of_a_plan_decides_and_its_buckets_must_be_captured(cfg):
                    engine=EngineFacts(max_context_len=256, num_draft_tokens=3),
                    features=ServerFeatures(speculative_decoding=True))
     gate = ReplayGate(plan)
-    pool = _pool(cfg)
+    pool = random_pool(cfg, 120, seed=3)
     backend = get_registry().create("triton", cfg)
     with pytest.raises(SessionError, match=r"\[2\] would be answered with no graph"):
         GraphSession(backend, pool, phase="decode", mode="full", buckets=[1], gate=gate)
@@ -274,7 +267,7 @@ def test_the_gate_of_a_plan_decides_and_its_buckets_must_be_captured(cfg):
     ses.capture()
     batch = decode_batch(pool, [7])
     assert ses.decide(batch) == (True, 1, gate.can_replay(replay_batch(batch))[1])
-    lora = ses.run(batch, _inputs(1), facts=replay_batch(batch, lora=True))
+    lora = ses.run(batch, random_inputs(1, H), facts=replay_batch(batch, lora=True))
     assert not lora.replayed and lora.reason.rule == "gate.lora"
     assert ses.counts.eager == {"gate.lora": 1}
 
@@ -291,7 +284,7 @@ def test_replay_batch_carries_every_host_length():
 def test_inputs_for_the_wrong_number_of_layers_are_refused(decode_session):
     ses, pool = decode_session
     with pytest.raises(SessionError, match="inputs for 1 layers, the session attends 2"):
-        ses.run(decode_batch(pool, [4]), _inputs(1, layers=1))
+        ses.run(decode_batch(pool, [4]), random_inputs(1, H, layers=1))
 
 
 def _agreed(replay: bool, bucket: int | None) -> Agreed:
@@ -303,7 +296,7 @@ def test_the_groups_agreement_decides_the_bucket_and_an_other_ranks_eager(decode
                                                                           oracle):
     ses, pool = decode_session
     batch = decode_batch(pool, [33])
-    inputs = _inputs(1, layers=2, seed=12)
+    inputs = random_inputs(1, H, layers=2, seed=12)
     res = ses.run(batch, inputs, agreed=_agreed(True, 4))
     assert res.replayed and res.bucket == 4, "padded to the bucket the group agreed on"
     assert _close(res.outputs[1], oracle.forward_decode(inputs.q[1], None, None, pool, batch,
@@ -315,4 +308,4 @@ def test_the_groups_agreement_decides_the_bucket_and_an_other_ranks_eager(decode
     with pytest.raises(SessionError, match="bucket 8, which this session did not capture"):
         ses.run(batch, inputs, agreed=_agreed(True, 8))
     with pytest.raises(SessionError, match="this rank's gate refuses it"):
-        ses.run(decode_batch(pool, [3] * 5), _inputs(5, layers=2), agreed=_agreed(True, 4))
+        ses.run(decode_batch(pool, [3] * 5), random_inputs(5, H, layers=2), agreed=_agreed(True, 4))
