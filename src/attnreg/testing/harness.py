@@ -729,12 +729,13 @@ class _Piecewise:
 
         hidden = {name: buf(getattr(first, name), rows) for name in ("q", "latent_new",
                                                                       "rope_new")}
-        hidden_kv = {name: buf(getattr(first, name), kv_rows) for name in ("k", "v")}
-        if first.q_scale is not None:  # an fp8 q's scale, copied in by piece A as well
-            hidden_kv["q_scale"] = buf(first.q_scale, 1)
+        # the inputs not sized by the query rows: the new tokens' k / v (ragged MHA) and
+        # an fp8 q's [1] scale, copied in by piece A like the rest
+        hidden_other = {name: buf(getattr(first, name), kv_rows) for name in ("k", "v")}
+        hidden_other["q_scale"] = buf(first.q_scale, 1)
         static = {name: torch.zeros_like(t) for name, t in hidden.items() if t is not None}
-        static_kv = {name: torch.zeros_like(t) for name, t in hidden_kv.items()
-                     if t is not None}
+        static_other = {name: torch.zeros_like(t) for name, t in hidden_other.items()
+                        if t is not None}
         out_dim = config.kv_lora_rank if method is ForwardMethod.MLA else config.v_head_dim
         attn_out = torch.zeros(rows, config.num_heads, out_dim,
                                dtype=output_dtype(first.q.dtype), device=dev)
@@ -746,16 +747,16 @@ class _Piecewise:
             for name, t in hidden.items():
                 if t is not None:
                     static[name].copy_(t)
-            for name, t in hidden_kv.items():
+            for name, t in hidden_other.items():
                 if t is not None:
-                    static_kv[name].copy_(t)
+                    static_other[name].copy_(t)
 
         def attention() -> None:
             work = current[0]
             n = work.rows
             self.backend.init_forward_metadata(work.batch)
-            kt, vt = static_kv.get("k"), static_kv.get("v")
-            q_scale = static_kv.get("q_scale")
+            kt, vt = static_other.get("k"), static_other.get("v")
+            q_scale = static_other.get("q_scale")
             if work.spec.phase is Phase.DECODE:
                 self.backend.forward_decode(static["q"][:n], static["latent_new"][:n],
                                             static["rope_new"][:n], pool, work.batch,
@@ -774,7 +775,7 @@ class _Piecewise:
         churn = AllocatorChurn(dev)
         runner = GraphRunner(dev, before_replay=churn.churn)
         # captured with the first batch's inputs: they are rewritten into its slots later
-        self._load(hidden, hidden_kv, first)
+        self._load(hidden, hidden_other, first)
         with explained("tc_piecewise capture"):
             graph = runner.capture_pieces([piece_a, EagerStep(attention, "attention"),
                                            piece_b], GraphMode.TC_PIECEWISE)
@@ -782,7 +783,7 @@ class _Piecewise:
         inputs = [InputGuard([w]) for w in works]
         for i, work in enumerate(works):
             n = work.rows
-            self._load(hidden, hidden_kv, work)
+            self._load(hidden, hidden_other, work)
             current[0] = work
             with explained(f"tc_piecewise replay {i + 1} ({work.spec.describe()})"):
                 graph.replay()
@@ -802,14 +803,14 @@ class _Piecewise:
         return problems
 
     @staticmethod
-    def _load(hidden: dict[str, torch.Tensor | None], hidden_kv: dict[str, torch.Tensor | None],
-              work: Workload) -> None:
+    def _load(hidden: dict[str, torch.Tensor | None],
+              hidden_other: dict[str, torch.Tensor | None], work: Workload) -> None:
         """Put ``work``'s inputs into the hidden buffers piece A reads (zero elsewhere)."""
         for name, t in hidden.items():
             if t is not None:
                 t.zero_()
                 t[:work.rows].copy_(getattr(work, name))
-        for name, t in hidden_kv.items():
+        for name, t in hidden_other.items():
             if t is not None:
                 value = getattr(work, name)
                 t.zero_()
