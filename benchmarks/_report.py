@@ -149,6 +149,8 @@ def device(meta: dict[str, Any]) -> str:
 def provenance(f: ResultsFile, rec: dict[str, Any], root: Path = ROOT) -> str:
     m = f.meta
     commit = f", commit {m['git_commit']}" if m.get("git_commit") else ""
+    if m.get("commit_note"):  # e.g. a run whose commit was rebased before it landed
+        commit += f" ({m['commit_note']})"
     quick = " (--quick)" if m.get("quick") else ""
     return (f"*Measured* {m.get('date_utc', '?')} on {device(m)}; {versions(m)}{commit}.  \n"
             f"*Command:* `{m.get('command', '?')}`{quick}; section took "
