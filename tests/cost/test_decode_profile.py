@@ -77,6 +77,9 @@ def test_every_malformed_field_is_one_error_naming_the_file(path, value, problem
 def test_a_newer_version_asks_for_an_upgrade_and_non_json_is_refused(tmp_path: Path):
     with pytest.raises(DecodeProfileError, match="newer than this attnreg reads"):
         DecodeProfile.from_dict(_with("schema_version", 2))
+    # a version of 5,000 digits is named short, not str()'d (which raises past 4,300)
+    with pytest.raises(DecodeProfileError, match="a number of about 5001 digits"):
+        DecodeProfile.from_dict(_with("schema_version", 10 ** 5000))
     f = tmp_path / "x.json"
     f.write_text("{not json")
     with pytest.raises(DecodeProfileError, match="x.json"):

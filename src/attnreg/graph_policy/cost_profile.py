@@ -94,6 +94,7 @@ from ..registry.jsonfile import (
     Num,
     Obj,
     Str,
+    newer_schema_problem,
     problems_text,
     read_json,
     write_json,
@@ -313,13 +314,9 @@ class CostProfile:
         CostProfileError
             Naming ``source`` and the first problems found (:data:`PROFILE_SCHEMA_CHECK`).
         """
-        if isinstance(data, Mapping):
-            version = data.get("schema_version")
-            if isinstance(version, int) and not isinstance(version, bool) \
-                    and version > PROFILE_SCHEMA_VERSION:
-                raise CostProfileError(
-                    source, f"schema_version {_short(version)} is newer than this attnreg "
-                    f"reads ({PROFILE_SCHEMA_VERSION})", hint="upgrade attnreg or recalibrate")
+        too_new = newer_schema_problem(data, PROFILE_SCHEMA_VERSION)
+        if too_new:
+            raise CostProfileError(source, too_new, hint="upgrade attnreg or recalibrate")
         problem = problems_text(PROFILE_SCHEMA_CHECK, data)
         if problem:
             raise CostProfileError(source, problem)
@@ -393,11 +390,6 @@ class CostProfile:
         graph = max(t["graph_host"], t["layer_gpu_graph"] + t["absorbed_attention"])
         eager = max(t["eager_host"], t["layer_gpu"] + t["mha_attention"] + t["decompress"])
         return CostComparison(graph, eager, tuple(sorted(t.items())))
-
-
-def _short(value: Any) -> str:
-    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "huge"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _platform_problem(text: str) -> str | None:

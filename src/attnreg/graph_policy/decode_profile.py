@@ -50,6 +50,7 @@ from ..registry.jsonfile import (
     Num,
     Obj,
     Str,
+    newer_schema_problem,
     problems_text,
     read_json,
     write_json,
@@ -133,13 +134,9 @@ class DecodeProfile:
         DecodeProfileError
             Naming ``source`` and the first problem (:data:`DECODE_PROFILE_SCHEMA_CHECK`).
         """
-        if isinstance(data, Mapping):
-            version = data.get("schema_version")
-            if isinstance(version, int) and not isinstance(version, bool) \
-                    and version > DECODE_PROFILE_SCHEMA_VERSION:
-                raise DecodeProfileError(
-                    source, f"schema_version {version} is newer than this attnreg reads "
-                    f"({DECODE_PROFILE_SCHEMA_VERSION})", hint="upgrade attnreg or recalibrate")
+        too_new = newer_schema_problem(data, DECODE_PROFILE_SCHEMA_VERSION)
+        if too_new:
+            raise DecodeProfileError(source, too_new, hint="upgrade attnreg or recalibrate")
         problem = problems_text(DECODE_PROFILE_SCHEMA_CHECK, data)
         if problem:
             raise DecodeProfileError(source, problem)

@@ -53,6 +53,7 @@ __all__ = [
     "Obj",
     "Schema",
     "Str",
+    "newer_schema_problem",
     "parse_json",
     "problems_text",
     "read_json",
@@ -343,6 +344,16 @@ def parse_json(raw: bytes | str, source: str, error: ErrorFactory, *,
 
 #: How many problems one message lists (the first ones found).
 MAX_PROBLEMS = 3
+
+
+def newer_schema_problem(data: Any, newest: int) -> str | None:
+    """Why ``data`` (a parsed document) cannot be read when its ``schema_version`` is a
+    number above ``newest``, the last version this attnreg reads; else None (a missing or
+    malformed version is the schema's to report)."""
+    version = data.get("schema_version") if isinstance(data, Mapping) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > newest:
+        return f"schema_version {_show(version)} is newer than this attnreg reads ({newest})"
+    return None
 
 
 def problems_text(schema: Schema, data: Any) -> str | None:
