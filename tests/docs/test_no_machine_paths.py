@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import DOCS, REPO
 
 #: an absolute path under a directory that differs from machine to machine
 ABSOLUTE = re.compile(r"(?<![\w.~-])/(?:work|home|root|tmp|Users|opt|mnt|var|usr|srv|data)"
@@ -18,8 +18,8 @@ ALLOWED = {"/usr/bin/time"}
 
 
 def _published() -> list[Path]:
-    files = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("*.md"))]
-    for where in (ROOT / "docs", ROOT / "benchmarks" / "results"):
+    files = [REPO / "README.md", *sorted((REPO / "benchmarks").glob("*.md"))]
+    for where in (DOCS, REPO / "benchmarks" / "results"):
         files += [*sorted(where.rglob("*.md")), *sorted(where.rglob("*.json"))]
     return [f for f in files if f.is_file()]
 
@@ -44,7 +44,7 @@ def test_the_check_finds_a_machine_path_and_keeps_an_output_directory():
 
 
 def test_published_docs_and_results_name_no_machine_path():
-    bad = {str(f.relative_to(ROOT)): hits for f in _published()
+    bad = {str(f.relative_to(REPO)): hits for f in _published()
            if (hits := machine_paths(f.read_text(encoding="utf-8", errors="replace")))}
     assert not bad, ("give the command anyone can run (a path in the repository, or one "
                      f"the reader makes), not this machine's: {bad}")
