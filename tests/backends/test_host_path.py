@@ -73,6 +73,21 @@ def test_plan_inputs_match_the_per_row_definition(monkeypatch, page_size: int) -
     assert padded.kv_indices.tolist() == _per_row(table, pages).tolist() + [0] * filler_pages
 
 
+def test_decode_plan_inputs_pad_with_one_row_requests_of_no_key(monkeypatch) -> None:
+    """A decode shape's padding: one request per padding sequence, one query row each, no
+    key and no page -- ``bs`` requests (the grid's average stays the heads), no filler."""
+    kernels = _kernels(monkeypatch, page_size=16)
+    seq, ext = [40, 1, 17], [1, 1, 1]
+    table = torch.randint(1, 500, (3, 3), dtype=torch.int32)
+    got = kernels.plan_inputs(seq, ext, table, pad_to=(5, 5), one_row_padding=True)
+    assert got.qo_indptr.tolist() == [0, 1, 2, 3, 4, 5]
+    assert got.kv_lens.tolist() == [*seq, 0, 0]
+    assert got.kv_indptr.tolist() == [0, 3, 4, 6, 6, 6]
+    assert torch.equal(got.kv_indices, _per_row(table, [3, 1, 2]))
+    with pytest.raises(UnsupportedError, match="do not fit"):
+        kernels.plan_inputs(seq, [1, 2, 1], table, pad_to=(5, 5), one_row_padding=True)
+
+
 def _pages_of(inputs, page_size: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Each request's pages as flashinfer's MLA kernels read them: from kv_indptr[i], as many
     as kv_len[i] tokens fill (scheduler.cuh MLAPlan, mla_hopper.cuh)."""
@@ -98,13 +113,16 @@ def test_graph_plan_inputs_read_the_table_in_place_and_name_the_same_pages(
     table[:len(seq)] = torch.randint(1, 500, (len(seq), width), generator=gen,
                                      dtype=torch.int32)
     view = table[:bs]  # md.page_table: the captured shape's rows
-    got = kernels.graph_plan_inputs(seq, ext, view, bs, nt)
-    want = kernels.plan_inputs(seq, ext, view, pad_to=(bs, nt))
+    # decode shapes pad with one-row requests of no key (bs requests), the others with a
+    # filler (bs + 1)
+    one_row = bs == nt
+    got = kernels.graph_plan_inputs(seq, ext, view, bs, nt, one_row_padding=one_row)
+    want = kernels.plan_inputs(seq, ext, view, pad_to=(bs, nt), one_row_padding=one_row)
     assert got.qo_indptr.tolist() == want.qo_indptr.tolist()
     assert got.kv_lens.tolist() == want.kv_lens.tolist()
-    assert len(got.kv_indptr) == len(want.kv_indptr) == bs + 2
+    assert len(got.kv_indptr) == len(want.kv_indptr) == bs + (1 if one_row else 2)
     assert _pages_of(got, page_size) == _pages_of(want, page_size)
-    in_place = len(seq) < bs or sum(ext) == nt
+    in_place = one_row or len(seq) < bs or sum(ext) == nt
     assert (got.kv_indices.data_ptr() == table.data_ptr()) is in_place, \
         "the table is read where it is, unless the filler has no padding row to use"
 

@@ -133,6 +133,8 @@ class _FakeMLAWrapperBase:
             # pages start, kv_len how many tokens it has (kv_indptr[i + 1] is not read)
             ps = cache.shape[1]
             pages = indices[int(kv[i]):int(kv[i]) + -(-int(lens[i]) // ps)]
+            # a request with no key gets zero rows, as the real kernels write them (fa3 and
+            # fa2 on the H200, scripts/probe_padding_launch.py): attention_with_lse's 0
             keys = _paged_rows(cache, pages, int(lens[i]))
             o, row_lse = _attend_lse(q[rows].float(), keys, keys[:, :latent], self._scale,
                                      self._causal)

@@ -136,7 +136,9 @@ def test_captured_decode_keeps_its_grid_for_smaller_batches(reg, monkeypatch) ->
     graph_plans = [p for p in calls.mla_plans if p["graph"]]
     assert len(graph_plans) == 3
     assert {p["grid"] for p in graph_plans} == {(2, 66)}
-    assert all(p["requests"] == 9 and p["rows"] == 8 for p in graph_plans)
+    # decode pads with one-row requests that attend no key (no filler request): 8 of each
+    assert all(p["requests"] == 8 and p["rows"] == 8 for p in graph_plans)
+    assert [p["kv_lens"] for p in graph_plans[1:]] == [[301] + [0] * 7, [4, 151, 10] + [0] * 5]
     assert len({id(p["wrapper"]) for p in graph_plans}) == 1
 
 
@@ -162,9 +164,12 @@ def test_captured_extend_replays_other_lengths_and_prefixes(reg, monkeypatch) ->
 def test_padded_replays_give_zero_rows_for_the_missing_sequences(reg, monkeypatch,
                                                                  decode: bool) -> None:
     """The issue's case (16 heads, page size 1, a graph for 8 sequences replaying 3) at cpu
-    sizes: the filler request that keeps the launch grid fixed computes the padding rows
-    over the padding page; after the replay they must be exactly zero, as docs/runtime.md
-    promises.  Without the zeroing they are not (checked below, so this can fail)."""
+    sizes: after the replay the padding rows must be exactly zero, as docs/runtime.md
+    promises.  Extend: the filler request that keeps the launch grid fixed computes them
+    over the padding page, and without the zeroing they are not zero (checked below, so
+    this can fail).  Decode: each padding sequence is a request of one row and no key,
+    which the kernel writes as zeros itself (the fake as the real one, measured on the
+    H200), so the zeroing launch is not run at all."""
     install_fake_flashinfer(monkeypatch)
     cfg = MLAConfig(num_heads=16, page_size=1)
     fi = backend(reg, cfg)
@@ -189,12 +194,19 @@ def test_padded_replays_give_zero_rows_for_the_missing_sequences(reg, monkeypatc
     assert padding.shape[0] == (bs if decode else nt) - rows
     assert torch.count_nonzero(padding) == 0, "padding rows must be exactly zero"
 
-    monkeypatch.setattr(type(fi), "zero_padded_rows", lambda self, out, md: None)
+    zeroings: list[int] = []
+    monkeypatch.setattr(type(fi), "zero_padded_rows",
+                        lambda self, out, md: zeroings.append(out.shape[0]))
     fi2 = backend(reg, cfg)
     _, unzeroed = _capture_and_replay(fi2, cfg, pool, decode=decode, bs=bs, num_tokens=nt,
                                       first=first, replays=[small], zero_stale_inputs=False)
-    assert torch.count_nonzero(unzeroed[1][rows:].float().nan_to_num(1.0)) > 0, \
-        "without the zeroing the filler's rows are not zero: the check above means something"
+    if decode:
+        assert zeroings == [] and torch.count_nonzero(unzeroed[1][rows:].float()) == 0, \
+            "decode's padding requests attend no key: zero rows with no zeroing launch"
+    else:
+        assert zeroings and \
+            torch.count_nonzero(unzeroed[1][rows:].float().nan_to_num(1.0)) > 0, \
+            "without the zeroing the filler's rows are not zero: the check above means something"
 
 
 def test_graph_refuses_a_forward_dtype_it_was_not_planned_for(reg, monkeypatch) -> None:

@@ -17,13 +17,22 @@ Launch grid under graphs: the MLA scheduler picks a cluster size from the
 *average* packed query length (rows x heads / requests), and the grid is
 frozen into the graph at capture.  A replay whose average fell on the other
 side of the threshold would run the new schedule on the old grid.  So every
-captured plan has ``bs + 1`` requests and ``num_tokens`` query rows: the real
-sequences, zero-length padding sequences, and one filler request that owns
-the padding rows (attending over the reserved padding page).  The average --
-and the grid -- is then the same for every replay of that shape; a replay
-whose grid still differs is refused rather than run wrong.  The filler's rows
-(and any row beyond the replayed batch) are zeroed inside the graph after the
-kernel, so a padded replay gives zero output rows for the missing sequences.
+plan of a captured shape has the same requests and query rows:
+
+* decode (one row per sequence, not causal): ``bs`` requests, the padding
+  sequences each owning one padding row and attending no key.  flashinfer
+  writes exact zeros for a request with no key (measured on the H200, fa3 and
+  fa2, eager and replayed: ``scripts/probe_padding_launch.py``; the
+  conformance claims that read every padding row prove it on every run), so
+  nothing is zeroed after the kernel and a full replay runs the raw plan;
+* every other captured mode (several causal rows per sequence): ``bs + 1``
+  requests, zero-length padding sequences and one filler request that owns
+  the padding rows (attending over the reserved padding page); its rows are
+  zeroed inside the graph after the kernel.
+
+The average -- and the grid -- is then the same for every replay of that
+shape; a replay whose grid still differs is refused rather than run wrong.
+Either way a padded replay gives zero output rows for the missing sequences.
 
 Speculative batches (target verify, draft extend) are decode-phase batches
 with several causal query tokens per request: the same MLA wrapper, planned
@@ -181,6 +190,9 @@ class PlannedMLA:
     causal: bool
     graph: bool = False
     grid: tuple[int, int] | None = None
+    #: a captured decode plan whose padding requests attend no key, for which the kernel
+    #: writes zero rows itself: nothing to zero after it (module docstring)
+    kernel_zeroes_padding: bool = False
 
 
 @dataclass
@@ -279,14 +291,17 @@ class FlashInferMLAKernels:
 
     # -- planning inputs ---------------------------------------------------------------
     def plan_inputs(self, seq_lens: Sequence[int], extend_lens: Sequence[int],
-                    page_table: torch.Tensor, *, pad_to: tuple[int, int] | None = None
-                    ) -> MLAPlanInputs:
+                    page_table: torch.Tensor, *, pad_to: tuple[int, int] | None = None,
+                    one_row_padding: bool = False) -> MLAPlanInputs:
         """CSR plan inputs of a batch; ``pad_to=(bs, num_tokens)`` for a captured shape.
 
         Padded: ``bs - B`` zero-length sequences, then one filler request that
         owns the ``num_tokens - T`` padding query rows and attends over as many
         rows of the padding page, so every plan of the shape has ``bs + 1``
-        requests and ``num_tokens`` rows (see the module docstring).
+        requests and ``num_tokens`` rows (see the module docstring).  With
+        ``one_row_padding`` (a decode shape: one row per sequence,
+        ``num_tokens == bs``) each padding sequence owns one padding row and there
+        is no filler: ``bs`` requests.
         """
         ps = self.config.page_size
         seq = list(map(int, seq_lens))
@@ -296,12 +311,19 @@ class FlashInferMLAKernels:
         if pad_to is not None:
             bs, num_tokens = pad_to
             filler = num_tokens - sum(ext)
-            if len(seq) > bs or filler < 0:
+            if len(seq) > bs or filler < 0 or (one_row_padding and (
+                    num_tokens != bs or sum(ext) != len(seq))):
                 raise UnsupportedError(self.owner, "batch for this captured shape",
                                        f"{len(seq)} sequences / {sum(ext)} tokens do not fit "
                                        f"bs={bs}, num_tokens={num_tokens}",
                                        "pad it to a captured shape or run it eagerly")
             pad = bs - len(seq)
+            if one_row_padding:
+                seq += [0] * pad
+                ext += [1] * pad
+                pages += [0] * pad
+                return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=_cumsum(pages),
+                                     kv_indices=indices[0], kv_lens=_host_int32(seq))
             filler_pages = -(-filler // ps)
             seq += [0] * pad + [filler]
             ext += [0] * pad + [filler]
@@ -314,7 +336,8 @@ class FlashInferMLAKernels:
                              kv_lens=_host_int32(seq))
 
     def graph_plan_inputs(self, seq_lens: Sequence[int], extend_lens: Sequence[int],
-                          table: torch.Tensor, bs: int, num_tokens: int) -> MLAPlanInputs:
+                          table: torch.Tensor, bs: int, num_tokens: int, *,
+                          one_row_padding: bool = False) -> MLAPlanInputs:
         """:meth:`plan_inputs` of a captured shape ``(bs, num_tokens)``, read in place from
         the graph buffers' page table ``table`` (``md.page_table``, already filled with the
         batch and padded with the padding page), with no device op.
@@ -328,17 +351,31 @@ class FlashInferMLAKernels:
         the host path of every replay.  Falls back to it when the padding rows cannot
         hold the filler's pages (a draft-extend batch of ``bs`` sequences with fewer
         tokens than captured) or the table is not one block of rows.
+        ``one_row_padding``: as :meth:`plan_inputs` (padding requests of one row and no
+        key, no filler).
         """
         ps = self.config.page_size
         b, width = len(seq_lens), table.shape[1]
-        filler = num_tokens - sum(extend_lens)
+        filler = 0 if one_row_padding else num_tokens - sum(extend_lens)
         filler_pages = -(-filler // ps)
         if (b > bs or filler < 0 or filler_pages > (bs - b) * width or table.shape[0] < bs
-                or not table.is_contiguous() or max(seq_lens, default=0) > width * ps):
-            return self.plan_inputs(seq_lens, extend_lens, table, pad_to=(bs, num_tokens))
+                or not table.is_contiguous() or max(seq_lens, default=0) > width * ps
+                or (one_row_padding and (num_tokens != bs or sum(extend_lens) != b))):
+            return self.plan_inputs(seq_lens, extend_lens, table, pad_to=(bs, num_tokens),
+                                    one_row_padding=one_row_padding)
         pad = bs - b
         base = b * width
         starts = array.array("i", range(0, base, width))
+        if one_row_padding:  # padding requests start after the batch's rows, with no page
+            starts.extend(itertools.repeat(base, pad + 1))
+            ext = array.array("i", extend_lens)
+            ext.extend(itertools.repeat(1, pad))
+            lens = array.array("i", seq_lens)
+            lens.extend(itertools.repeat(0, pad))
+            return MLAPlanInputs(qo_indptr=_cumsum(ext),
+                                 kv_indptr=torch.frombuffer(starts, dtype=torch.int32),
+                                 kv_indices=table[:bs].view(-1),
+                                 kv_lens=torch.frombuffer(lens, dtype=torch.int32))
         starts.extend(itertools.repeat(base, pad + 1))
         starts.append(base + filler_pages)
         ext = array.array("i", extend_lens)
@@ -470,14 +507,18 @@ class FlashInferMLAKernels:
         """Create (once) and plan the ``use_cuda_graph`` wrapper of ``md``'s shape."""
         bs, nt = md.batch_size, md.num_tokens
         key = (md.forward_mode, bs, nt)
+        one_row = _one_row_padding(md)
+        requests = bs if one_row else bs + 1  # the filler's request, when there is one
         wrapper = self._graph_wrappers.get(key)
         if wrapper is None:
             wrapper = self.mla_wrapper_cls(
-                self.workspace, use_cuda_graph=True, qo_indptr=buffers.qo_indptr[:bs + 2],
-                kv_indptr=buffers.kv_indptr[:bs + 2], kv_indices=buffers.kv_indices,
-                kv_len_arr=buffers.kv_lens[:bs + 1], backend=self.mla_backend)
+                self.workspace, use_cuda_graph=True,
+                qo_indptr=buffers.qo_indptr[:requests + 1],
+                kv_indptr=buffers.kv_indptr[:requests + 1], kv_indices=buffers.kv_indices,
+                kv_len_arr=buffers.kv_lens[:requests], backend=self.mla_backend)
             self._graph_wrappers[key] = wrapper
-        planned = PlannedMLA(wrapper, q_dtype, kv_dtype, _causal(md), graph=True)
+        planned = PlannedMLA(wrapper, q_dtype, kv_dtype, _causal(md), graph=True,
+                             kernel_zeroes_padding=one_row)
         assert md.batch is not None
         self._plan_graph(planned, md, md.batch)
         planned.grid = _plan_grid(wrapper)
@@ -504,7 +545,8 @@ class FlashInferMLAKernels:
                     batch: ForwardBatch) -> None:
         # the graph buffers hold the batch (filled before this plan): read their table
         inputs = self.graph_plan_inputs(batch.seq_lens_cpu, batch.extend_lens_cpu,
-                                        md.page_table, md.batch_size, md.num_tokens)
+                                        md.page_table, md.batch_size, md.num_tokens,
+                                        one_row_padding=planned.kernel_zeroes_padding)
         self._plan(planned.wrapper, inputs, causal=planned.causal, q_dtype=planned.q_dtype,
                    kv_dtype=planned.kv_dtype)
 
@@ -626,6 +668,12 @@ class FlashInferMLAKernels:
         self._run_ragged(planned, q, k, v, out, lse, f"prefix chunk {chunk.index} inputs")
 
 
+def _one_row_padding(md: ForwardMetadata[Any]) -> bool:
+    """Whether a captured shape's plans pad with one-row requests that attend no key (a
+    decode shape: one query row per sequence, not causal), rather than with a filler."""
+    return md.is_decode and md.num_tokens == md.batch_size
+
+
 def _causal(md: ForwardMetadata[Any]) -> bool:
     """Whether a forward's queries are causal among themselves: every forward mode with
     several new tokens per sequence (decode's one token sees the whole sequence)."""
@@ -645,7 +693,8 @@ class FlashInferMLABackend(AttentionBackend[FlashInferPlan, FlashInferGraphBuffe
     Graphs: decode FULL and prefill BREAKABLE capture absorbed MLA with one
     ``use_cuda_graph`` wrapper per captured shape, re-planned on the host before
     every replay; ragged MHA runs eagerly only.  The output rows of padding are
-    zeroed inside the graph.
+    zero inside the graph: a decode plan's padding requests attend no key, for which
+    the kernel writes zeros; other modes zero them after the kernel.
     """
 
     def __init__(self, config: MLAConfig, *, capabilities: Any, mla_backend: str = "auto",
@@ -682,10 +731,11 @@ class FlashInferMLABackend(AttentionBackend[FlashInferPlan, FlashInferGraphBuffe
     def _forward_decode_impl(self, q: torch.Tensor, pool: MLAKVLayer,
                              md: ForwardMetadata[FlashInferPlan], out: torch.Tensor, *,
                              lse: torch.Tensor | None = None) -> None:
-        self.kernels.run_mla(q, pool.buffer, md, self._plan_of(md), out,
-                             kv_scale=pool.kv_scale, lse=lse)
-        # the filler request of a padded plan computed the padding rows: zero them
-        self.zero_padded_rows(out, md)
+        plan = self._plan_of(md)
+        self.kernels.run_mla(q, pool.buffer, md, plan, out, kv_scale=pool.kv_scale, lse=lse)
+        if plan.mla is None or not plan.mla.kernel_zeroes_padding:
+            # a filler request computed the padding rows: zero them
+            self.zero_padded_rows(out, md)
 
     def _forward_extend_impl(self, q: torch.Tensor, pool: MLAKVLayer | None,
                              md: ForwardMetadata[FlashInferPlan], out: torch.Tensor, *,
