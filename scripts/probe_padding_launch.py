@@ -1,0 +1,331 @@
+"""Probe: can the padding-row zeroing leave the captured decode's critical path? (issue 31)
+
+Usage (a CUDA GPU with flash_mla and flashinfer)::
+
+    PYTHONPATH=src:plugins/attnreg-flashmla/src python3 scripts/probe_padding_launch.py \
+        --out probe-padding.json
+
+The one launch attnreg's captured decode adds over the raw kernels (peers.wrapper) is the
+padding-row fill after the kernel.  It must follow the kernel only where the kernel writes
+those rows.  This probe measures, on the H200:
+
+1. which rows each kernel writes for an empty (padding) sequence: FlashMLA's fp8 decode
+   (length 0) and flashinfer's fa3 MLA (a request of ``kv_len`` 0 with one query row, in
+   place of attnreg's filler request), eagerly and in a replayed graph, against output
+   rows set to NaN first (flashinfer takes ``out=``; FlashMLA's own output is checked for
+   exact zeros after replays of alternating padding);
+2. the replay time (L2 flushed, :meth:`attnreg.profiling.Clock.calls`) of the raw call,
+   the call with the fill after it (what attnreg does now), and the call with the fill on
+   a forked stream beside it (it then depends only on what came before the kernel).
+
+Nothing here is a claim; the numbers go to ``--out`` as JSON and to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = ((128, 4096, 128), (128, 4096, 16), (32, 8192, 16), (1, 32768, 16),
+          (1, 32768, 128), (8, 1024, 128), (64, 2048, 64))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="probe-padding.json")
+    ap.add_argument("--rows-only", action="store_true",
+                    help="only flashinfer's rows for requests of no key: fa3 and fa2, page 1 "
+                         "and 64, eager and replayed (no timing)")
+    args = ap.parse_args()
+    if args.rows_only:
+        return rows_only(args.out)
+    import flash_mla
+    import flashinfer
+    import torch
+
+    from attnreg.profiling import Clock, random_pool
+    from attnreg.runtime import GraphRunner, MLAConfig, decode_batch
+    from attnreg.runtime._pad_rows_kernel import fill_flagged_rows_fused
+
+    dev = "cuda"
+    clock = Clock(torch, dev)
+    side = torch.cuda.Stream()
+    doc: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": [], "padding": []}
+
+    def beside_after(ev: Any, launch: Any) -> None:
+        """``launch()`` on the side stream after ``ev`` (recorded before the kernel), then
+        the main stream waits for it: in a graph a branch parallel to the kernel."""
+        main = torch.cuda.current_stream()
+        side.wait_event(ev)
+        with torch.cuda.stream(side):
+            launch()
+        main.wait_stream(side)
+
+    def timed(call: Any) -> float:
+        call()
+        g = GraphRunner(dev).capture(call)
+        g.replay()
+        torch.cuda.synchronize()
+        return round(clock.calls(g.replay)["median_us"], 2)
+
+    for B, L, H in SHAPES:
+        torch.manual_seed(B + L + H)
+        q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=dev)
+        flags = torch.zeros(B, dtype=torch.int32, device=dev)
+        row: dict[str, Any] = {"B": B, "L": L, "H": H}
+        # ---- FlashMLA fp8, the engine's fp8 q (rounded here)
+        cfg = MLAConfig(num_heads=H, page_size=64, kv_dtype="fp8_e4m3", device=dev,
+                        max_context_len=L)
+        scale = cfg.softmax_scale
+        pool = random_pool(torch, cfg, B * L, seed=B + L)
+        batch = decode_batch(pool, [L] * B, shuffle=B + L)
+        seq_lens = batch.seq_lens.to(torch.int32)
+        table = batch.page_table.to(torch.int32)
+        sched, splits = flash_mla.get_mla_decoding_metadata(seq_lens, H, 1, is_fp8_kvcache=True,
+                                                            use_legacy=True)
+        meta = flash_mla.get_mla_metadata()[0]
+        meta.tile_scheduler_metadata, meta.num_splits = sched, splits
+        k4 = pool.buffer.view(pool.buffer.shape[0], 64, 1, 576)
+        amax = float(q.abs().amax().float())
+        descale = 2.0 ** max(-126, math.ceil(math.log2(max(amax, 1e-30) / 448.0)))
+        q8 = (q.view(B, 1, H, 576).float() / descale).to(torch.float8_e4m3fn)
+        extra = {"is_fp8_kvcache": True, "descale_k": pool.scale_tensor,
+                 "descale_q": torch.full((1,), descale, dtype=torch.float32, device=dev)}
+
+        held: dict[str, Any] = {}
+
+        def mla(mode: str) -> Any:
+            def call() -> Any:
+                ev = torch.cuda.Event()
+                ev.record()
+                out, _ = flash_mla.flash_mla_with_kvcache(q8, k4, table, seq_lens, 512, meta,
+                                                          softmax_scale=scale, causal=False,
+                                                          use_legacy=True, **extra)
+                o = out.view(B, H, 512)
+                if mode == "after":
+                    fill_flagged_rows_fused(o, flags, 0.0)
+                elif mode == "beside":
+                    beside_after(ev, lambda: fill_flagged_rows_fused(o, flags, 0.0))
+                held["o"] = o  # under capture: the graph's own output tensor
+                return o
+            return call
+
+        ref = mla("raw")().clone()
+        for mode in ("raw", "after", "beside"):
+            out = mla(mode)()
+            assert torch.equal(out, ref), f"flashmla {mode} differs at {(B, L, H)}"
+            row[f"flashmla_fp8 {mode}"] = timed(mla(mode))
+        # padding: the last half of the batch (at least one) empty, then full, in one graph
+        if B > 1:
+            live = B - max(1, B // 2)
+            call = mla("beside")
+            call()
+            g = GraphRunner(dev).capture(call)
+            bad = 0
+            for step in range(6):
+                padded = step % 2 == 0
+                lens = [L] * B if not padded else [L] * live + [0] * (B - live)
+                seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+                flags.copy_(torch.tensor([0 if n else 1 for n in lens], dtype=torch.int32))
+                s2, n2 = flash_mla.get_mla_decoding_metadata(seq_lens, H, 1,
+                                                            is_fp8_kvcache=True,
+                                                            use_legacy=True)
+                sched.copy_(s2)
+                splits.copy_(n2)
+                g.replay()
+                torch.cuda.synchronize()
+                got = held["o"]
+                if padded:
+                    bad += int((got[live:] != 0).any()) + int(torch.isnan(got).any())
+                else:
+                    bad += int(not torch.equal(got, ref))
+            seq_lens.fill_(L)
+            flags.zero_()
+            doc["padding"].append({"kernel": "flashmla_fp8", "shape": [B, L, H],
+                                   "replays_wrong": bad})
+        # ---- flashinfer fa3, page 64, bf16
+        cfg = MLAConfig(num_heads=H, page_size=64, kv_dtype="bf16", device=dev,
+                        max_context_len=L)
+        pool = random_pool(torch, cfg, B * L, seed=B + L + 1)
+        batch = decode_batch(pool, [L] * B, shuffle=B + L)
+        buf = pool.buffer
+        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
+        pages = -(-L // 64)
+
+        def fi_wrapper(lens: list[int], graph: bool = False) -> Any:
+            n = len(lens)
+            pg = [-(-m // 64) for m in lens]
+            indptr = [0]
+            for p in pg:
+                indptr.append(indptr[-1] + p)
+            idx = torch.cat([batch.page_table[b, :pg[b]] for b in range(n) if pg[b]]
+                            ).to(torch.int32)
+            extra: dict[str, Any] = {}
+            if graph:
+                ints = lambda k: torch.zeros(k, dtype=torch.int32, device=dev)  # noqa: E731
+                extra = dict(use_cuda_graph=True, qo_indptr=ints(n + 1),
+                             kv_indptr=ints(n + 1), kv_indices=ints(B * pages),
+                             kv_len_arr=ints(n))
+            w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa3", **extra)
+
+            def plan(lens2: list[int]) -> None:
+                pg2 = [-(-m // 64) for m in lens2]
+                ip = [0]
+                for p in pg2:
+                    ip.append(ip[-1] + p)
+                ix = torch.cat([batch.page_table[b, :pg2[b]] for b in range(n) if pg2[b]]
+                               ).to(torch.int32)
+                w.plan(qo_indptr=torch.arange(n + 1, dtype=torch.int32),
+                       kv_indptr=torch.tensor(ip, dtype=torch.int32), kv_indices=ix,
+                       kv_len_arr=torch.tensor(lens2, dtype=torch.int32), num_heads=H,
+                       head_dim_ckv=512, head_dim_kpe=64, page_size=64, causal=False,
+                       sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=buf.dtype)
+            del idx
+            plan(lens)
+            return w, plan
+
+        qn, qp = q[..., :512], q[..., 512:]
+        out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=dev)
+        w, _ = fi_wrapper([L] * B)
+
+        def fi(mode: str) -> Any:
+            def call() -> Any:
+                if mode == "beside":
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    beside_after(ev, lambda: fill_flagged_rows_fused(out, flags, 0.0))
+                w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
+                if mode == "after":
+                    fill_flagged_rows_fused(out, flags, 0.0)
+                return out
+            return call
+
+        fi("raw")()
+        ref_fi = out.clone()
+        for mode in ("raw", "after", "beside"):
+            fi(mode)()
+            assert torch.equal(out, ref_fi), f"fa3 {mode} differs at {(B, L, H)}"
+            row[f"fa3_p64 {mode}"] = timed(fi(mode))
+        # padding requests of kv_len 0 (one query row each), eager and in a graph
+        if B > 1:
+            live = B - max(1, B // 2)
+            lens = [L] * live + [0] * (B - live)
+            w0, _ = fi_wrapper(lens)
+            out.fill_(float("nan"))
+            w0.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
+            torch.cuda.synchronize()
+            pad = out[live:]
+            eager = ("unwritten" if torch.isnan(pad).all() else
+                     "zero" if (pad == 0).all() else "other")
+            live_ok = bool(torch.allclose(out[:live].float(), ref_fi[:live].float(),
+                                          atol=1e-2, rtol=1e-2))
+            wg, plan = fi_wrapper([L] * B, graph=True)
+            call = lambda: wg.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)  # noqa: E731
+            call()
+            g = GraphRunner(dev).capture(call)
+            plan(lens)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            pad = out[live:]
+            graph_rows = ("unwritten" if torch.isnan(pad).all() else
+                          "zero" if (pad == 0).all() else "other")
+            graph_live_ok = bool(torch.allclose(out[:live].float(), ref_fi[:live].float(),
+                                                atol=1e-2, rtol=1e-2))
+            doc["padding"].append({"kernel": "fa3_p64 kv_len 0", "shape": [B, L, H],
+                                   "eager_rows": eager, "eager_live_ok": live_ok,
+                                   "graph_rows": graph_rows, "graph_live_ok": graph_live_ok})
+        doc["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps(doc["padding"], indent=1))
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def rows_only(out_path: str) -> int:
+    """flashinfer's output rows for requests of ``kv_len`` 0 (one query row each) beside
+    real ones, per MLA backend and page size, eagerly and in a graph replayed after a
+    re-plan from the full batch: "zero", "unwritten" (the NaN set before stayed) or
+    "other"; and whether the real rows match the full batch's."""
+    import flashinfer
+    import torch
+
+    from attnreg.profiling import random_pool
+    from attnreg.runtime import GraphRunner, MLAConfig, decode_batch
+
+    dev = "cuda"
+    found: list[dict[str, Any]] = []
+    for backend in ("fa3", "fa2"):
+        for page in (1, 64):
+            for B, L, H in ((8, 1024, 128), (32, 2048, 16), (4, 4096, 64)):
+                cfg = MLAConfig(num_heads=H, page_size=page, kv_dtype="bf16", device=dev,
+                                max_context_len=L)
+                pool = random_pool(torch, cfg, B * L, seed=B + L + page)
+                batch = decode_batch(pool, [L] * B, shuffle=B + L)
+                buf = pool.buffer
+                q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=dev)
+                qn, qp = q[..., :512], q[..., 512:]
+                out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=dev)
+                ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
+                width = batch.page_table.shape[1]
+                live = B // 2
+
+                def plan(w: Any, lens: list[int]) -> None:
+                    w.plan(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
+                           kv_indptr=torch.arange(0, (B + 1) * width, width,
+                                                  dtype=torch.int32),
+                           kv_indices=batch.page_table.reshape(-1).to(torch.int32),
+                           kv_len_arr=torch.tensor(lens, dtype=torch.int32), num_heads=H,
+                           head_dim_ckv=512, head_dim_kpe=64, page_size=page, causal=False,
+                           sm_scale=cfg.softmax_scale, q_data_type=torch.bfloat16,
+                           kv_data_type=buf.dtype)
+
+                def rows(pad: Any) -> str:
+                    return ("unwritten" if torch.isnan(pad).all() else
+                            "zero" if (pad == 0).all() else "other")
+
+                full = [L] * B
+                padded = [L] * live + [0] * (B - live)
+                w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+                plan(w, full)
+                w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
+                ref = out.clone()
+                plan(w, padded)
+                out.fill_(float("nan"))
+                w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
+                torch.cuda.synchronize()
+                eager = rows(out[live:])
+                eager_ok = bool(torch.equal(out[:live], ref[:live]))
+                ints = lambda k: torch.zeros(k, dtype=torch.int32, device=dev)  # noqa: E731
+                wg = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+                    ws, backend=backend, use_cuda_graph=True, qo_indptr=ints(B + 1),
+                    kv_indptr=ints(B + 1), kv_indices=ints(B * width), kv_len_arr=ints(B))
+                plan(wg, full)
+                call = lambda: wg.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)  # noqa: E731,B023
+                call()
+                g = GraphRunner(dev).capture(call)
+                grid = tuple(int(x) for x in wg._plan_info[:2])
+                plan(wg, padded)
+                grid_padded = tuple(int(x) for x in wg._plan_info[:2])
+                out.fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                entry = {"backend": backend, "page": page, "shape": [B, L, H],
+                         "eager_rows": eager, "eager_live_equal": eager_ok,
+                         "graph_rows": rows(out[live:]),
+                         "graph_live_equal": bool(torch.equal(out[:live], ref[:live])),
+                         "grid_full": grid, "grid_padded": grid_padded}
+                found.append(entry)
+                print(json.dumps(entry), flush=True)
+    Path(out_path).write_text(json.dumps({"padding_rows": found}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
