@@ -85,11 +85,12 @@ WRAPPER_INT_WORKSPACE_BYTES = 8 * _MIB
 class GraphIndexSizes(NamedTuple):
     """int32 elements of the index buffers every graph wrapper slices.
 
-    A captured plan has ``bs + 1`` requests (the real and zero-length padding
-    sequences, then one filler request owning the padding rows), so the CSR
-    arrays have ``bs + 2`` entries and the page indices room for every
-    sequence's pages plus the filler's padding pages (one per padding row at
-    page size 1).
+    A captured plan has at most ``bs + 1`` requests (the real and zero-length
+    padding sequences, then, outside decode, one filler request owning the padding
+    rows; a decode plan's padding sequences own one row each and there is no
+    filler), so the CSR arrays have room for ``bs + 2`` entries and the page
+    indices for every sequence's pages plus the filler's padding pages (one per
+    padding row at page size 1).
     """
 
     qo_indptr: int
