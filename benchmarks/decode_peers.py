@@ -14,11 +14,13 @@ replay (:meth:`attnreg.profiling.Clock.calls`):
   for FP8, q rounded to FP8 outside the graph (the raw kernel takes it as
   input);
 * the overhead rows (:data:`OVERHEAD`, for ``peers.wrapper``): a raw call plus one piece
-  of what attnreg's captured decode adds beside the kernel -- fa3 with contiguous q
-  halves, with the padding-row zeroing (two launches, as before issue 31, and one, as
-  now), with attnreg's ``use_cuda_graph`` plan (a filler request); FlashMLA FP8 with q
-  rounded inside the graph by ``attnreg.runtime.quantize_q_fp8`` -- each beside its raw
-  call and attnreg's wrapper of it (``data["overhead"]``);
+  of what attnreg's captured decode adds, or added, beside the kernel -- fa3 with
+  contiguous q halves, with the padding-row zeroing (two launches, as before issue 31,
+  and one), with a ``use_cuda_graph`` plan with a filler request (the zeroing and the
+  filler are what flashinfer_mla's captured decode ran until 1cbb10b, and its verify
+  graphs still run); FlashMLA FP8 with q rounded inside the graph by
+  ``attnreg.runtime.quantize_q_fp8`` -- each beside its raw call and attnreg's wrapper of
+  it (``data["overhead"]``);
 * attnreg's backends created through the registry and captured through
   :class:`attnreg.runtime.GraphSession` (one bucket = B, replay metadata
   prepared once, then the graph alone timed): triton at page 1 and 64,
@@ -133,7 +135,9 @@ def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
     issue 31; 1: ``GraphState``'s own fill from flags set outside the graph,
     ``fill_flagged_rows``: on CUDA one launch writing only the padding rows);
     ``graph_wrapper`` plans a ``use_cuda_graph=True`` wrapper over preallocated index
-    buffers with a ``B + 1``-th (filler, empty) request, as attnreg's captured plan.
+    buffers with a ``B + 1``-th (filler, empty) request, as attnreg's captured decode plan
+    had until 1cbb10b (its verify plans still do; its decode plans now have ``B``
+    requests, as the raw call).
     """
     import flashinfer
 
@@ -146,7 +150,7 @@ def _fa3(ctx: RunContext, pool: Any, batch: Any, q: Any, scale: float, *,
     lens = [int(n) for n in batch.seq_lens_cpu]
     pages = [-(-n // ps) for n in lens]
     qo = list(range(B + 1))
-    if graph_wrapper:  # attnreg's padded plan: one filler request owning the 0 padding rows
+    if graph_wrapper:  # a filler-padded plan: one filler request owning the 0 padding rows
         lens, pages, qo = lens + [0], pages + [0], qo + [B]
     indptr = [0]
     for n in pages:
