@@ -18,7 +18,9 @@ those rows.  This probe measures, on the H200:
    the call with the fill after it (what attnreg does now), and the call with the fill on
    a forked stream beside it (it then depends only on what came before the kernel).
 
-Nothing here is a claim; the numbers go to ``--out`` as JSON and to stdout.
+Nothing here is a claim; the numbers go to ``--out`` as JSON and to stdout.  The H200
+runs of 2026-12-04: ``benchmarks/results/probes/h200-padding-launch.json`` (the script as of
+d1ebf77) and ``benchmarks/results/probes/h200-padding-rows.json`` (``--rows-only``).
 """
 
 from __future__ import annotations
@@ -160,12 +162,6 @@ def main() -> int:
 
         def fi_wrapper(lens: list[int], graph: bool = False) -> Any:
             n = len(lens)
-            pg = [-(-m // 64) for m in lens]
-            indptr = [0]
-            for p in pg:
-                indptr.append(indptr[-1] + p)
-            idx = torch.cat([batch.page_table[b, :pg[b]] for b in range(n) if pg[b]]
-                            ).to(torch.int32)
             extra: dict[str, Any] = {}
             if graph:
                 ints = lambda k: torch.zeros(k, dtype=torch.int32, device=dev)  # noqa: E731
@@ -186,7 +182,6 @@ def main() -> int:
                        kv_len_arr=torch.tensor(lens2, dtype=torch.int32), num_heads=H,
                        head_dim_ckv=512, head_dim_kpe=64, page_size=64, causal=False,
                        sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=buf.dtype)
-            del idx
             plan(lens)
             return w, plan
 
