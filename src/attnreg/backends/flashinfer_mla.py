@@ -365,29 +365,24 @@ class FlashInferMLAKernels:
                                     one_row_padding=one_row_padding)
         pad = bs - b
         base = b * width
+        # padding requests start after the batch's rows
         starts = array.array("i", range(0, base, width))
-        if one_row_padding:  # padding requests start after the batch's rows, with no page
-            starts.extend(itertools.repeat(base, pad + 1))
-            ext = array.array("i", extend_lens)
-            ext.extend(itertools.repeat(1, pad))
-            lens = array.array("i", seq_lens)
-            lens.extend(itertools.repeat(0, pad))
-            return MLAPlanInputs(qo_indptr=_cumsum(ext),
-                                 kv_indptr=torch.frombuffer(starts, dtype=torch.int32),
-                                 kv_indices=table[:bs].view(-1),
-                                 kv_lens=torch.frombuffer(lens, dtype=torch.int32))
         starts.extend(itertools.repeat(base, pad + 1))
-        starts.append(base + filler_pages)
         ext = array.array("i", extend_lens)
-        ext.extend(itertools.repeat(0, pad))
-        ext.append(filler)
         lens = array.array("i", seq_lens)
-        lens.extend(itertools.repeat(0, pad))
-        lens.append(filler)
-        return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=torch.frombuffer(starts,
-                                                                                 dtype=torch.int32),
-                             kv_indices=table[:bs].view(-1), kv_lens=torch.frombuffer(
-                                 lens, dtype=torch.int32))
+        if one_row_padding:  # each padding request: one row, no key, no page
+            ext.extend(itertools.repeat(1, pad))
+            lens.extend(itertools.repeat(0, pad))
+        else:  # zero-length padding requests, then the filler over the padding rows' pages
+            starts.append(base + filler_pages)
+            ext.extend(itertools.repeat(0, pad))
+            ext.append(filler)
+            lens.extend(itertools.repeat(0, pad))
+            lens.append(filler)
+        return MLAPlanInputs(qo_indptr=_cumsum(ext),
+                             kv_indptr=torch.frombuffer(starts, dtype=torch.int32),
+                             kv_indices=table[:bs].view(-1),
+                             kv_lens=torch.frombuffer(lens, dtype=torch.int32))
 
     def _page_indices(self, page_table: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
         """The first ``pages[b]`` entries of each page-table row, concatenated (on device).
