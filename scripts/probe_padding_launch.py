@@ -20,7 +20,8 @@ those rows.  This probe measures, on the H200:
 
 Nothing here is a claim; the numbers go to ``--out`` as JSON and to stdout.  The H200
 runs of 2026-12-04: ``benchmarks/results/probes/h200-padding-launch.json`` (the script as of
-d1ebf77) and ``benchmarks/results/probes/h200-padding-rows.json`` (``--rows-only``).
+d1ebf77), ``benchmarks/results/probes/h200-padding-rows.json`` (``--rows-only``) and
+``benchmarks/results/probes/h200-padding-flashmla-rows.json`` (``--flashmla-rows``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ def main() -> int:
     ap.add_argument("--rows-only", action="store_true",
                     help="only flashinfer's rows for requests of no key: fa3 and fa2, page 1 "
                          "and 64, eager and replayed (no timing)")
+    ap.add_argument("--flashmla-rows", action="store_true",
+                    help="only FlashMLA fp8's rows of empty sequences in replayed graphs, with "
+                         "no fill and with the fill beside the kernel (no timing)")
     args = ap.parse_args()
     if args.rows_only:
         return rows_only(args.out)
+    if args.flashmla_rows:
+        return flashmla_rows(args.out)
     import flash_mla
     import flashinfer
     import torch
@@ -240,6 +246,104 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     print(json.dumps(doc["padding"], indent=1))
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def flashmla_rows(out_path: str) -> int:
+    """FlashMLA fp8 decode (fp8 q) captured with no padding fill ("none") and with the fill
+    on a forked stream beside the kernel ("beside"), replayed full, padded (the last half
+    of the sequences empty), full, padded...: for each replay, what the padding rows hold
+    ("zero", "nan", "stale": the previous replay's rows, "other") and the largest
+    difference of the live rows from an eager call over the same lengths."""
+    import flash_mla
+    import torch
+
+    from attnreg.profiling import random_pool
+    from attnreg.runtime import GraphRunner, MLAConfig, decode_batch
+    from attnreg.runtime._pad_rows_kernel import fill_flagged_rows_fused
+
+    dev = "cuda"
+    side = torch.cuda.Stream()
+    found: list[dict[str, Any]] = []
+    for B, L, H in ((8, 1024, 128), (32, 8192, 16), (64, 2048, 64), (128, 4096, 16)):
+        cfg = MLAConfig(num_heads=H, page_size=64, kv_dtype="fp8_e4m3", device=dev,
+                        max_context_len=L)
+        pool = random_pool(torch, cfg, B * L, seed=B + L)
+        batch = decode_batch(pool, [L] * B, shuffle=B + L)
+        seq_lens = batch.seq_lens.to(torch.int32)
+        table = batch.page_table.to(torch.int32)
+        k4 = pool.buffer.view(pool.buffer.shape[0], 64, 1, 576)
+        q = torch.randn(B, 1, H, 576, device=dev)
+        q8 = (q / 2.0 ** -4).to(torch.float8_e4m3fn)
+        extra = {"is_fp8_kvcache": True, "descale_k": pool.scale_tensor,
+                 "descale_q": torch.full((1,), 2.0 ** -4, dtype=torch.float32, device=dev)}
+        flags = torch.zeros(B, dtype=torch.int32, device=dev)
+        live = B // 2
+        lens_of = {"full": [L] * B, "padded": [L] * live + [0] * (B - live)}
+        for mode in ("none", "beside"):
+            sched, splits = flash_mla.get_mla_decoding_metadata(
+                seq_lens, H, 1, is_fp8_kvcache=True, use_legacy=True)
+            meta = flash_mla.get_mla_metadata()[0]
+            meta.tile_scheduler_metadata, meta.num_splits = sched, splits
+            held: dict[str, Any] = {}
+
+            def call() -> Any:
+                ev = torch.cuda.Event()
+                ev.record()
+                out, _ = flash_mla.flash_mla_with_kvcache(
+                    q8, k4, table, seq_lens, 512, meta, softmax_scale=cfg.softmax_scale,
+                    causal=False, use_legacy=True, **extra)  # noqa: B023
+                o = out.view(B, H, 512)
+                if mode == "beside":  # noqa: B023
+                    main = torch.cuda.current_stream()
+                    side.wait_event(ev)
+                    with torch.cuda.stream(side):
+                        fill_flagged_rows_fused(o, flags, 0.0)  # noqa: B023
+                    main.wait_stream(side)
+                held["o"] = o  # noqa: B023
+                return o
+
+            def set_lens(kind: str) -> None:
+                lens = lens_of[kind]  # noqa: B023
+                seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))  # noqa: B023
+                flags.copy_(torch.tensor([0 if n else 1 for n in lens], dtype=torch.int32))  # noqa: B023
+                s2, n2 = flash_mla.get_mla_decoding_metadata(seq_lens, H, 1,  # noqa: B023
+                                                            is_fp8_kvcache=True,
+                                                            use_legacy=True)
+                sched.copy_(s2)  # noqa: B023
+                splits.copy_(n2)  # noqa: B023
+
+            eager = {}
+            for kind in ("full", "padded"):
+                set_lens(kind)
+                eager[kind] = call().clone()
+            set_lens("full")
+            call()
+            g = GraphRunner(dev).capture(call)
+            previous = None
+            replays = []
+            for step in range(6):
+                kind = "full" if step % 2 == 0 else "padded"
+                set_lens(kind)
+                g.replay()
+                torch.cuda.synchronize()
+                got = held["o"].clone()
+                n = live if kind == "padded" else B
+                entry = {"replay": kind, "live_max_diff": float(
+                    (got[:n].float() - eager[kind][:n].float()).abs().max())}
+                if kind == "padded":
+                    pad = got[live:]
+                    entry["padding_rows"] = (
+                        "zero" if bool((pad == 0).all()) else
+                        "nan" if bool(torch.isnan(pad).any()) else
+                        "stale" if previous is not None and torch.equal(pad, previous[live:])
+                        else "other")
+                replays.append(entry)
+                previous = got
+            result = {"shape": [B, L, H], "fill": mode, "replays": replays}
+            found.append(result)
+            print(json.dumps(result), flush=True)
+    Path(out_path).write_text(json.dumps({"flashmla_fp8": found}, indent=1) + "\n")
     return 0
 
 
