@@ -131,10 +131,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _block_bytes(tensors: list[torch.Tensor]) -> int:
+def _block_bytes(starts: set[int]) -> int:
     """Bytes the CUDA caching allocator counts as allocated for the blocks that start at
-    ``tensors``' storages (its block sizes, which round the request up)."""
-    starts = {t.untyped_storage().data_ptr() for t in tensors}
+    the storage addresses ``starts`` (its block sizes, which round the request up)."""
+    if not starts:
+        return 0
     total = 0
     for segment in torch.cuda.memory_snapshot():
         address = segment["address"]
@@ -326,8 +327,7 @@ class CapturedForward:
         if stats is not None:
             # the outputs a backend returning its kernel's own hands the session stay
             # allocated by design (the session keeps them): not the backend's state
-            kept = _block_bytes([o for o in self.outs if o.untyped_storage().data_ptr()
-                                 not in before]) if self.session.kernel_outputs else 0
+            kept = _block_bytes(self._output_storages() - before)
             self.memory = MemoryDelta(bytes_delta=stats.bytes_held - overhead - kept,
                                       allocations=stats.allocations, frees=stats.frees)
         self.capture_memory = self._measure_capture_memory()
