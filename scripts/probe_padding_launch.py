@@ -39,6 +39,15 @@ SHAPES = ((128, 4096, 128), (128, 4096, 16), (32, 8192, 16), (1, 32768, 16),
           (1, 32768, 128), (8, 1024, 128), (64, 2048, 64))
 
 
+def padding_state(pad: Any) -> str:
+    """What output rows set to NaN before a call hold after it: "unwritten" (the NaN
+    stayed), "zero" or "other"."""
+    import torch
+
+    return ("unwritten" if bool(torch.isnan(pad).all()) else
+            "zero" if bool((pad == 0).all()) else "other")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="probe-padding.json")
@@ -221,9 +230,7 @@ def main() -> int:
             out.fill_(float("nan"))
             w0.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
             torch.cuda.synchronize()
-            pad = out[live:]
-            eager = ("unwritten" if torch.isnan(pad).all() else
-                     "zero" if (pad == 0).all() else "other")
+            eager = padding_state(out[live:])
             live_ok = bool(torch.allclose(out[:live].float(), ref_fi[:live].float(),
                                           atol=1e-2, rtol=1e-2))
             wg, plan = fi_wrapper([L] * B, graph=True)
@@ -234,9 +241,7 @@ def main() -> int:
             out.fill_(float("nan"))
             g.replay()
             torch.cuda.synchronize()
-            pad = out[live:]
-            graph_rows = ("unwritten" if torch.isnan(pad).all() else
-                          "zero" if (pad == 0).all() else "other")
+            graph_rows = padding_state(out[live:])
             graph_live_ok = bool(torch.allclose(out[:live].float(), ref_fi[:live].float(),
                                                 atol=1e-2, rtol=1e-2))
             doc["padding"].append({"kernel": "fa3_p64 kv_len 0", "shape": [B, L, H],
@@ -385,10 +390,6 @@ def rows_only(out_path: str) -> int:
                            sm_scale=cfg.softmax_scale, q_data_type=torch.bfloat16,
                            kv_data_type=buf.dtype)
 
-                def rows(pad: Any) -> str:
-                    return ("unwritten" if torch.isnan(pad).all() else
-                            "zero" if (pad == 0).all() else "other")
-
                 full = [L] * B
                 padded = [L] * live + [0] * (B - live)
                 w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
@@ -399,7 +400,7 @@ def rows_only(out_path: str) -> int:
                 out.fill_(float("nan"))
                 w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
                 torch.cuda.synchronize()
-                eager = rows(out[live:])
+                eager = padding_state(out[live:])
                 eager_ok = bool(torch.equal(out[:live], ref[:live]))
                 ints = lambda k: torch.zeros(k, dtype=torch.int32, device=dev)  # noqa: E731
                 wg = flashinfer.mla.BatchMLAPagedAttentionWrapper(
@@ -417,7 +418,7 @@ def rows_only(out_path: str) -> int:
                 torch.cuda.synchronize()
                 entry = {"backend": backend, "page": page, "shape": [B, L, H],
                          "eager_rows": eager, "eager_live_equal": eager_ok,
-                         "graph_rows": rows(out[live:]),
+                         "graph_rows": padding_state(out[live:]),
                          "graph_live_equal": bool(torch.equal(out[:live], ref[:live])),
                          "grid_full": grid, "grid_padded": grid_padded}
                 found.append(entry)
