@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fill_flagged_rows_fused", "supports"]
+__all__ = ["fill_flagged_rows_fused", "launches_dependent", "supports"]
 
 #: elements one program writes per step (4 warps: 8 per thread, a 16-byte bf16 store)
 _BLOCK = 1024
@@ -38,7 +38,15 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit(do_not_specialize=["row_stride", "src_stride", "n", "blocks_per_span"])
 def _fill_flagged_rows(t_ptr, flags_ptr, src_ptr, value, row_stride, src_stride, n,
-                       blocks_per_span, HAS_SRC: tl.constexpr, BLOCK: tl.constexpr):
+                       blocks_per_span, HAS_SRC: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    if PDL:
+        # Launched as a programmatic dependent of the kernel before it: every program
+        # waits here until that kernel has finished and its writes are visible, before it
+        # reads anything (the flags too: whatever wrote them is ordered before that kernel,
+        # and an engine's kernel may itself be a dependent launch), so this launch's
+        # completion still means the previous kernel's.
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     span = tl.program_id(1)
     flag = tl.load(flags_ptr + row)
@@ -54,6 +62,24 @@ def _fill_flagged_rows(t_ptr, flags_ptr, src_ptr, value, row_stride, src_stride,
             offs = (span * blocks_per_span + i) * BLOCK + tl.arange(0, BLOCK)
             m = offs < n
             tl.store(base + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+_PDL_BY_DEVICE: dict[int, bool] = {}
+
+
+def launches_dependent(device: torch.device) -> bool:
+    """Whether the fill is launched as a programmatic dependent launch on ``device``: sm90
+    and later, with a triton that has ``gdc_wait``.  Then its launch overlaps the end of
+    the kernel before it instead of following its completion (the fill after FlashMLA's
+    fp8 decode was the one launch attnreg's captured decode added over the raw kernel,
+    issue 31, peers.wrapper).  Asked once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _PDL_BY_DEVICE.get(index)
+    if known is None:
+        known = (torch.cuda.get_device_capability(index)[0] >= 9
+                 and hasattr(tl.extra.cuda, "gdc_wait"))
+        _PDL_BY_DEVICE[index] = known
+    return known
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -92,7 +118,9 @@ def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float,
     has_src = src is not None
     spans = min(blocks, _MAX_COPY_SPANS if has_src else _MAX_SPANS)
     blocks_per_span = triton.cdiv(blocks, spans)
+    pdl = t.is_cuda and launches_dependent(t.device)
+    extra = {"launch_pdl": True} if pdl else {}
     _fill_flagged_rows[(rows, spans)](t, flags, src if has_src else t, float(value),
                                       t.stride(0), src.stride(0) if has_src else 0, n,
                                       blocks_per_span, HAS_SRC=has_src, BLOCK=_BLOCK,
-                                      num_warps=4)
+                                      PDL=pdl, num_warps=4, **extra)
