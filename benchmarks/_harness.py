@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -373,6 +373,12 @@ class RunContext:
     def time(self, fn: Callable[[], Any], *, flush_l2: bool = True) -> dict[str, Any]:
         """Median time of one call of ``fn`` with its spread (:meth:`Clock.calls`)."""
         return self.clock.calls(fn, flush_l2=flush_l2)
+
+    def time_interleaved(self, fns: Mapping[str, Callable[[], Any]], *,
+                         flush_l2: bool = True) -> dict[str, dict[str, Any]]:
+        """:meth:`time` of several calls whose timed calls alternate
+        (:meth:`Clock.interleaved`): their ratios compare calls timed alike."""
+        return self.clock.interleaved(fns, flush_l2=flush_l2)
 
     def time_back_to_back(self, fn: Callable[[], Any], *, calls: int = 200,
                           rounds: int = 5) -> dict[str, Any]:

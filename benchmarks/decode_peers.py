@@ -2,7 +2,9 @@
 
 At every P1 shape (B, L, H), with a bf16 and an FP8 (e4m3) KV pool, one
 process times, each as a CUDA graph replay with the L2 flushed before every
-replay (:meth:`attnreg.profiling.Clock.calls`):
+replay, the replays of every peer over one pool interleaved
+(:meth:`attnreg.profiling.Clock.interleaved`: a wrapper and its raw kernel see the same
+device conditions):
 
 * the raw kernels, called directly and captured through
   :class:`attnreg.runtime.GraphRunner`: flashinfer's
@@ -261,20 +263,22 @@ OVERHEAD[ROUNDED_RAW] = (FLASHMLA_RAW, {"round_in_graph": True}, "fp8_e4m3")
 # measuring one shape
 # ----------------------------------------------------------------------------------------
 
-def _check_and_time(ctx: RunContext, out: Any, ref: Any, dtype: str,
-                    replay: Callable[[], Any]) -> dict[str, Any]:
+#: a captured peer: its correctness entry and, when correct, the replay to time
+Prepared = tuple[dict[str, Any], Callable[[], Any] | None]
+
+
+def _check(ctx: RunContext, out: Any, ref: Any, dtype: str,
+           replay: Callable[[], Any]) -> Prepared:
     err = rel_error(ctx.torch, out[:ref.shape[0]], ref)
     res: dict[str, Any] = {"rel_err": err, "correct": err <= MAX_REL_ERR[dtype]}
     if not res["correct"]:
         res["error"] = f"output off the float32 reference by {err:.2e}; not timed"
-        return res
-    m = ctx.time(replay)
-    res.update(us=m["median_us"], p20_us=m["p20_us"], p80_us=m["p80_us"], n=m["n"])
-    return res
+        return res, None
+    return res, replay
 
 
 def _raw(ctx: RunContext, label: str, pool: Any, batch: Any, q: Any, ref: Any, dtype: str,
-         scale: float) -> dict[str, Any]:
+         scale: float) -> Prepared:
     from attnreg.runtime import GraphRunner
 
     base, opts, _ = OVERHEAD.get(label, (label, {}, None))
@@ -282,11 +286,11 @@ def _raw(ctx: RunContext, label: str, pool: Any, batch: Any, q: Any, ref: Any, d
     out = call()  # eager once: compiles, and is checked
     graph = GraphRunner(ctx.device).capture(call)
     graph.replay()
-    return _check_and_time(ctx, out, ref, dtype, graph.replay)
+    return _check(ctx, out, ref, dtype, graph.replay)
 
 
 def _attnreg(ctx: RunContext, v: Variant, pool: Any, batch: Any, q: Any, ref: Any, dtype: str,
-             shape: tuple[int, int, int]) -> dict[str, Any]:
+             shape: tuple[int, int, int]) -> Prepared:
     from attnreg.registry import ForwardMode, get_registry
     from attnreg.runtime import GraphSession, MLAConfig, StepInputs
 
@@ -308,7 +312,30 @@ def _attnreg(ctx: RunContext, v: Variant, pool: Any, batch: Any, q: Any, ref: An
                                                        device=q.device))
         inputs = StepInputs.one(q8, q_scale=q_scale)
     out = ses.replay(batch, inputs, bucket=B)[0]  # inputs + replay metadata, once
-    return _check_and_time(ctx, out, ref, dtype, ses.graph((ForwardMode.DECODE, B)).replay)
+    return _check(ctx, out, ref, dtype, ses.graph((ForwardMode.DECODE, B)).replay)
+
+
+def _time_together(ctx: RunContext, results: dict[str, Any],
+                   replays: Mapping[str, Callable[[], Any]]) -> None:
+    """Time the correct peers of one pool together, their replays interleaved
+    (:meth:`RunContext.time_interleaved`): a wrapper and its raw kernel are timed under
+    the same device conditions (at (128, 4096, 128) raw fa3's replays fell in two modes
+    about 6% apart for stretches of a run, so peers timed one after another compared
+    modes, not code).  A failure there times each alone, and one that fails alone is
+    that peer's error."""
+    try:
+        timed = ctx.time_interleaved(replays)
+    except Exception as exc:  # noqa: BLE001 - then one at a time, each its own row
+        ctx.log(f"peers: interleaved timing failed ({error_text(exc, 200)}); one at a time")
+        timed = {}
+        for label, replay in replays.items():
+            try:
+                timed[label] = ctx.time(replay)
+            except Exception as exc1:  # noqa: BLE001 - one peer must not lose the row
+                results[label] = {"error": error_text(exc1, 300)}
+    for label, m in timed.items():
+        results[label].update(us=m["median_us"], p20_us=m["p20_us"], p80_us=m["p80_us"],
+                              n=m["n"])
 
 
 def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
@@ -357,17 +384,23 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
                 results[v.label] = {"not_declared": "; ".join(refused)}
             else:
                 jobs.append((v.label, v))
+        replays: dict[str, Callable[[], Any]] = {}
         for label, variant in jobs:
             try:
-                results[label] = (
+                results[label], replay = (
                     _raw(ctx, label, pool, batch, q, ref, dtype, scale) if variant is None
                     else _attnreg(ctx, variant, pool, batch, q, ref, dtype, shape))
+                if replay is not None:
+                    replays[label] = replay
             except Exception as exc:  # noqa: BLE001 - one peer must not lose the row
                 results[label] = {"error": error_text(exc, 300)}
+        _time_together(ctx, results, replays)
+        for label, _ in jobs:
             ctx.log(f"peers {shape} {dtype} {label}: " + _describe(results[label]))
-            if ctx.cuda:
-                torch.cuda.empty_cache()
-        del pool, batch, ref
+        # every graph of this pool is released before the next pool is built
+        del pool, batch, ref, replays
+        if ctx.cuda:
+            torch.cuda.empty_cache()
     return row
 
 
@@ -472,7 +505,8 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
         except Exception as exc:  # noqa: BLE001 - a broken plugin is a row
             row_reasons[v.label] = error_text(exc)
     data.update(rows=[], dtypes=list(DTYPES),
-                timing="CUDA graph replay, L2 flushed before each replay (Clock.calls)",
+                timing=("CUDA graph replay, L2 flushed before each replay, the peers over one "
+                        "pool interleaved (Clock.interleaved)"),
                 raw_skipped={k: v for k, v in raw_reasons.items() if v},
                 rows_skipped={k: v for k, v in row_reasons.items() if v})
     # shape-major: a run cut by the time budget still has both dtypes of its first shapes

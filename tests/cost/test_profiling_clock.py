@@ -197,3 +197,55 @@ def test_eager_time_is_events_around_the_call_with_nothing_queued() -> None:
     m = clock.eager_us(fn)
     assert m["us"] == pytest.approx(25.0) and len(m["samples_us"]) == 4
     assert len(fn.calls) == 1 + 4 and dev.flushes == 0 and dev.sleeps == []
+
+
+def test_interleaved_calls_share_a_drift_that_sequential_calls_would_split() -> None:
+    # Two calls of the same device time on a device that turns 10% slower part way through
+    # the run (a clock or memory mode): timed one after the other, the second lands in the
+    # slow stretch and looks 10% slower; interleaved, both see the same stretches.
+    def run(interleaved: bool) -> dict[str, dict[str, Any]]:
+        dev = FakeDevice()
+        clock = Clock(fake_torch(dev), "cuda")
+        issued = {"n": 0}
+
+        def call(name: str) -> Any:
+            def fn() -> None:
+                issued["n"] += 1
+                dev.advance_us(250.0 * (1.1 if issued["n"] > 600 else 1.0))
+            return fn
+
+        fns = {"a": call("a"), "b": call("b")}
+        if interleaved:
+            return clock.interleaved(fns)
+        return {name: clock.calls(fn) for name, fn in fns.items()}
+
+    apart = run(interleaved=False)
+    assert apart["b"]["median_us"] / apart["a"]["median_us"] == pytest.approx(1.1, rel=1e-3)
+    together = run(interleaved=True)
+    assert together["b"]["median_us"] / together["a"]["median_us"] == pytest.approx(1.0,
+                                                                                  abs=1e-3)
+    assert together["a"]["n"] == together["b"]["n"] >= 10
+    assert "interleaved with 1 other" in together["a"]["method"]
+
+
+def test_interleaved_rotates_the_order_and_flushes_before_every_timed_call() -> None:
+    dev = FakeDevice()
+    clock = Clock(fake_torch(dev), "cuda", warmup_ms=0.0, rep_ms=0.0)
+    order: list[str] = []
+
+    def call(name: str) -> Any:
+        def fn() -> None:
+            order.append(name)
+            dev.advance_us(100.0)
+        return fn
+
+    flushes_before = dev.flushes
+    got = clock.interleaved({n: call(n) for n in "xyz"})
+    # each timed call: 10 rounds (the floor) of 3, each round starting one further along
+    timed = order[-30:]
+    assert [timed[i * 3] for i in range(4)] == ["x", "y", "z", "x"]
+    assert all(sorted(timed[i * 3:i * 3 + 3]) == ["x", "y", "z"] for i in range(10))
+    assert {m["n"] for m in got.values()} == {10}
+    assert all(m["median_us"] == pytest.approx(100.0) for m in got.values())
+    # 3 estimate calls each, flushed, then every timed call
+    assert dev.flushes - flushes_before == 3 * 3 + 30

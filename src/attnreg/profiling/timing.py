@@ -7,6 +7,8 @@ host do between calls, which is the point of each:
 * :meth:`Clock.calls` -- CUDA events around each call, the L2 flushed before
   each, ``warmup_ms`` of warm-up then about ``rep_ms`` of calls queued back to
   back (the benchmarks' kernel and replay times);
+* :meth:`Clock.interleaved` -- :meth:`Clock.calls` for several calls whose timed
+  calls alternate, so their ratios compare calls timed under the same conditions;
 * :meth:`Clock.back_to_back` -- events around a loop of calls with no flush
   and no sync: host cost shows where the host is slower than the device;
 * :meth:`Clock.step` -- events around one whole step with the device idle
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["FLUSH_BYTES", "Clock", "spread"]
@@ -195,6 +197,65 @@ class Clock:
         samples = [s.elapsed_time(e) * 1e3 for s, e in events]
         return _timing(samples, "cuda events per call, L2 flushed" if flush_l2
                        else "cuda events per call")
+
+    def interleaved(self, fns: Mapping[str, Callable[[], Any]], *, flush_l2: bool = True
+                    ) -> dict[str, dict[str, Any]]:
+        """:meth:`calls` for several calls at once, their timed calls interleaved.
+
+        Each round calls every ``fn`` once (L2 flushed and CUDA events around each, as
+        :meth:`calls`), starting one further along each round, so a drift of the
+        device's speed during the run (a clock or memory mode the replays fall into
+        for a while) reaches every call alike instead of whichever was timed then: a
+        ratio of two of these times compares like with like.  The rounds are as many
+        as :meth:`calls` would give the slowest ``fn`` (at least 10).  CPU (dry run):
+        :meth:`calls` of each.
+
+        Returns
+        -------
+        dict
+            Per name, what :meth:`calls` returns (``method`` says "interleaved").
+        """
+        names = list(fns)
+        if not self.cuda or len(names) < 2:
+            return {name: self.calls(fns[name], flush_l2=flush_l2) for name in names}
+        torch = self.torch
+        flush = self.flush_l2 if flush_l2 else None
+        est_ms = {}
+        for name in names:
+            fns[name]()
+            torch.cuda.synchronize()
+            start, end = self._events()
+            start.record()
+            for _ in range(3):
+                if flush:
+                    flush()
+                fns[name]()
+            end.record()
+            torch.cuda.synchronize()
+            est_ms[name] = max(start.elapsed_time(end) / 3, 1e-3)
+        round_ms = sum(est_ms.values())
+        slowest = max(est_ms.values())
+        n_warm = int(min(max(self.warmup_ms / round_ms, 1), 500))
+        rounds = int(min(max(self.rep_ms / slowest, 3 if slowest > 20 else 10), 2000))
+        for _ in range(n_warm):
+            for name in names:
+                fns[name]()
+        events: dict[str, list[tuple[Any, Any]]] = {name: [] for name in names}
+        for r in range(rounds):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                s, e = self._events()
+                if flush:
+                    flush()
+                s.record()
+                fns[name]()
+                e.record()
+                events[name].append((s, e))
+        torch.cuda.synchronize()
+        method = ("cuda events per call, L2 flushed" if flush_l2 else "cuda events per call"
+                  ) + f", interleaved with {len(names) - 1} other calls"
+        return {name: _timing([s.elapsed_time(e) * 1e3 for s, e in events[name]], method)
+                for name in names}
 
     def back_to_back(self, fn: Callable[[], Any], *, calls: int = 200,
                      rounds: int = 5) -> dict[str, Any]:
