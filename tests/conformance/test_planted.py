@@ -126,6 +126,22 @@ def test_each_cpu_defect_is_refuted_where_it_is_and_nowhere_else(cpu_run, backen
     assert verified, "a planted backend must still verify its unbroken claims"
 
 
+def test_padding_rows_left_unwritten_at_wide_heads_only_are_refuted_there(tmp_path):
+    # a backend relying on its kernel to write the padding rows, whose wide-head tiling
+    # does not: the padding claim at the base head count passes it, the one at the
+    # widest claimed count (made on cuda, or with --exhaustive on cpu) refutes it
+    name = "planted_padding_rows_wide"
+    code, out, data = conformance(
+        tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.capture_declared",
+        "--backend", name, "-k", "capture/decode/full/padded_rows/mla/bf16-bf16/p16")
+    assert code == 1 and data is not None, out
+    refuted = by_status(data, "refuted")
+    assert set(refuted) == {f"{name}/capture/decode/full/padded_rows/mla/bf16-bf16/p16/"
+                            "h128/576x512"}, out
+    assert "padding output rows are not zero" in next(iter(refuted.values()))
+    assert f"{name}/capture/decode/full/padded_rows/mla/{P}" in by_status(data, "verified")
+
+
 # (h)-(j) the engine contract: layer_id ignored, drafts not causal, a base-2 LSE
 FP8 = "bf16-fp8_e4m3/p16/h2/576x512"
 ENGINE_DEFECTS: dict[str, dict[str, str]] = {

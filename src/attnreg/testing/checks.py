@@ -674,7 +674,29 @@ class PaddedRows(_GraphCheck):
         return [self.capture_claim(
             x, site, f"{site.where}, a graph captured for the largest of "
             f"{', '.join(site.replay)} replays the smaller ones with every output row of the "
-            "padding exactly zero")]
+            f"padding exactly zero ({combo.describe()})", combo=combo)
+            for combo in self.padding_variants(x, site)]
+
+    @classmethod
+    def padding_variants(cls, x: Expansion, site: CaptureSite) -> list[Combo]:
+        """The base; on cuda (or exhaustive) also each :meth:`kv_variants` entry of another
+        KV dtype (a kernel's FP8 path is another kernel, and one that cannot write zeros
+        for an empty sequence is zeroed after it), and the base at the largest head count
+        the site's kernels are claimed at: whether a kernel writes the rows of a padding
+        request itself (flashinfer's decode graphs rely on it, with no zeroing launch)
+        can change with the head count, where a kernel switches its tiling (e.g. two-CTA
+        clusters at 128 heads)."""
+        if x.on_cpu and not x.exhaustive:
+            return [site.base]
+        out = [c for c in cls.kv_variants(x, site)
+               if c == site.base or c.kv_dtype != site.base.kv_dtype]
+        heads = max((h for k in x.caps.kernels_for(site.method, site.phase)
+                     if site.base.q_dtype in k.q_dtypes and site.base.kv_dtype in k.kv_dtypes
+                     for h in x.head_counts(k)), default=site.base.num_heads)
+        wide = replace(site.base, num_heads=heads)
+        if wide not in out and not x.refused(site.base, num_heads=heads):
+            out.append(wide)
+        return out
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_graph(claim, GraphOptions(padded=True))

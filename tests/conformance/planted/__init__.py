@@ -20,6 +20,8 @@ The conformance suite must refute each one, with a message pointing at the cause
 * ``planted_memory_overdeclared`` / ``planted_memory_undeclared`` /
   ``planted_padding_rows`` (g, ``capture_declared``): capture memory far from what
   is declared, either way, and padding output rows left unwritten;
+  ``planted_padding_rows_wide`` (g): padding rows of non-zero values from 64 heads up only
+  (refuted by the padding claim at the widest head count, on cuda or exhaustive);
 * ``planted_fixed_scale`` / ``planted_heads_block8`` (k, l, ``config_facts``): the
   softmax scale fixed at 1/sqrt(192) whatever ``MLAConfig.sm_scale`` says, and
   heads beyond the first 8 given the first 8's output;

@@ -7,7 +7,11 @@
 * ``planted_memory_undeclared``: its runtime allocates a scratch buffer for graphs
   the declaration does not mention;
 * ``planted_padding_rows``: leaves the output rows of padding tokens as the
-  kernel left them (never written) instead of zeroing them.
+  kernel left them (never written) instead of zeroing them;
+* ``planted_padding_rows_wide``: from 64 heads up only, padding rows of finite non-zero
+  values, as a backend would give that relies on its kernel writing zeros for padding
+  requests (flashinfer_mla's decode graphs do) when the kernel's wide-head tiling does
+  not: a claim at the base head count alone passes it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from ._common import spec, triton_like
 OVER = "planted_memory_overdeclared"
 UNDER = "planted_memory_undeclared"
 PADDING = "planted_padding_rows"
+PADDING_WIDE = "planted_padding_rows_wide"
+#: from this many heads planted_padding_rows_wide leaves the padding rows unwritten
+WIDE_HEADS = 64
 #: The per-slot decode estimate the Triton declaration had before issue 15.
 OLD_PER_SLOT = 128 * 32 * (512 + 1) * 4
 #: What the undeclared scratch buffer takes.
@@ -68,6 +75,19 @@ class KeepsPaddingRows(TritonMLABackend):
         return None
 
 
+class KeepsPaddingRowsWhenWide(TritonMLABackend):
+    # Triton's decode relies on its kernel writing zeros for a sequence of length 0 (no
+    # zeroing launch), as flashinfer_mla's decode graphs do on flashinfer's
+    def _forward_decode_impl(self, q: torch.Tensor, pool: Any, md: Any, out: torch.Tensor,
+                             **kwargs: Any) -> None:
+        super()._forward_decode_impl(q, pool, md, out, **kwargs)
+        if self.config.num_heads >= WIDE_HEADS and md.is_graph and self.graph_state:
+            # THE DEFECT: at wide heads the padding rows get finite non-zero values, as a
+            # kernel leaves them that folds empty sequences into another's partial
+            # results (FlashMLA's fp8 decode does from 32 sequences up, on the H200)
+            self.graph_state.fill_padded_rows(out, md, 1.0)
+
+
 @attnreg.hookimpl
 def attnreg_register_backends(register: Any) -> None:
     register(spec(OVER, "declares 2 GiB-style per-slot decode capture memory",
@@ -76,3 +96,6 @@ def attnreg_register_backends(register: Any) -> None:
                   f"{__name__}:Undeclared"))
     register(spec(PADDING, "leaves padding output rows unwritten", capabilities_padding,
                   f"{__name__}:KeepsPaddingRows"))
+    register(spec(PADDING_WIDE, f"leaves padding output rows unwritten from {WIDE_HEADS} "
+                  "heads up", lambda ctx: triton_like(PADDING_WIDE, ctx),
+                  f"{__name__}:KeepsPaddingRowsWhenWide"))
