@@ -52,7 +52,7 @@ replayed eagerly, raw peers skipped with the reason; nothing is measured.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnreg.profiling import random_pool, rel_error
