@@ -24,6 +24,9 @@
 # wide     scripts/probe_triton_wide_heads.py (Triton decode at 64-128 heads: warp
 #          specialization, one program for 128 heads).
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
+# padding  scripts/probe_padding_launch.py (the padding fill after the kernel, as a
+#          programmatic dependent launch, beside it; the rows kernels write for empty
+#          sequences) and the padding fill's GPU tests.
 # claims   conformance of CLAIMS_BACKENDS (default triton reference flashmla) restricted to K (a
 #          -k expression, default fp8_large_q), the FlashMLA plugin loaded; in the
 #          background, beside the next step (put a timing step after one that waits).
@@ -32,7 +35,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|padding|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -150,6 +153,12 @@ case $step in
       --no-render --no-jit-cache >"$OUT/sparsebench.log" 2>&1
     echo "rc=$?" >>"$OUT/sparsebench.log"
     ;;
+  padding)
+    timeout $(left $(limit 240)) python3 scripts/probe_padding_launch.py \
+      --out "$OUT/probe-padding.json" >"$OUT/probe-padding.log" 2>&1
+    echo "rc=$?" >>"$OUT/probe-padding.log"
+    gpu_tests pad-rows $(limit 120) tests/runtime/test_pad_rows_kernel.py
+    ;;
   claims)
     args=()
     for b in ${CLAIMS_BACKENDS:-triton reference flashmla}; do args+=(--backend "$b"); done
@@ -157,7 +166,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|padding|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"

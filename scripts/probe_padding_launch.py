@@ -15,10 +15,11 @@ those rows.  This probe measures, on the H200:
    rows set to NaN first (flashinfer takes ``out=``; FlashMLA's own output is checked for
    exact zeros after replays of alternating padding);
 2. the replay time (L2 flushed, :meth:`attnreg.profiling.Clock.calls`) of the raw call,
-   the call with the fill after it (what attnreg does: a programmatic dependent launch on
-   sm90, ``_pad_rows_kernel.launches_dependent``), the same fill as a plain launch ("after,
-   no pdl", as attnreg did before), and the call with the fill on a forked stream beside
-   it (it then depends only on what came before the kernel).
+   the call with the fill after it (what attnreg does), the same fill as a programmatic
+   dependent launch ("after, pdl": ``fill_flagged_rows_fused(..., dependent_launch=True)``,
+   not used by the runtime until this measures it), and the call with the fill on a
+   forked stream beside it (it then depends only on what came before the kernel).
+   FlashMLA fp8's padded replays (half the batch empty) check the dependent fill's rows.
 
 Nothing here is a claim; the numbers go to ``--out`` as JSON and to stdout.  The H200
 runs of 2026-12-04: ``benchmarks/results/probes/h200-padding-launch.json`` (the script as of
@@ -29,11 +30,9 @@ d1ebf77), ``benchmarks/results/probes/h200-padding-rows.json`` (``--rows-only``)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,23 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = ((128, 4096, 128), (128, 4096, 16), (32, 8192, 16), (1, 32768, 16),
           (1, 32768, 128), (8, 1024, 128), (64, 2048, 64))
-
-
-@contextlib.contextmanager
-def plain_launch() -> Iterator[None]:
-    """The padding fill launched as before its programmatic dependent launch (a plain
-    launch that follows the previous kernel's completion), for comparison."""
-    import torch
-
-    from attnreg.runtime import _pad_rows_kernel
-
-    index = torch.cuda.current_device()
-    before = _pad_rows_kernel.launches_dependent(torch.device("cuda", index))
-    _pad_rows_kernel._PDL_BY_DEVICE[index] = False
-    try:
-        yield
-    finally:
-        _pad_rows_kernel._PDL_BY_DEVICE[index] = before
 
 
 def padding_state(pad: Any) -> str:
@@ -146,11 +128,8 @@ def main() -> int:
                                                           softmax_scale=scale, causal=False,
                                                           use_legacy=True, **extra)
                 o = out.view(B, H, 512)
-                if mode == "after":
-                    fill_flagged_rows_fused(o, flags, 0.0)
-                elif mode == "after, no pdl":
-                    with plain_launch():
-                        fill_flagged_rows_fused(o, flags, 0.0)
+                if mode.startswith("after"):
+                    fill_flagged_rows_fused(o, flags, 0.0, dependent_launch=mode == "after, pdl")
                 elif mode == "beside":
                     beside_after(ev, lambda: fill_flagged_rows_fused(o, flags, 0.0))
                 held["o"] = o  # under capture: the graph's own output tensor
@@ -158,14 +137,14 @@ def main() -> int:
             return call
 
         ref = mla("raw")().clone()
-        for mode in ("raw", "after", "after, no pdl", "beside"):
+        for mode in ("raw", "after", "after, pdl", "beside"):
             out = mla(mode)()
             assert torch.equal(out, ref), f"flashmla {mode} differs at {(B, L, H)}"
             row[f"flashmla_fp8 {mode}"] = timed(mla(mode))
         # padding: the last half of the batch (at least one) empty, then full, in one graph
         if B > 1:
             live = B - max(1, B // 2)
-            call = mla("after")
+            call = mla("after, pdl")
             call()
             g = GraphRunner(dev).capture(call)
             bad = 0
@@ -235,17 +214,15 @@ def main() -> int:
                     ev.record()
                     beside_after(ev, lambda: fill_flagged_rows_fused(out, flags, 0.0))
                 w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
-                if mode == "after":
-                    fill_flagged_rows_fused(out, flags, 0.0)
-                elif mode == "after, no pdl":
-                    with plain_launch():
-                        fill_flagged_rows_fused(out, flags, 0.0)
+                if mode.startswith("after"):
+                    fill_flagged_rows_fused(out, flags, 0.0,
+                                            dependent_launch=mode == "after, pdl")
                 return out
             return call
 
         fi("raw")()
         ref_fi = out.clone()
-        for mode in ("raw", "after", "after, no pdl", "beside"):
+        for mode in ("raw", "after", "after, pdl", "beside"):
             fi(mode)()
             assert torch.equal(out, ref_fi), f"fa3 {mode} differs at {(B, L, H)}"
             row[f"fa3_p64 {mode}"] = timed(fi(mode))

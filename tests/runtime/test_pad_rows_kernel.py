@@ -102,6 +102,47 @@ def test_on_cuda_one_kernel_in_a_graph_that_follows_the_flags():
     assert len(kernels) == 1 and "_fill_flagged_rows" in kernels[0], kernels
 
 
+@pytest.mark.gpu
+def test_as_a_dependent_launch_it_waits_for_the_kernel_it_follows_in_a_graph():
+    # dependent_launch (probe-only until measured): the fill launched as a programmatic
+    # dependent of the kernel writing the rows it reads and overwrites; every program
+    # waits for that kernel, so the padding rows are zero and the live rows are the
+    # kernel's, replay after replay (a fill that ran early would leave the kernel's
+    # values in the padding rows)
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kernel = _kernel()
+    dev = torch.device("cuda")
+    if not kernel.can_launch_dependent(dev):
+        pytest.skip("programmatic dependent launch needs sm90+ and triton's gdc_wait")
+    src = torch.randn(64, 128, 512, dtype=torch.bfloat16, device=dev)
+    t = torch.empty_like(src)
+    flags = torch.zeros(64, dtype=torch.int32, device=dev)
+    from attnreg.runtime import GraphRunner
+
+    def step() -> None:
+        torch.mul(src, 2.0, out=t)  # the kernel the fill depends on
+        kernel.fill_flagged_rows_fused(t, flags, 0.0, dependent_launch=True)
+
+    graph = GraphRunner(dev).capture(step)
+    for live in (64, 5, 1, 64, 33):
+        src.copy_(torch.randn_like(src))
+        flags.copy_((torch.arange(64, device=dev) >= live).to(torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(t[:live], src[:live] * 2.0), live
+        assert t[live:].eq(0).all(), live
+
+
+def test_a_dependent_launch_off_cuda_is_the_plain_kernel():
+    kernel = _kernel()
+    t = torch.randn(4, 8, 64)
+    flags = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+    want = _torch_form(t, flags, 0.0)
+    kernel.fill_flagged_rows_fused(t, flags, 0.0, dependent_launch=True)
+    assert torch.equal(t, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("row", [(3, 700), (9, 1000)])  # 3 blocks; 9 (more than 8 spans)
 def test_with_a_source_the_live_rows_are_copied_in_the_same_launch(dtype, row):

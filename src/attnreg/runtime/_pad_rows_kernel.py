@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fill_flagged_rows_fused", "launches_dependent", "supports"]
+__all__ = ["can_launch_dependent", "fill_flagged_rows_fused", "supports"]
 
 #: elements one program writes per step (4 warps: 8 per thread, a 16-byte bf16 store)
 _BLOCK = 1024
@@ -67,12 +67,9 @@ def _fill_flagged_rows(t_ptr, flags_ptr, src_ptr, value, row_stride, src_stride,
 _PDL_BY_DEVICE: dict[int, bool] = {}
 
 
-def launches_dependent(device: torch.device) -> bool:
-    """Whether the fill is launched as a programmatic dependent launch on ``device``: sm90
-    and later, with a triton that has ``gdc_wait``.  Then its launch overlaps the end of
-    the kernel before it instead of following its completion (the fill after FlashMLA's
-    fp8 decode was the one launch attnreg's captured decode added over the raw kernel,
-    issue 31, peers.wrapper).  Asked once per device."""
+def can_launch_dependent(device: torch.device) -> bool:
+    """Whether the fill can be launched as a programmatic dependent launch on ``device``:
+    sm90 and later, with a triton that has ``gdc_wait``.  Asked once per device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     known = _PDL_BY_DEVICE.get(index)
     if known is None:
@@ -104,10 +101,19 @@ def supports(t: torch.Tensor, flags: torch.Tensor, src: torch.Tensor | None = No
 
 
 def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float,
-                            src: torch.Tensor | None = None) -> None:
+                            src: torch.Tensor | None = None, *,
+                            dependent_launch: bool = False) -> None:
     """Set every row ``r`` of ``t`` with ``flags[r] != 0`` to ``value``, in place, and (with
     ``src``) every other row to ``src``'s: one launch, no allocation, no host sync
-    (capture-safe)."""
+    (capture-safe).
+
+    ``dependent_launch`` (where :func:`can_launch_dependent`): launch it as a programmatic
+    dependent of the kernel before it, so its launch overlaps that kernel's end instead of
+    following its completion; every program waits for that kernel before it reads or
+    writes anything.  Off by default, and the runtime does not ask for it: the fill after
+    FlashMLA's fp8 decode is the one launch attnreg's captured decode adds over the raw
+    kernel (issue 31, peers.wrapper), and whether this takes its cost away is
+    ``scripts/probe_padding_launch.py``'s to measure on an sm90 device first."""
     rows = t.shape[0]
     if rows == 0:
         return
@@ -118,7 +124,7 @@ def fill_flagged_rows_fused(t: torch.Tensor, flags: torch.Tensor, value: float,
     has_src = src is not None
     spans = min(blocks, _MAX_COPY_SPANS if has_src else _MAX_SPANS)
     blocks_per_span = triton.cdiv(blocks, spans)
-    pdl = t.is_cuda and launches_dependent(t.device)
+    pdl = dependent_launch and t.is_cuda and can_launch_dependent(t.device)
     extra = {"launch_pdl": True} if pdl else {}
     _fill_flagged_rows[(rows, spans)](t, flags, src if has_src else t, float(value),
                                       t.stride(0), src.stride(0) if has_src else 0, n,
