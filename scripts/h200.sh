@@ -26,7 +26,8 @@
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # padding  scripts/probe_padding_launch.py (the padding fill after the kernel, as a
 #          programmatic dependent launch, beside it; the rows kernels write for empty
-#          sequences) and the padding fill's GPU tests.
+#          sequences; --verify-rows: flashinfer's rows for causal verify requests of no
+#          key) and the padding fill's GPU tests.
 # claims   conformance of CLAIMS_BACKENDS (default triton reference flashmla) restricted to K (a
 #          -k expression, default fp8_large_q), the FlashMLA plugin loaded; in the
 #          background, beside the next step (put a timing step after one that waits).
@@ -157,6 +158,9 @@ case $step in
     timeout $(left $(limit 240)) python3 scripts/probe_padding_launch.py \
       --out "$OUT/probe-padding.json" >"$OUT/probe-padding.log" 2>&1
     echo "rc=$?" >>"$OUT/probe-padding.log"
+    timeout $(left $(limit 360)) python3 scripts/probe_padding_launch.py --verify-rows \
+      --out "$OUT/probe-verify-rows.json" >"$OUT/probe-verify-rows.log" 2>&1
+    echo "rc=$?" >>"$OUT/probe-verify-rows.log"
     gpu_tests pad-rows $(limit 120) tests/runtime/test_pad_rows_kernel.py
     ;;
   claims)

@@ -30,6 +30,7 @@ d1ebf77), ``benchmarks/results/probes/h200-padding-rows.json`` (``--rows-only``)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -57,12 +58,17 @@ def main() -> int:
     ap.add_argument("--rows-only", action="store_true",
                     help="only flashinfer's rows for requests of no key: fa3 and fa2, page 1 "
                          "and 64, eager and replayed (no timing)")
+    ap.add_argument("--verify-rows", action="store_true",
+                    help="as --rows-only for target-verify batches: 2 and 4 causal query rows "
+                         "per request, padding requests of those rows and no key")
     ap.add_argument("--flashmla-rows", action="store_true",
                     help="only FlashMLA fp8's rows of empty sequences in replayed graphs, with "
                          "no fill and with the fill beside the kernel (no timing)")
     args = ap.parse_args()
     if args.rows_only:
         return rows_only(args.out)
+    if args.verify_rows:
+        return rows_only(args.out, rows_per_request=(2, 4))
     if args.flashmla_rows:
         return flashmla_rows(args.out)
     import flash_mla
@@ -356,11 +362,13 @@ def flashmla_rows(out_path: str) -> int:
     return 0
 
 
-def rows_only(out_path: str) -> int:
-    """flashinfer's output rows for requests of ``kv_len`` 0 (one query row each) beside
-    real ones, per MLA backend and page size, eagerly and in a graph replayed after a
-    re-plan from the full batch: "zero", "unwritten" (the NaN set before stayed) or
-    "other"; and whether the real rows match the full batch's."""
+def rows_only(out_path: str, rows_per_request: tuple[int, ...] = (1,)) -> int:
+    """flashinfer's output rows for requests of ``kv_len`` 0 beside real ones, per MLA
+    backend, page size and query rows per request (1: a decode, not causal; more: a
+    target-verify batch's draft rows, causal, whose padding requests have the same rows
+    and no key), eagerly and in a graph replayed after a re-plan from the full batch:
+    "zero", "unwritten" (the NaN set before stayed, or NaN written) or "other"; and
+    whether the real rows match the full batch's."""
     import flashinfer
     import torch
 
@@ -369,64 +377,65 @@ def rows_only(out_path: str) -> int:
 
     dev = "cuda"
     found: list[dict[str, Any]] = []
-    for backend in ("fa3", "fa2"):
-        for page in (1, 64):
-            for B, L, H in ((8, 1024, 128), (32, 2048, 16), (4, 4096, 64)):
-                cfg = MLAConfig(num_heads=H, page_size=page, kv_dtype="bf16", device=dev,
-                                max_context_len=L)
-                pool = random_pool(torch, cfg, B * L, seed=B + L + page)
-                batch = decode_batch(pool, [L] * B, shuffle=B + L)
-                buf = pool.buffer
-                q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=dev)
-                qn, qp = q[..., :512], q[..., 512:]
-                out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=dev)
-                ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
-                width = batch.page_table.shape[1]
-                live = B // 2
+    for backend, page, s_q, (B, L, H) in itertools.product(
+            ("fa3", "fa2"), (1, 64), rows_per_request,
+            ((8, 1024, 128), (32, 2048, 16), (4, 4096, 64))):
+        cfg = MLAConfig(num_heads=H, page_size=page, kv_dtype="bf16", device=dev,
+                        max_context_len=L)
+        pool = random_pool(torch, cfg, B * L, seed=B + L + page)
+        batch = decode_batch(pool, [L] * B, shuffle=B + L)
+        buf = pool.buffer
+        q = torch.randn(B * s_q, H, 576, dtype=torch.bfloat16, device=dev)
+        qn, qp = q[..., :512], q[..., 512:]
+        out = torch.empty(B * s_q, H, 512, dtype=torch.bfloat16, device=dev)
+        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
+        width = batch.page_table.shape[1]
+        live = B // 2
+        live_rows = live * s_q
 
-                def plan(w: Any, lens: list[int]) -> None:
-                    w.plan(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
-                           kv_indptr=torch.arange(0, (B + 1) * width, width,
-                                                  dtype=torch.int32),
-                           kv_indices=batch.page_table.reshape(-1).to(torch.int32),
-                           kv_len_arr=torch.tensor(lens, dtype=torch.int32), num_heads=H,
-                           head_dim_ckv=512, head_dim_kpe=64, page_size=page, causal=False,
-                           sm_scale=cfg.softmax_scale, q_data_type=torch.bfloat16,
-                           kv_data_type=buf.dtype)
+        def plan(w: Any, lens: list[int]) -> None:
+            w.plan(qo_indptr=torch.arange(0, (B + 1) * s_q, s_q, dtype=torch.int32),
+                   kv_indptr=torch.arange(0, (B + 1) * width, width,
+                                          dtype=torch.int32),
+                   kv_indices=batch.page_table.reshape(-1).to(torch.int32),
+                   kv_len_arr=torch.tensor(lens, dtype=torch.int32), num_heads=H,
+                   head_dim_ckv=512, head_dim_kpe=64, page_size=page,
+                   causal=s_q > 1, sm_scale=cfg.softmax_scale,
+                   q_data_type=torch.bfloat16, kv_data_type=buf.dtype)
 
-                full = [L] * B
-                padded = [L] * live + [0] * (B - live)
-                w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-                plan(w, full)
-                w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
-                ref = out.clone()
-                plan(w, padded)
-                out.fill_(float("nan"))
-                w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
-                torch.cuda.synchronize()
-                eager = padding_state(out[live:])
-                eager_ok = bool(torch.equal(out[:live], ref[:live]))
-                ints = lambda k: torch.zeros(k, dtype=torch.int32, device=dev)  # noqa: E731
-                wg = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-                    ws, backend=backend, use_cuda_graph=True, qo_indptr=ints(B + 1),
-                    kv_indptr=ints(B + 1), kv_indices=ints(B * width), kv_len_arr=ints(B))
-                plan(wg, full)
-                call = lambda: wg.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)  # noqa: E731,B023
-                call()
-                g = GraphRunner(dev).capture(call)
-                grid = tuple(int(x) for x in wg._plan_info[:2])
-                plan(wg, padded)
-                grid_padded = tuple(int(x) for x in wg._plan_info[:2])
-                out.fill_(float("nan"))
-                g.replay()
-                torch.cuda.synchronize()
-                entry = {"backend": backend, "page": page, "shape": [B, L, H],
-                         "eager_rows": eager, "eager_live_equal": eager_ok,
-                         "graph_rows": padding_state(out[live:]),
-                         "graph_live_equal": bool(torch.equal(out[:live], ref[:live])),
-                         "grid_full": grid, "grid_padded": grid_padded}
-                found.append(entry)
-                print(json.dumps(entry), flush=True)
+        full = [L] * B
+        padded = [L] * live + [0] * (B - live)
+        w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+        plan(w, full)
+        w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
+        ref = out.clone()
+        plan(w, padded)
+        out.fill_(float("nan"))
+        w.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)
+        torch.cuda.synchronize()
+        eager = padding_state(out[live_rows:])
+        eager_ok = bool(torch.equal(out[:live_rows], ref[:live_rows]))
+        ints = lambda k: torch.zeros(k, dtype=torch.int32, device=dev)  # noqa: E731
+        wg = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            ws, backend=backend, use_cuda_graph=True, qo_indptr=ints(B + 1),
+            kv_indptr=ints(B + 1), kv_indices=ints(B * width), kv_len_arr=ints(B))
+        plan(wg, full)
+        call = lambda: wg.run(qn, qp, buf[..., :512], buf[..., 512:], out=out)  # noqa: E731,B023
+        call()
+        g = GraphRunner(dev).capture(call)
+        grid = tuple(int(x) for x in wg._plan_info[:2])
+        plan(wg, padded)
+        grid_padded = tuple(int(x) for x in wg._plan_info[:2])
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        entry = {"backend": backend, "page": page, "rows_per_request": s_q,
+                 "shape": [B, L, H], "eager_rows": eager, "eager_live_equal": eager_ok,
+                 "graph_rows": padding_state(out[live_rows:]),
+                 "graph_live_equal": bool(torch.equal(out[:live_rows], ref[:live_rows])),
+                 "grid_full": grid, "grid_padded": grid_padded}
+        found.append(entry)
+        print(json.dumps(entry), flush=True)
     Path(out_path).write_text(json.dumps({"padding_rows": found}, indent=1) + "\n")
     return 0
 
