@@ -240,17 +240,17 @@ class Clock:
         for _ in range(n_warm):
             for name in names:
                 fns[name]()
-        events: dict[str, list[tuple[Any, Any]]] = {name: [] for name in names}
+        # created before the timed rounds, as calls() does: the host only queues there
+        events = {name: [self._events() for _ in range(rounds)] for name in names}
         for r in range(rounds):
             for i in range(len(names)):
                 name = names[(r + i) % len(names)]
-                s, e = self._events()
+                s, e = events[name][r]
                 if flush:
                     flush()
                 s.record()
                 fns[name]()
                 e.record()
-                events[name].append((s, e))
         torch.cuda.synchronize()
         method = ("cuda events per call, L2 flushed" if flush_l2 else "cuda events per call"
                   ) + f", interleaved with {len(names) - 1} other calls"
