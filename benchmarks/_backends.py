@@ -23,6 +23,7 @@ __all__ = [
     "PREFILL_VARIANTS",
     "Variant",
     "available_variants",
+    "checked_output",
     "create_backend",
     "declared_reasons",
     "planned_splits",
@@ -131,6 +132,19 @@ def planned_splits(md: Any) -> int | None:
     if triton_mla is not None and isinstance(plan, triton_mla.TritonPlan):
         return int(plan.splits)
     return None
+
+
+def checked_output(ctx: RunContext, out: Any, ref: Any, max_rel_err: float) -> dict[str, Any]:
+    """A timed path's correctness entry: ``out``'s first ``len(ref)`` rows against the
+    reference (``rel_err``, ``correct``), and an ``error`` when it is off by more than
+    ``max_rel_err`` (such a path is reported, not timed)."""
+    from attnreg.profiling import rel_error
+
+    err = rel_error(ctx.torch, out[:ref.shape[0]], ref)
+    res: dict[str, Any] = {"rel_err": err, "correct": err <= max_rel_err}
+    if not res["correct"]:
+        res["error"] = f"output off the float32 reference by {err:.2e}; not timed"
+    return res
 
 
 def reference_decode(ctx: RunContext, q: Any, pool: Any, page_table: Any, seq_lens: list[int],

@@ -55,9 +55,9 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnreg.profiling import random_pool, rel_error
+from attnreg.profiling import random_pool
 
-from ._backends import reference_decode
+from ._backends import checked_output, reference_decode
 from ._harness import RunContext, error_text
 from ._report import Page, fmt, md_table
 from .decode import SHAPES, Variant
@@ -269,12 +269,8 @@ Prepared = tuple[dict[str, Any], Callable[[], Any] | None]
 
 def _check(ctx: RunContext, out: Any, ref: Any, dtype: str,
            replay: Callable[[], Any]) -> Prepared:
-    err = rel_error(ctx.torch, out[:ref.shape[0]], ref)
-    res: dict[str, Any] = {"rel_err": err, "correct": err <= MAX_REL_ERR[dtype]}
-    if not res["correct"]:
-        res["error"] = f"output off the float32 reference by {err:.2e}; not timed"
-        return res, None
-    return res, replay
+    res = checked_output(ctx, out, ref, MAX_REL_ERR[dtype])
+    return res, replay if res["correct"] else None
 
 
 def _raw(ctx: RunContext, label: str, pool: Any, batch: Any, q: Any, ref: Any, dtype: str,

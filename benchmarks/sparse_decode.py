@@ -59,9 +59,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from attnreg.profiling import random_pool, rel_error
+from attnreg.profiling import random_pool
 
-from ._backends import Variant, reference_decode
+from ._backends import Variant, checked_output, reference_decode
 from ._harness import RunContext, SkipSection, error_text
 from ._report import ROOT, Page, fmt, md_table, rel
 from .metrics import Check, evaluate
@@ -193,10 +193,8 @@ def reference_sparse(ctx: RunContext, q: Any, pool: Any, indices: Any, scale: fl
 
 def _check_and_time(ctx: RunContext, out: Any, ref: Any, fmt_key: str,
                     replay: Callable[[], Any]) -> dict[str, Any]:
-    err = rel_error(ctx.torch, out[:ref.shape[0]], ref)
-    res: dict[str, Any] = {"rel_err": err, "correct": err <= MAX_REL_ERR[fmt_key]}
+    res = checked_output(ctx, out, ref, MAX_REL_ERR[fmt_key])
     if not res["correct"]:
-        res["error"] = f"output off the float32 reference by {err:.2e}; not timed"
         return res
     m = ctx.time(replay)
     res.update(us=m["median_us"], p20_us=m["p20_us"], p80_us=m["p80_us"], n=m["n"])
