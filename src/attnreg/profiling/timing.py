@@ -67,6 +67,10 @@ def _timing(samples_us: list[float], method: str) -> dict[str, Any]:
             "min_us": s["min"], "max_us": s["max"], "n": s["n"], "method": method}
 
 
+def _calls_method(flush_l2: bool) -> str:
+    return "cuda events per call, L2 flushed" if flush_l2 else "cuda events per call"
+
+
 def _sample(samples: list[float], flags: list[str], kind: str) -> dict[str, Any]:
     return {"us": statistics.median(samples), "samples_us": [round(s, 3) for s in samples],
             "kind": kind, "flags": flags}
@@ -170,20 +174,10 @@ class Clock:
             fn()
             return _timing(self._wall(fn, 3), _DRY)
         torch = self.torch
-        fn()
-        torch.cuda.synchronize()
         flush = self.flush_l2 if flush_l2 else None
-        start, end = self._events()
-        start.record()
-        for _ in range(3):
-            if flush:
-                flush()
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        est_ms = max(start.elapsed_time(end) / 3, 1e-3)
-        n_warm = int(min(max(self.warmup_ms / est_ms, 1), 500))
-        n_rep = int(min(max(self.rep_ms / est_ms, 3 if est_ms > 20 else 10), 2000))
+        est_ms = self._estimate_ms(fn, flush)
+        n_warm = self._warmups(est_ms)
+        n_rep = self._reps(est_ms)
         for _ in range(n_warm):
             fn()
         events = [self._events() for _ in range(n_rep)]
@@ -195,8 +189,32 @@ class Clock:
             e.record()
         torch.cuda.synchronize()
         samples = [s.elapsed_time(e) * 1e3 for s, e in events]
-        return _timing(samples, "cuda events per call, L2 flushed" if flush_l2
-                       else "cuda events per call")
+        return _timing(samples, _calls_method(flush_l2))
+
+    def _estimate_ms(self, fn: Callable[[], Any], flush: Callable[[], None] | None) -> float:
+        """One call's time in ms from 3 (after one untimed call): what :meth:`calls` and
+        :meth:`interleaved` size their repetitions by."""
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        start, end = self._events()
+        start.record()
+        for _ in range(3):
+            if flush:
+                flush()
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return max(start.elapsed_time(end) / 3, 1e-3)
+
+    def _warmups(self, ms: float) -> int:
+        """Untimed calls (or rounds) of ``ms`` each filling about ``warmup_ms``."""
+        return int(min(max(self.warmup_ms / ms, 1), 500))
+
+    def _reps(self, ms: float) -> int:
+        """Timed calls of ``ms`` each filling about ``rep_ms`` (at least 10; 3 for calls
+        over 20 ms)."""
+        return int(min(max(self.rep_ms / ms, 3 if ms > 20 else 10), 2000))
 
     def interleaved(self, fns: Mapping[str, Callable[[], Any]], *, flush_l2: bool = True
                     ) -> dict[str, dict[str, Any]]:
@@ -220,23 +238,9 @@ class Clock:
             return {name: self.calls(fns[name], flush_l2=flush_l2) for name in names}
         torch = self.torch
         flush = self.flush_l2 if flush_l2 else None
-        est_ms = {}
-        for name in names:
-            fns[name]()
-            torch.cuda.synchronize()
-            start, end = self._events()
-            start.record()
-            for _ in range(3):
-                if flush:
-                    flush()
-                fns[name]()
-            end.record()
-            torch.cuda.synchronize()
-            est_ms[name] = max(start.elapsed_time(end) / 3, 1e-3)
-        round_ms = sum(est_ms.values())
-        slowest = max(est_ms.values())
-        n_warm = int(min(max(self.warmup_ms / round_ms, 1), 500))
-        rounds = int(min(max(self.rep_ms / slowest, 3 if slowest > 20 else 10), 2000))
+        est_ms = {name: self._estimate_ms(fns[name], flush) for name in names}
+        n_warm = self._warmups(sum(est_ms.values()))
+        rounds = self._reps(max(est_ms.values()))
         for _ in range(n_warm):
             for name in names:
                 fns[name]()
@@ -252,8 +256,7 @@ class Clock:
                 fns[name]()
                 e.record()
         torch.cuda.synchronize()
-        method = ("cuda events per call, L2 flushed" if flush_l2 else "cuda events per call"
-                  ) + f", interleaved with {len(names) - 1} other calls"
+        method = f"{_calls_method(flush_l2)}, interleaved with {len(names) - 1} other calls"
         return {name: _timing([s.elapsed_time(e) * 1e3 for s, e in events[name]], method)
                 for name in names}
 
