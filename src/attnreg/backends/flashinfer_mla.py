@@ -318,18 +318,17 @@ class FlashInferMLAKernels:
                                        f"bs={bs}, num_tokens={num_tokens}",
                                        "pad it to a captured shape or run it eagerly")
             pad = bs - len(seq)
-            if one_row_padding:
+            if one_row_padding:  # each padding sequence: one row, no key, no page
                 seq += [0] * pad
                 ext += [1] * pad
                 pages += [0] * pad
-                return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=_cumsum(pages),
-                                     kv_indices=indices[0], kv_lens=_host_int32(seq))
-            filler_pages = -(-filler // ps)
-            seq += [0] * pad + [filler]
-            ext += [0] * pad + [filler]
-            pages += [0] * pad + [filler_pages]
-            indices.append(torch.full((filler_pages,), PADDING_PAGE, dtype=torch.int32,
-                                      device=page_table.device))
+            else:  # zero-length padding sequences, then the filler over the padding page
+                filler_pages = -(-filler // ps)
+                seq += [0] * pad + [filler]
+                ext += [0] * pad + [filler]
+                pages += [0] * pad + [filler_pages]
+                indices.append(torch.full((filler_pages,), PADDING_PAGE, dtype=torch.int32,
+                                          device=page_table.device))
         # torch.cat of one tensor would still copy every index: only join when padded.
         return MLAPlanInputs(qo_indptr=_cumsum(ext), kv_indptr=_cumsum(pages),
                              kv_indices=indices[0] if len(indices) == 1 else torch.cat(indices),
