@@ -126,9 +126,9 @@ def test_each_cpu_defect_is_refuted_where_it_is_and_nowhere_else(cpu_run, backen
     assert verified, "a planted backend must still verify its unbroken claims"
 
 
-def test_padding_rows_left_unwritten_at_wide_heads_only_are_refuted_there(tmp_path):
-    # a backend relying on its kernel to write the padding rows, whose wide-head tiling
-    # does not: the padding claim at the base head count passes it, the one at the
+def test_padding_rows_wrong_at_wide_heads_only_are_refuted_there(tmp_path):
+    # a backend relying on its kernel to write zero padding rows, whose wide-head tiling
+    # writes other values: the padding claim at the base head count passes it, the one at the
     # widest claimed count (made on cuda, or with --exhaustive on cpu) refutes it
     name = "planted_padding_rows_wide"
     code, out, data = conformance(

@@ -31,7 +31,7 @@ OVER = "planted_memory_overdeclared"
 UNDER = "planted_memory_undeclared"
 PADDING = "planted_padding_rows"
 PADDING_WIDE = "planted_padding_rows_wide"
-#: from this many heads planted_padding_rows_wide leaves the padding rows unwritten
+#: from this many heads planted_padding_rows_wide writes non-zero padding rows
 WIDE_HEADS = 64
 #: The per-slot decode estimate the Triton declaration had before issue 15.
 OLD_PER_SLOT = 128 * 32 * (512 + 1) * 4
@@ -96,6 +96,6 @@ def attnreg_register_backends(register: Any) -> None:
                   f"{__name__}:Undeclared"))
     register(spec(PADDING, "leaves padding output rows unwritten", capabilities_padding,
                   f"{__name__}:KeepsPaddingRows"))
-    register(spec(PADDING_WIDE, f"leaves padding output rows unwritten from {WIDE_HEADS} "
+    register(spec(PADDING_WIDE, f"writes non-zero padding output rows from {WIDE_HEADS} "
                   "heads up", lambda ctx: triton_like(PADDING_WIDE, ctx),
                   f"{__name__}:KeepsPaddingRowsWhenWide"))
