@@ -141,6 +141,43 @@ def test_every_full_or_breakable_capture_claims_padded_rows_and_capture_memory(n
                 and c.graph_mode is GraphMode.TC_PIECEWISE]
 
 
+@pytest.mark.parametrize("name,platform,pages", [
+    ("triton", "cuda:sm90", {1, 16, 64}), ("flashinfer_mla", "cuda:sm90", {1, 16, 64}),
+    ("trtllm_mla", "cuda:sm100", {32, 64}),
+])
+def test_graphs_replay_and_pad_at_the_smallest_and_largest_declared_page_sizes(
+        name, platform, pages):
+    """A graph's page table and padding page are set per page size on a path no eager
+    claim runs: replay and padded_rows are made at both ends of the declared sizes, at
+    every capture site, at the base dtypes and heads; on cpu only with --exhaustive."""
+    claims = _claims(name, platform, "cuda")
+    for check in (Check.REPLAY, Check.PADDED_ROWS):
+        sites = {(c.combo.phase, c.graph_mode, c.forward_mode) for c in claims
+                 if c.check is check}
+        assert sites
+        for site in sites:
+            mine = [c for c in claims if c.check is check
+                    and (c.combo.phase, c.graph_mode, c.forward_mode) == site]
+            base = mine[0].combo
+            at = {c.combo.page_size for c in mine
+                  if replace(c.combo, page_size=base.page_size) == base}
+            assert at == pages, (check, site, at)
+    cpu = _claims("triton", "cpu", "cpu")
+    assert {c.combo.page_size for c in cpu if c.check is Check.PADDED_ROWS} == {16}
+    exhaustive = _claims("triton", "cpu", "cpu", exhaustive=True)
+    assert {c.combo.page_size for c in exhaustive
+            if c.check is Check.PADDED_ROWS} == {1, 16, 64}
+
+
+def test_a_backend_of_one_page_size_gets_no_page_variants():
+    caps = get_registry().declaration("triton", "cuda:sm90")
+    one = replace(caps, kernels=tuple(replace(k, page_sizes=(16,)) if k.page_sizes else k
+                                      for k in caps.kernels))
+    claims = expand_claims(one, "cuda")
+    assert {c.combo.page_size for c in claims if c.check in (Check.REPLAY,
+                                                            Check.PADDED_ROWS)} == {16}
+
+
 def test_pinned_mode_captures_only_the_pinned_method_and_unpinned_mode_every_method():
     pinned = _claims("triton", "cuda:sm90", "cuda")
     methods = {c.combo.method for c in pinned if c.graph_mode is GraphMode.BREAKABLE}

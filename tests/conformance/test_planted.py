@@ -142,6 +142,25 @@ def test_padding_rows_wrong_at_wide_heads_only_are_refuted_there(tmp_path):
     assert f"{name}/capture/decode/full/padded_rows/mla/{P}" in by_status(data, "verified")
 
 
+def test_a_graph_page_table_right_only_at_the_base_page_size_is_refuted_at_page_1(tmp_path):
+    # a decode graph reading the page table through its own captured copy refreshed in
+    # 16-token pages: every claim at the base page size (16) and at 64 passes it; the
+    # padded_rows claim at page 1 (made on cuda, or with --exhaustive on cpu) refutes it
+    name = "planted_page_table_p16"
+    code, out, data = conformance(
+        tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.capture_declared",
+        "--backend", name, "-k", "capture/decode/full/padded_rows/mla/bf16-bf16 and /h2/")
+    assert code == 1 and data is not None, out
+    refuted = by_status(data, "refuted")
+    assert set(refuted) == {f"{name}/capture/decode/full/padded_rows/mla/bf16-bf16/p1/"
+                            "h2/576x512"}, out
+    assert "output differs" in next(iter(refuted.values()))
+    verified = by_status(data, "verified")
+    for page in (16, 64):
+        assert f"{name}/capture/decode/full/padded_rows/mla/bf16-bf16/p{page}/h2/576x512" \
+            in verified, out
+
+
 # (h)-(j) the engine contract: layer_id ignored, drafts not causal, a base-2 LSE
 FP8 = "bf16-fp8_e4m3/p16/h2/576x512"
 ENGINE_DEFECTS: dict[str, dict[str, str]] = {

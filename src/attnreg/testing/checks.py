@@ -628,11 +628,32 @@ class _GraphCheck(ConformanceCheck):
             return x.dtype_variants(site.base, site.method, site.phase)
         return [site.base]
 
+    @staticmethod
+    def page_variants(x: Expansion, site: CaptureSite) -> list[Combo]:
+        """On cuda (or exhaustive): the base at the smallest and at the largest other page
+        size the site's kernels declare for its dtypes (none on cpu).
+
+        A graph's page table, its padding page and a backend's own captured index arrays
+        are sized and filled per page size, on a path the eager claims (which cover every
+        declared size) never run.  The two ends are where paging is least like the base:
+        one token per page (the page table is the slot list: sglang's flashinfer MLA) and
+        the widest page (several KV tiles and split boundaries inside one page: FlashMLA,
+        trtllm-gen); both are what engines capture."""
+        if x.on_cpu and not x.exhaustive:
+            return []
+        base = site.base
+        sizes = sorted({p for k in x.caps.kernels_for(site.method, site.phase)
+                        if base.q_dtype in k.q_dtypes and base.kv_dtype in k.kv_dtypes
+                        and k.accepts_heads(base.num_heads) for p in k.page_sizes}
+                       - {base.page_size})
+        ends = sorted({sizes[0], sizes[-1]}) if sizes else []
+        return [replace(base, page_size=p) for p in ends if not x.refused(base, page_size=p)]
+
 
 @register_check
 class Replay(_GraphCheck):
-    """Captured once, the graph replays new batches correctly (per declared dtype pair
-    on cuda)."""
+    """Captured once, the graph replays new batches correctly (on cuda per declared dtype
+    pair, and at the smallest and largest other declared page size)."""
 
     check = Check.REPLAY
     runs_on_cpu = False
@@ -642,7 +663,7 @@ class Replay(_GraphCheck):
             x, site, f"{site.where}, {site.method} captured once replays "
             f"{', '.join(site.replay)} (new lengths and contents each time) and matches the "
             "oracle, leaving every KV slot outside the written ones untouched", combo=combo)
-            for combo in self.kv_variants(x, site)]
+            for combo in (*self.kv_variants(x, site), *self.page_variants(x, site))]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_graph(claim, GraphOptions())
@@ -685,7 +706,8 @@ class PaddedRows(_GraphCheck):
         the site's kernels are claimed at: whether a kernel writes the rows of a padding
         request itself (flashinfer's decode graphs rely on it, with no zeroing launch)
         can change with the head count, where a kernel switches its tiling (e.g. two-CTA
-        clusters at 128 heads)."""
+        clusters at 128 heads); and the base at the page sizes of :meth:`page_variants`
+        (which page a padding request points at, and how many, is set per page size)."""
         if x.on_cpu and not x.exhaustive:
             return [site.base]
         out = [c for c in cls.kv_variants(x, site)
@@ -696,7 +718,7 @@ class PaddedRows(_GraphCheck):
         wide = replace(site.base, num_heads=heads)
         if wide not in out and not x.refused(site.base, num_heads=heads):
             out.append(wide)
-        return out
+        return out + [c for c in cls.page_variants(x, site) if c not in out]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_graph(claim, GraphOptions(padded=True))

@@ -11,7 +11,11 @@
 * ``planted_padding_rows_wide``: from 64 heads up only, padding rows of finite non-zero
   values, as a backend would give that relies on its kernel writing zeros for padding
   requests (flashinfer_mla's decode graphs do) when the kernel's wide-head tiling does
-  not: a claim at the base head count alone passes it.
+  not: a claim at the base head count alone passes it;
+* ``planted_page_table_p16``: its decode graphs read the page table through a captured
+  table of its own, sized and refreshed in 16-token pages (the size it was written at):
+  every claim at page 16 (the base) and 64 passes it; at page 1 a replayed sequence
+  longer than that table's width reads the padding page for the rest of its keys.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ OVER = "planted_memory_overdeclared"
 UNDER = "planted_memory_undeclared"
 PADDING = "planted_padding_rows"
 PADDING_WIDE = "planted_padding_rows_wide"
+PAGE_TABLE = "planted_page_table_p16"
+#: the page size planted_page_table_p16 sizes its captured table for
+WRITTEN_AT_PAGE = 16
 #: from this many heads planted_padding_rows_wide writes non-zero padding rows
 WIDE_HEADS = 64
 #: The per-slot decode estimate the Triton declaration had before issue 15.
@@ -88,6 +95,33 @@ class KeepsPaddingRowsWhenWide(TritonMLABackend):
             self.graph_state.fill_padded_rows(out, md, 1.0)
 
 
+@dataclass
+class OwnTableBuffers(TritonGraphBuffers):
+    page_table: torch.Tensor | None = None
+
+
+class PageTableSizedAtP16(TritonMLABackend):
+    def _init_graph_state_impl(self, state: Any) -> None:
+        super()._init_graph_state_impl(state)
+        # the backend's own captured page table (as a library's index array a graph reads)
+        table = torch.full((state.max_bs, state.max_pages), 0, dtype=torch.int32,
+                           device=self.device)
+        state.buffers = OwnTableBuffers(**vars(state.buffers), page_table=table)
+
+    def _forward_decode_impl(self, q: torch.Tensor, pool: Any, md: Any, out: torch.Tensor,
+                             **kwargs: Any) -> None:
+        buffers = self.graph_state.buffers if md.is_graph and self.graph_state else None
+        if not isinstance(buffers, OwnTableBuffers) or buffers.page_table is None:
+            return super()._forward_decode_impl(q, pool, md, out, **kwargs)
+        # THE DEFECT: the columns refreshed are those of a table in 16-token pages; at a
+        # smaller page size the rest keep the padding page the table was allocated with
+        width = min(buffers.page_table.shape[1], -(-md.max_seq_len // WRITTEN_AT_PAGE))
+        table = buffers.page_table[:md.batch_size]
+        table[:, :width].copy_(md.page_table[:, :width])
+        return super()._forward_decode_impl(q, pool, replace(md, indices=replace(
+            md.indices, page_table=table)), out, **kwargs)
+
+
 @attnreg.hookimpl
 def attnreg_register_backends(register: Any) -> None:
     register(spec(OVER, "declares 2 GiB-style per-slot decode capture memory",
@@ -99,3 +133,6 @@ def attnreg_register_backends(register: Any) -> None:
     register(spec(PADDING_WIDE, f"writes non-zero padding output rows from {WIDE_HEADS} "
                   "heads up", lambda ctx: triton_like(PADDING_WIDE, ctx),
                   f"{__name__}:KeepsPaddingRowsWhenWide"))
+    register(spec(PAGE_TABLE, f"its decode graphs refresh their page table in "
+                  f"{WRITTEN_AT_PAGE}-token pages", lambda ctx: triton_like(PAGE_TABLE, ctx),
+                  f"{__name__}:PageTableSizedAtP16"))
