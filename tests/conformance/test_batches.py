@@ -8,6 +8,7 @@ from attnreg.testing.batches import (
     batch_spec,
     eager_specs,
     largest_decode_bucket,
+    padded_replay_specs,
     replay_specs,
 )
 from attnreg.testing.claims import Check, expand_claims
@@ -39,3 +40,24 @@ def test_cpu_batches_reach_16_sequences_and_a_non_power_of_two():
              for phase in (Phase.DECODE, Phase.PREFILL) for n in eager_specs(phase)}
     assert max(sizes) == 16
     assert any(s & (s - 1) for s in sizes)  # 11 sequences: not a power of two
+
+
+def test_padded_decode_phase_graphs_replay_an_idle_batch_before_their_last_replay():
+    """An idle data-parallel rank replays the busy ranks' decode-phase graph with no request
+    (graph_policy.sync); a prefill step with an idle rank runs eagerly, so no idle extend."""
+    for mode, query_len in ((None, None), (ForwardMode.TARGET_VERIFY, 3),
+                            (ForwardMode.DRAFT_EXTEND, 3)):
+        names = padded_replay_specs(Phase.DECODE, mode)
+        plain = replay_specs(Phase.DECODE, mode)
+        assert names == (*plain[:-1], names[-2], plain[-1])
+        for profile in ("cpu", "cuda"):
+            idle = batch_spec(names[-2], profile, query_len)
+            assert (idle.batch_size, idle.num_tokens, idle.max_seq_len) == (0, 0, 0)
+            assert idle.mode is (mode or ForwardMode.DECODE)
+    assert padded_replay_specs(Phase.PREFILL) == replay_specs(Phase.PREFILL)
+    caps = get_registry().declaration("triton", "cuda:sm90")
+    padded = [c for c in expand_claims(caps, "cuda") if c.check is Check.PADDED_ROWS]
+    assert {c.forward_mode for c in padded if any("idle" in b for b in c.batches)} == {
+        None, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}
+    assert not [c for c in padded if c.combo.phase is Phase.PREFILL
+                and any("idle" in b for b in c.batches)]

@@ -161,6 +161,24 @@ def test_a_graph_page_table_right_only_at_the_base_page_size_is_refuted_at_page_
             in verified, out
 
 
+def test_a_decode_graph_wrong_only_for_an_idle_rank_is_refuted_by_its_idle_replay(tmp_path):
+    # the replay metadata returns early for a batch with no request and the graph recomputes
+    # the last batch into rows that must be zero: every real replay is right, and only the
+    # padded_rows claim of the plain decode graph (which replays idle_decode) refutes it
+    name = "planted_idle_replay_skipped"
+    code, out, data = conformance(
+        tmp_path, "--device", "cpu", "--plugin", "planted.capture_declared", "--backend", name,
+        "-k", "capture/decode/full/ and (padded_rows or capture_path) and not sm_scale")
+    assert code == 1 and data is not None, out
+    refuted = by_status(data, "refuted")
+    assert set(refuted) == {f"{name}/capture/decode/full/padded_rows/mla/{P}"}, out
+    assert "idle_decode (bs=0" in next(iter(refuted.values()))
+    assert "padding output rows are not zero" in next(iter(refuted.values()))
+    verified = by_status(data, "verified")
+    assert f"{name}/capture/decode/full/capture_path/mla/{P}" in verified, out
+    assert f"{name}/capture/decode/full/target_verify/padded_rows/mla/{P}" in verified, out
+
+
 # (h)-(j) the engine contract: layer_id ignored, drafts not causal, a base-2 LSE
 FP8 = "bf16-fp8_e4m3/p16/h2/576x512"
 ENGINE_DEFECTS: dict[str, dict[str, str]] = {

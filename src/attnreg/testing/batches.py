@@ -26,7 +26,8 @@ from attnreg.registry.capabilities import ForwardMethod, ForwardMode, Phase
 __all__ = ["CAPTURE_REPLAY_SPECS", "CHUNKED_PREFIX_SPECS", "QUICK_SPECS", "SPECS",
            "SPECULATIVE_EAGER_SPECS", "SPECULATIVE_PREFIXES", "SPECULATIVE_REPLAY_SPECS",
            "WIDE_DECODE_CUDA", "BatchSpec", "batch_names", "batch_spec", "chunk_tokens",
-           "eager_specs", "largest_decode_bucket", "quick_specs", "replay_specs"]
+           "eager_specs", "largest_decode_bucket", "padded_replay_specs", "quick_specs",
+           "replay_specs"]
 
 
 def largest_decode_bucket(config: GraphConfig | None = None) -> int:
@@ -91,7 +92,7 @@ class BatchSpec:
 
     @property
     def max_seq_len(self) -> int:
-        return max(self.seq_lens)
+        return max(self.seq_lens, default=0)
 
     @property
     def has_prefix(self) -> bool:
@@ -108,6 +109,12 @@ def _decode(name: str, prefixes: tuple[int, ...], about: str) -> BatchSpec:
 def _extend(name: str, seqs: tuple[tuple[int, int], ...], about: str) -> BatchSpec:
     return BatchSpec(name, Phase.PREFILL, seqs, about)
 
+
+#: An idle data-parallel rank in a decode-phase step: no request, yet it replays the busy
+#: ranks' graph (sglang's decode runner replays its IDLE batch padded to their bucket, and
+#: attnreg's ``sync`` has it follow them), so every row of the replay is padding.
+_IDLE_ABOUT = ("no request: an idle data-parallel rank replaying the busy ranks' graph, "
+               "every row padding")
 
 #: profile -> name -> spec.  Lengths are chosen to straddle page boundaries of
 #: every declared page size (16, 32, 64) and, on cuda, several KV splits.
@@ -132,6 +139,7 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
         "wide_decode": _decode("wide_decode", (3, 0, 9, 1, 17, 5, 2, 12, 0, 7, 30, 4, 1, 16,
                                                8, 11),
                                "sixteen short requests"),
+        "idle_decode": _decode("idle_decode", (), _IDLE_ABOUT),
         "odd_extend": _extend("odd_extend", ((0, 2), (3, 1), (5, 3), (0, 1), (9, 2), (1, 1),
                                              (4, 4), (0, 3), (12, 1), (2, 2), (6, 1)),
                               "eleven short prompts (not a power of two)"),
@@ -160,6 +168,7 @@ SPECS: dict[str, dict[str, BatchSpec]] = {
                                tuple((37 * i) % 700 for i in range(WIDE_DECODE_CUDA)),
                                f"{WIDE_DECODE_CUDA} requests: the largest default decode "
                                "capture bucket, every sequence real"),
+        "idle_decode": _decode("idle_decode", (), _IDLE_ABOUT),
         "odd_extend": _extend("odd_extend", tuple(((61 * i) % 400, 1 + (7 * i) % 23)
                                                   for i in range(13)),
                               "thirteen prompts (not a power of two)"),
@@ -188,13 +197,14 @@ CAPTURE_REPLAY_SPECS: dict[Phase, tuple[str, ...]] = {
 #: Prefix lengths of the speculative specs per profile (new tokens: the claim's draft
 #: tokens; draft extend cycles 1..draft tokens over the sequences).
 SPECULATIVE_PREFIXES: dict[str, dict[str, tuple[int, ...]]] = {
-    "cpu": {"ragged": (5, 16, 33, 2), "single": (37,), "long_kv": (1100, 40)},
+    "cpu": {"ragged": (5, 16, 33, 2), "single": (37,), "long_kv": (1100, 40), "idle": ()},
     "cuda": {"ragged": (16, 129, 1022, 2047, 63, 300, 7, 1000), "single": (1000,),
-             "long_kv": (8180, 4000, 100)},
+             "long_kv": (8180, 4000, 100), "idle": ()},
 }
 _SPEC_KIND = {"verify": ForwardMode.TARGET_VERIFY, "draft_extend": ForwardMode.DRAFT_EXTEND}
 _SPEC_ABOUT = {"ragged": "requests of different lengths", "single": "one request",
-               "long_kv": "long histories next to a short one (several KV splits)"}
+               "long_kv": "long histories next to a short one (several KV splits)",
+               "idle": _IDLE_ABOUT}
 
 #: The speculative specs a claim runs eagerly and replays through one graph, by mode.
 SPECULATIVE_EAGER_SPECS: dict[ForwardMode, tuple[str, ...]] = {
@@ -288,3 +298,22 @@ def replay_specs(phase: Phase, forward_mode: ForwardMode | None = None) -> tuple
     if forward_mode in SPECULATIVE_REPLAY_SPECS:
         return SPECULATIVE_REPLAY_SPECS[forward_mode]  # type: ignore[index]
     return CAPTURE_REPLAY_SPECS[phase]
+
+
+#: The idle batch of each decode-phase forward mode (None: plain decode).
+IDLE_SPECS: dict[ForwardMode | None, str] = {
+    None: "idle_decode", ForwardMode.DECODE: "idle_decode",
+    ForwardMode.TARGET_VERIFY: "verify_idle", ForwardMode.DRAFT_EXTEND: "draft_extend_idle",
+}
+
+
+def padded_replay_specs(phase: Phase, forward_mode: ForwardMode | None = None
+                        ) -> tuple[str, ...]:
+    """What a ``padded_rows`` claim replays: :func:`replay_specs`, and in a decode-phase
+    graph an idle batch (no request, every row padding) before the last replay, so the
+    replay after it shows the graph still right once an idle rank has run it.  A prefill
+    step with an idle rank runs eagerly on every rank (``graph_policy.sync``)."""
+    specs = replay_specs(phase, forward_mode)
+    if phase is not Phase.DECODE:
+        return specs
+    return (*specs[:-1], IDLE_SPECS[forward_mode], specs[-1])

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 from attnreg.registry import DType, ForwardMethod, GraphMode, Phase, SplitKV
 from attnreg.registry.capabilities import SPECULATIVE_MODES
 
-from .batches import eager_specs, quick_specs
+from .batches import eager_specs, padded_replay_specs, quick_specs
 from .claims import (
     MULTI_LAYER_COUNT,
     YARN_SM_SCALE,
@@ -687,15 +687,20 @@ class CaptureMemory(_GraphCheck):
 
 @register_check
 class PaddedRows(_GraphCheck):
-    """A smaller batch replayed through a bigger graph gets exactly zero padding rows."""
+    """A smaller batch replayed through a bigger graph gets exactly zero padding rows; a
+    decode-phase graph also replays an idle batch (every row padding)."""
 
     check = Check.PADDED_ROWS
 
     def graph_claims(self, x: Expansion, site: CaptureSite) -> list[Claim]:
+        batches = padded_replay_specs(site.phase, site.forward_mode)
+        idle = (f", an idle data-parallel rank's batch ({batches[-2]}: no request) among "
+                "them" if site.phase is Phase.DECODE else "")
         return [self.capture_claim(
             x, site, f"{site.where}, a graph captured for the largest of "
-            f"{', '.join(site.replay)} replays the smaller ones with every output row of the "
-            f"padding exactly zero ({combo.describe()})", combo=combo)
+            f"{', '.join(site.replay)} replays the smaller ones{idle} with every output row "
+            f"of the padding exactly zero ({combo.describe()})", combo=combo,
+            batches=batches)
             for combo in self.padding_variants(x, site)]
 
     @classmethod

@@ -244,7 +244,9 @@ def _batch_for(pool: MLAKVPool, spec: BatchSpec, pages: list[list[int]]) -> Forw
     if mode is ForwardMode.DECODE:
         return decode_batch(pool, spec.seq_lens, pages=pages)
     if mode is ForwardMode.TARGET_VERIFY:
-        return verify_batch(pool, spec.prefix_lens, spec.extend_lens[0], pages=pages)
+        # an idle batch (no sequence) has no draft count of its own: any one is no token
+        drafts = spec.extend_lens[0] if spec.seqs else 1
+        return verify_batch(pool, spec.prefix_lens, drafts, pages=pages)
     if mode is ForwardMode.DRAFT_EXTEND:
         return draft_extend_batch(pool, spec.prefix_lens, spec.extend_lens, pages=pages)
     return extend_batch(pool, spec.prefix_lens, spec.extend_lens, pages=pages)

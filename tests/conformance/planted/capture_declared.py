@@ -15,7 +15,11 @@
 * ``planted_page_table_p16``: its decode graphs read the page table through a captured
   table of its own, sized and refreshed in 16-token pages (the size it was written at):
   every claim at page 16 (the base) and 64 passes it; at page 1 a replayed sequence
-  longer than that table's width reads the padding page for the rest of its keys.
+  longer than that table's width reads the padding page for the rest of its keys;
+* ``planted_idle_replay_skipped``: its decode graphs read the lengths from an array of
+  its own, refreshed by the replay metadata, which returns early for a batch with no
+  request ("nothing to plan"): an idle data-parallel rank's replay recomputes the previous
+  batch's attention into rows that must be zero.  Every replay of a real batch is right.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ UNDER = "planted_memory_undeclared"
 PADDING = "planted_padding_rows"
 PADDING_WIDE = "planted_padding_rows_wide"
 PAGE_TABLE = "planted_page_table_p16"
+IDLE = "planted_idle_replay_skipped"
 #: the page size planted_page_table_p16 sizes its captured table for
 WRITTEN_AT_PAGE = 16
 #: from this many heads planted_padding_rows_wide writes non-zero padding rows
@@ -122,6 +127,48 @@ class PageTableSizedAtP16(TritonMLABackend):
             md.indices, page_table=table)), out, **kwargs)
 
 
+@dataclass
+class OwnLengthsBuffers(TritonGraphBuffers):
+    seq_lens: torch.Tensor | None = None
+
+
+class SkipsIdleReplay(TritonMLABackend):
+    def _init_graph_state_impl(self, state: Any) -> None:
+        super()._init_graph_state_impl(state)
+        # the backend's own captured lengths (as flashinfer's kv_indptr a plan refreshes)
+        lens = torch.zeros(state.max_bs, dtype=torch.int32, device=self.device)
+        state.buffers = OwnLengthsBuffers(**vars(state.buffers), seq_lens=lens)
+
+    def _own_lengths(self) -> torch.Tensor | None:
+        buffers = self.graph_state.buffers if self.graph_state else None
+        return buffers.seq_lens if isinstance(buffers, OwnLengthsBuffers) else None
+
+    def _init_capture_impl(self, md: Any) -> None:
+        super()._init_capture_impl(md)
+        lens = self._own_lengths()
+        if lens is not None and md.is_decode:
+            lens[:md.batch_size].copy_(md.seq_lens)
+
+    def _init_replay_impl(self, md: Any, batch: Any) -> None:
+        super()._init_replay_impl(md, batch)
+        lens = self._own_lengths()
+        if lens is None or not md.is_decode:
+            return
+        if not batch.seq_lens_cpu:
+            # THE DEFECT: "an idle rank has nothing to attend": the lengths of the last
+            # replay stay, and the graph recomputes that batch into the padding rows
+            return
+        lens[:md.batch_size].copy_(md.seq_lens)
+
+    def _forward_decode_impl(self, q: torch.Tensor, pool: Any, md: Any, out: torch.Tensor,
+                             **kwargs: Any) -> None:
+        lens = self._own_lengths() if md.is_graph else None
+        if lens is None:
+            return super()._forward_decode_impl(q, pool, md, out, **kwargs)
+        return super()._forward_decode_impl(q, pool, replace(md, indices=replace(
+            md.indices, seq_lens=lens[:md.batch_size])), out, **kwargs)
+
+
 @attnreg.hookimpl
 def attnreg_register_backends(register: Any) -> None:
     register(spec(OVER, "declares 2 GiB-style per-slot decode capture memory",
@@ -136,3 +183,6 @@ def attnreg_register_backends(register: Any) -> None:
     register(spec(PAGE_TABLE, f"its decode graphs refresh their page table in "
                   f"{WRITTEN_AT_PAGE}-token pages", lambda ctx: triton_like(PAGE_TABLE, ctx),
                   f"{__name__}:PageTableSizedAtP16"))
+    register(spec(IDLE, "its decode graphs keep the last lengths for a batch with no "
+                  "request", lambda ctx: triton_like(IDLE, ctx),
+                  f"{__name__}:SkipsIdleReplay"))
