@@ -126,57 +126,46 @@ def test_each_cpu_defect_is_refuted_where_it_is_and_nowhere_else(cpu_run, backen
     assert verified, "a planted backend must still verify its unbroken claims"
 
 
-def test_padding_rows_wrong_at_wide_heads_only_are_refuted_there(tmp_path):
-    # a backend relying on its kernel to write zero padding rows, whose wide-head tiling
-    # writes other values: the padding claim at the base head count passes it, the one at the
-    # widest claimed count (made on cuda, or with --exhaustive on cpu) refutes it
-    name = "planted_padding_rows_wide"
-    code, out, data = conformance(
-        tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.capture_declared",
-        "--backend", name, "-k", "capture/decode/full/padded_rows/mla/bf16-bf16/p16")
-    assert code == 1 and data is not None, out
-    refuted = by_status(data, "refuted")
-    assert set(refuted) == {f"{name}/capture/decode/full/padded_rows/mla/bf16-bf16/p16/"
-                            "h128/576x512"}, out
-    assert "padding output rows are not zero" in next(iter(refuted.values()))
-    assert f"{name}/capture/decode/full/padded_rows/mla/{P}" in by_status(data, "verified")
+# (g') capture defects that only a claim beyond the base configuration or the plain replay
+# list sees: name -> (extra args, -k, the one refuted claim, a needle of its message, claims
+# that must verify), ids without the backend's name
+_D = "capture/decode/full"
+NARROW_DEFECTS: dict[str, tuple[tuple[str, ...], str, str, tuple[str, ...], tuple[str, ...]]] = {
+    # relies on its kernel writing zero padding rows, which its wide-head tiling does not:
+    # only the padding claim at the widest claimed count (cuda, or --exhaustive) sees it
+    "planted_padding_rows_wide": (
+        ("--exhaustive",), f"{_D}/padded_rows/mla/bf16-bf16/p16",
+        f"{_D}/padded_rows/mla/bf16-bf16/p16/h128/576x512",
+        ("padding output rows are not zero",), (f"{_D}/padded_rows/mla/{P}",)),
+    # its decode graph's own page table is refreshed in 16-token pages: right at 16 and 64,
+    # only the claim at page 1 (cuda, or --exhaustive) sees it
+    "planted_page_table_p16": (
+        ("--exhaustive",), f"{_D}/padded_rows/mla/bf16-bf16 and /h2/",
+        f"{_D}/padded_rows/mla/bf16-bf16/p1/h2/576x512", ("output differs",),
+        tuple(f"{_D}/padded_rows/mla/bf16-bf16/p{page}/h2/576x512" for page in (16, 64))),
+    # its replay metadata returns early for a batch with no request: every real replay is
+    # right, only the decode graph's idle replay (in padded_rows) sees it
+    "planted_idle_replay_skipped": (
+        (), f"{_D}/ and (padded_rows or capture_path) and not sm_scale",
+        f"{_D}/padded_rows/mla/{P}", ("idle_decode (bs=0", "padding output rows are not zero"),
+        (f"{_D}/capture_path/mla/{P}", f"{_D}/target_verify/padded_rows/mla/{P}")),
+}
 
 
-def test_a_graph_page_table_right_only_at_the_base_page_size_is_refuted_at_page_1(tmp_path):
-    # a decode graph reading the page table through its own captured copy refreshed in
-    # 16-token pages: every claim at the base page size (16) and at 64 passes it; the
-    # padded_rows claim at page 1 (made on cuda, or with --exhaustive on cpu) refutes it
-    name = "planted_page_table_p16"
+@pytest.mark.parametrize("name", sorted(NARROW_DEFECTS))
+def test_a_narrow_capture_defect_is_refuted_by_the_one_claim_that_reaches_it(tmp_path, name):
+    extra, select, only, needles, fine = NARROW_DEFECTS[name]
     code, out, data = conformance(
-        tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.capture_declared",
-        "--backend", name, "-k", "capture/decode/full/padded_rows/mla/bf16-bf16 and /h2/")
+        tmp_path, "--device", "cpu", *extra, "--plugin", "planted.capture_declared",
+        "--backend", name, "-k", select)
     assert code == 1 and data is not None, out
     refuted = by_status(data, "refuted")
-    assert set(refuted) == {f"{name}/capture/decode/full/padded_rows/mla/bf16-bf16/p1/"
-                            "h2/576x512"}, out
-    assert "output differs" in next(iter(refuted.values()))
+    assert set(refuted) == {f"{name}/{only}"}, out
+    for needle in needles:
+        assert needle in refuted[f"{name}/{only}"], refuted
     verified = by_status(data, "verified")
-    for page in (16, 64):
-        assert f"{name}/capture/decode/full/padded_rows/mla/bf16-bf16/p{page}/h2/576x512" \
-            in verified, out
-
-
-def test_a_decode_graph_wrong_only_for_an_idle_rank_is_refuted_by_its_idle_replay(tmp_path):
-    # the replay metadata returns early for a batch with no request and the graph recomputes
-    # the last batch into rows that must be zero: every real replay is right, and only the
-    # padded_rows claim of the plain decode graph (which replays idle_decode) refutes it
-    name = "planted_idle_replay_skipped"
-    code, out, data = conformance(
-        tmp_path, "--device", "cpu", "--plugin", "planted.capture_declared", "--backend", name,
-        "-k", "capture/decode/full/ and (padded_rows or capture_path) and not sm_scale")
-    assert code == 1 and data is not None, out
-    refuted = by_status(data, "refuted")
-    assert set(refuted) == {f"{name}/capture/decode/full/padded_rows/mla/{P}"}, out
-    assert "idle_decode (bs=0" in next(iter(refuted.values()))
-    assert "padding output rows are not zero" in next(iter(refuted.values()))
-    verified = by_status(data, "verified")
-    assert f"{name}/capture/decode/full/capture_path/mla/{P}" in verified, out
-    assert f"{name}/capture/decode/full/target_verify/padded_rows/mla/{P}" in verified, out
+    for cid in fine:
+        assert f"{name}/{cid}" in verified, out
 
 
 # (h)-(j) the engine contract: layer_id ignored, drafts not causal, a base-2 LSE
