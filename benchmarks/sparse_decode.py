@@ -61,7 +61,7 @@ from typing import Any
 
 from attnreg.profiling import random_pool
 
-from ._backends import Variant, checked_output, reference_decode
+from ._backends import Variant, checked_output, reference_decode, replay_holding
 from ._harness import RunContext, SkipSection, error_text
 from ._report import ROOT, Page, fmt, md_table, rel
 from .metrics import Check, evaluate
@@ -201,19 +201,6 @@ def _check_and_time(ctx: RunContext, out: Any, ref: Any, fmt_key: str,
     return res
 
 
-def _keeping(replay: Callable[[], None], *owners: Any) -> Callable[[], None]:
-    """``replay``, holding ``owners`` for as long as it is held.  A captured graph keeps
-    the addresses of every tensor it read, not the tensors: once the session, backend or
-    kernel schedule that owns them is collected, the next replay reads freed memory
-    (on the H200, 2026-12-02, the first run of this section ended in an illegal memory
-    access one row later, in FlashMLA's scheduler, after the raw sparse kernel's
-    schedule object had gone)."""
-    def run() -> None:
-        replay()
-    run.owners = owners  # type: ignore[attr-defined]
-    return run
-
-
 def _captured(ctx: RunContext, call: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
     """``call`` (a raw kernel: it returns the output it allocated) captured through
     GraphRunner and replayed once into a NaN-poisoned output: that output and the replay."""
@@ -227,7 +214,7 @@ def _captured(ctx: RunContext, call: Callable[[], Any]) -> tuple[Any, Callable[[
     graph = GraphRunner(ctx.device).capture(step)
     held["out"].fill_(float("nan"))
     graph.replay()
-    return held["out"], _keeping(graph.replay, step, call)  # call holds the kernel's schedule
+    return held["out"], replay_holding(graph.replay, step, call)  # call holds the kernel's schedule
 
 
 def raw_sparse_fp8(ctx: RunContext, pool: Any, q: Any, indices: Any, scale: float
@@ -295,7 +282,7 @@ def plugin_sparse(ctx: RunContext, platform: str, pool: Any, batch: Any, q: Any,
     out.fill_(float("nan"))
     graph = ses.graph((ForwardMode.DECODE, B))
     graph.replay()
-    return out, _keeping(graph.replay, ses, be, indices)
+    return out, replay_holding(graph.replay, ses, be, indices)
 
 
 def dense_session(ctx: RunContext, platform: str, v: Variant, pool: Any, batch: Any, q: Any,
@@ -314,7 +301,7 @@ def dense_session(ctx: RunContext, platform: str, v: Variant, pool: Any, batch: 
                        device_graphs=None if ctx.cuda else False)
     ses.capture()
     out = ses.replay(batch, StepInputs([q]), bucket=B)[0]
-    return out, _keeping(ses.graph((ForwardMode.DECODE, B)).replay, ses, be)
+    return out, replay_holding(ses.graph((ForwardMode.DECODE, B)).replay, ses, be)
 
 
 def _platform_of(ctx: RunContext, v: Variant, platform: str) -> str | None:

@@ -108,3 +108,57 @@ def test_overhead_rows_sit_beside_their_raw_call_and_the_wrapper_of_it():
     text = "\n".join(decode_peers._render_overhead({"rows": [row]}))
     assert "raw fa3 p1 + zeroing x2" in text and "+4.7" in text
     assert all(label.startswith(base) for label, (base, _, _) in decode_peers.OVERHEAD.items())
+
+
+# ---- what a replay kept past its pool's captures holds --------------------------------
+# The section times every peer of a pool after all of them are captured (interleaved).  A
+# device graph keeps addresses, not tensors, so each replay must hold what its graph
+# reads; the stand-ins below, like device graphs, do not hold the captured function.
+
+class _AddressOnlyGraph:
+    def replay(self) -> None:
+        pass
+
+
+class _AddressOnlyRunner:
+    def __init__(self, device: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def capture(self, fn: Any, *args: Any, **kwargs: Any) -> _AddressOnlyGraph:
+        fn()
+        return _AddressOnlyGraph()
+
+
+def test_a_raw_peers_replay_holds_its_call_until_it_is_timed(monkeypatch):
+    import gc
+    import types
+    import weakref
+
+    import torch
+
+    from attnreg import runtime
+
+    class RawCall:  # what flashinfer's wrapper, workspace and output stand for
+        def __call__(self) -> Any:
+            return torch.ones(2, 4)
+
+    calls: list[weakref.ref] = []
+
+    def make(ctx: Any, pool: Any, batch: Any, q: Any, scale: float, **opts: Any) -> RawCall:
+        call = RawCall()
+        calls.append(weakref.ref(call))
+        return call
+
+    monkeypatch.setattr(runtime, "GraphRunner", _AddressOnlyRunner, raising=False)
+    monkeypatch.setitem(decode_peers.RAW_CALLS, decode_peers.FA3_P1, make)
+    ctx = types.SimpleNamespace(torch=torch, device="cpu", cuda=False)
+    res, replay = decode_peers._raw(ctx, decode_peers.FA3_P1, None, None, None,
+                                    torch.ones(2, 4), "bf16", 1.0)
+    assert res["correct"] and replay is not None
+    gc.collect()
+    assert calls[0]() is not None, "the raw call was collected before its replay was timed"
+    replay()
+    del replay
+    gc.collect()
+    assert calls[0]() is None  # the replay was what held it
+
