@@ -13,7 +13,6 @@ Also a float32 decode reference for spot checks of the outputs that are timed
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,25 +145,6 @@ def checked_output(ctx: RunContext, out: Any, ref: Any, max_rel_err: float) -> d
     if not res["correct"]:
         res["error"] = f"output off the float32 reference by {err:.2e}; not timed"
     return res
-
-
-def replay_holding(replay: Callable[[], Any], *owners: Any) -> Callable[[], None]:
-    """``replay``, holding ``owners`` for as long as it is held.
-
-    A captured graph keeps the addresses of every tensor it read, not the tensors: once
-    the session, backend, raw call or kernel schedule that owns them is collected, the
-    next replay reads freed memory.  Seen twice on the device: the sparse section's first
-    run (H200, 2026-12-02) ended in an illegal memory access in FlashMLA's scheduler after
-    the raw sparse kernel's schedule object had gone; the peers section's first
-    interleaved run (H100, 2026-12-07), which times every replay after all of a pool's
-    peers are captured, ended in ``cudaErrorInvalidAddressSpace`` at its first shape once
-    each raw call's closure (flashinfer's wrapper, workspace and output) and each
-    session had been collected.  Every replay a section keeps past the scope that made
-    it goes through this."""
-    def run() -> None:
-        replay()
-    run.owners = owners  # type: ignore[attr-defined]
-    return run
 
 
 def reference_decode(ctx: RunContext, q: Any, pool: Any, page_table: Any, seq_lens: list[int],

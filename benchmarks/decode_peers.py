@@ -57,7 +57,7 @@ from typing import Any
 
 from attnreg.profiling import random_pool
 
-from ._backends import checked_output, reference_decode, replay_holding
+from ._backends import checked_output, reference_decode
 from ._harness import RunContext, error_text
 from ._report import Page, fmt, md_table
 from .decode import SHAPES, Variant
@@ -282,9 +282,9 @@ def _raw(ctx: RunContext, label: str, pool: Any, batch: Any, q: Any, ref: Any, d
     out = call()  # eager once: compiles, and is checked
     graph = GraphRunner(ctx.device).capture(call)
     graph.replay()
-    # timed later, beside the pool's other peers: the replay holds what call's closure
-    # owns (flashinfer's wrapper and workspace, FlashMLA's schedule, the output)
-    return _check(ctx, out, ref, dtype, replay_holding(graph.replay, call))
+    # timed later, beside the pool's other peers: the graph holds call (CapturedGraph.captured),
+    # and with it what its closure owns (flashinfer's wrapper and workspace, the output)
+    return _check(ctx, out, ref, dtype, graph.replay)
 
 
 def _attnreg(ctx: RunContext, v: Variant, pool: Any, batch: Any, q: Any, ref: Any, dtype: str,
@@ -310,8 +310,9 @@ def _attnreg(ctx: RunContext, v: Variant, pool: Any, batch: Any, q: Any, ref: An
                                                        device=q.device))
         inputs = StepInputs.one(q8, q_scale=q_scale)
     out = ses.replay(batch, inputs, bucket=B)[0]  # inputs + replay metadata, once
-    return _check(ctx, out, ref, dtype,
-                  replay_holding(ses.graph((ForwardMode.DECODE, B)).replay, ses, be, inputs))
+    # the graph holds the session's captured step, and the step its session and backend;
+    # the inputs were copied into the session's static buffers
+    return _check(ctx, out, ref, dtype, ses.graph((ForwardMode.DECODE, B)).replay)
 
 
 def _time_together(ctx: RunContext, results: dict[str, Any],

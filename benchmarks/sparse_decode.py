@@ -61,7 +61,7 @@ from typing import Any
 
 from attnreg.profiling import random_pool
 
-from ._backends import Variant, checked_output, reference_decode, replay_holding
+from ._backends import Variant, checked_output, reference_decode
 from ._harness import RunContext, SkipSection, error_text
 from ._report import ROOT, Page, fmt, md_table, rel
 from .metrics import Check, evaluate
@@ -214,7 +214,7 @@ def _captured(ctx: RunContext, call: Callable[[], Any]) -> tuple[Any, Callable[[
     graph = GraphRunner(ctx.device).capture(step)
     held["out"].fill_(float("nan"))
     graph.replay()
-    return held["out"], replay_holding(graph.replay, step, call)  # call holds the kernel's schedule
+    return held["out"], graph.replay  # the graph holds step, step the call and its schedule
 
 
 def raw_sparse_fp8(ctx: RunContext, pool: Any, q: Any, indices: Any, scale: float
@@ -282,7 +282,7 @@ def plugin_sparse(ctx: RunContext, platform: str, pool: Any, batch: Any, q: Any,
     out.fill_(float("nan"))
     graph = ses.graph((ForwardMode.DECODE, B))
     graph.replay()
-    return out, replay_holding(graph.replay, ses, be, indices)
+    return out, graph.replay  # the graph holds the session's step (be, indices)
 
 
 def dense_session(ctx: RunContext, platform: str, v: Variant, pool: Any, batch: Any, q: Any,
@@ -301,7 +301,7 @@ def dense_session(ctx: RunContext, platform: str, v: Variant, pool: Any, batch: 
                        device_graphs=None if ctx.cuda else False)
     ses.capture()
     out = ses.replay(batch, StepInputs([q]), bucket=B)[0]
-    return out, replay_holding(ses.graph((ForwardMode.DECODE, B)).replay, ses, be)
+    return out, ses.graph((ForwardMode.DECODE, B)).replay
 
 
 def _platform_of(ctx: RunContext, v: Variant, platform: str) -> str | None:

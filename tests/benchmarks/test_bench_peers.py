@@ -113,20 +113,22 @@ def test_overhead_rows_sit_beside_their_raw_call_and_the_wrapper_of_it():
 # ---- what a replay kept past its pool's captures holds --------------------------------
 # The section times every peer of a pool after all of them are captured (interleaved).  A
 # device graph keeps addresses, not tensors, so each replay must hold what its graph
-# reads; the stand-ins below, like device graphs, do not hold the captured function.
+# reads; the recorder below, like a CUDA graph, does not hold the captured function.
 
-class _AddressOnlyGraph:
-    def replay(self) -> None:
-        pass
+class _AddressOnlyRecorder:
+    def begin(self) -> None:
+        return None
 
+    def end(self, handle: Any, exc: BaseException | None = None) -> Any:
+        class Graph:
+            def replay(self) -> None:
+                pass
+        return Graph()
 
-class _AddressOnlyRunner:
-    def __init__(self, device: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def capture(self, fn: Any, *args: Any, **kwargs: Any) -> _AddressOnlyGraph:
-        fn()
-        return _AddressOnlyGraph()
+    @staticmethod
+    def eager() -> Any:
+        import contextlib
+        return contextlib.nullcontext()
 
 
 def test_a_raw_peers_replay_holds_its_call_until_it_is_timed(monkeypatch):
@@ -149,7 +151,9 @@ def test_a_raw_peers_replay_holds_its_call_until_it_is_timed(monkeypatch):
         calls.append(weakref.ref(call))
         return call
 
-    monkeypatch.setattr(runtime, "GraphRunner", _AddressOnlyRunner, raising=False)
+    real = runtime.GraphRunner
+    monkeypatch.setattr(runtime, "GraphRunner",
+                        lambda device: real(device, recorder=_AddressOnlyRecorder()))
     monkeypatch.setitem(decode_peers.RAW_CALLS, decode_peers.FA3_P1, make)
     ctx = types.SimpleNamespace(torch=torch, device="cpu", cuda=False)
     res, replay = decode_peers._raw(ctx, decode_peers.FA3_P1, None, None, None,

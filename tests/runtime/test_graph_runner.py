@@ -159,6 +159,42 @@ def test_piecewise_cpu_mode_runs_every_piece_again_at_replay() -> None:
     assert log == ["a", "attn", "b"] * 2
 
 
+class _Owner:
+    """What a raw call's closure stands for: a wrapper, its workspace, an output."""
+
+    def __call__(self) -> None:
+        pass
+
+
+def _capture_kept(how: str) -> tuple[Any, Any]:
+    """A graph of an ``_Owner`` captured ``how``, and a weak reference to the owner."""
+    import weakref
+
+    owner = _Owner()
+    ref = weakref.ref(owner)
+    if how == "cpu":
+        graph = GraphRunner("cpu").capture(owner)
+    elif how == "pieces":
+        graph = GraphRunner("cpu", recorder=FakeRecorder([])).capture_pieces(
+            [owner, EagerStep(lambda: None, "attention")])
+    else:  # the fake recorder's graphs, like device graphs, do not hold the function
+        graph = GraphRunner("cpu", recorder=FakeRecorder([])).capture(owner, how)
+    return graph, ref
+
+
+@pytest.mark.parametrize("how", ["full", "breakable", "pieces", "cpu"])
+def test_a_graph_holds_what_it_captured_for_as_long_as_it_is_held(how: str) -> None:
+    import gc
+
+    graph, ref = _capture_kept(how)
+    gc.collect()
+    assert ref() is not None, "the captured function was collected while its graph lives"
+    graph.replay()
+    del graph
+    gc.collect()
+    assert ref() is None  # the graph was what held it: no longer than the graph
+
+
 def test_runners_share_a_memory_pool_when_asked() -> None:
     pool = object()
     assert GraphRunner("cpu", mempool=pool, recorder=FakeRecorder([])).mempool is pool

@@ -270,6 +270,14 @@ class CapturedGraph:
         The allocator around the capture (CUDA only).
     device_graphs : bool
         Whether the steps replay recorded graphs.
+    captured : tuple
+        The functions that were captured, held for as long as the graph is.  A device
+        graph keeps the addresses its launches read and write, not the tensors: what the
+        functions' closures own (a kernel library's wrapper, its workspace and schedule,
+        an output allocated before the capture) must outlive every replay, or a replay
+        reads freed memory (seen on the device as an illegal memory access and as
+        ``cudaErrorInvalidAddressSpace``).  Without device graphs the steps re-run these
+        functions, so they are held either way.
     """
 
     mode: GraphMode
@@ -278,6 +286,7 @@ class CapturedGraph:
     breaks: list[str] = field(default_factory=list)
     stats: CaptureStats | None = None
     before_replay: Callable[[], object] | None = None
+    captured: tuple[Callable[[], object], ...] = ()
 
     @property
     def plan(self) -> list[tuple[str, str]]:
@@ -454,6 +463,7 @@ class GraphRunner:
             graph = self._capture_breakable(fn)
         else:
             graph = self._record(mode, [fn])
+        graph.captured = (fn,)
         return self._keep(graph, key)
 
     def capture_pieces(self, pieces: Sequence[Callable[[], object] | EagerStep],
@@ -479,9 +489,11 @@ class GraphRunner:
         if not self.device_graphs:
             with capturing(mode):
                 run_all()
-            return self._keep(self._captured(mode, [EagerStep(_under(mode, run_all), _RERUN)]),
-                              key)
-        return self._keep(self._record(mode, steps), key)
+            graph = self._captured(mode, [EagerStep(_under(mode, run_all), _RERUN)])
+        else:
+            graph = self._record(mode, steps)
+        graph.captured = tuple(steps)
+        return self._keep(graph, key)
 
     # -- internals -----------------------------------------------------------------------
     def _warm(self, fn: Callable[[], object], mode: GraphMode, warmup: int | None) -> None:
