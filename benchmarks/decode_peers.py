@@ -338,10 +338,24 @@ def _time_together(ctx: RunContext, results: dict[str, Any],
                               n=m["n"])
 
 
+#: what a failed JIT build raises (flashinfer's ninja); its module is named by dtypes and
+#: head dims, not by the shape, so it fails alike at every shape
+BUILD_FAILED = "Ninja build failed"
+
+
 def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
                   raw_reasons: dict[str, str], rows: list[Variant],
-                  row_reasons: dict[str, str]) -> dict[str, Any]:
+                  row_reasons: dict[str, str],
+                  build_failures: dict[tuple[str, str], str] | None = None) -> dict[str, Any]:
+    """Every peer of one shape and KV dtype, each pool's peers timed together.
+
+    ``build_failures`` (kept by the caller across shapes): (raw call, dtype) -> the error
+    its JIT build gave; such a raw call is not built again at a later shape (each
+    rebuild cost ~10 s of nvcc on the device) and its row repeats the first error.
+    """
     from attnreg.runtime import MLAConfig, decode_batch
+
+    build_failures = {} if build_failures is None else build_failures
 
     torch = ctx.torch
     B, L, H = shape
@@ -386,6 +400,11 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
                 jobs.append((v.label, v))
         replays: dict[str, Callable[[], Any]] = {}
         for label, variant in jobs:
+            built = (OVERHEAD.get(label, (label, {}, None))[0], dtype)
+            if variant is None and built in build_failures:
+                results[label] = {"error": build_failures[built] + " (not rebuilt here: the "
+                                  "same module failed at an earlier shape)"}
+                continue
             try:
                 results[label], replay = (
                     _raw(ctx, label, pool, batch, q, ref, dtype, scale) if variant is None
@@ -394,6 +413,8 @@ def measure_shape(ctx: RunContext, shape: tuple[int, int, int], dtype: str,
                     replays[label] = replay
             except Exception as exc:  # noqa: BLE001 - one peer must not lose the row
                 results[label] = {"error": error_text(exc, 300)}
+                if variant is None and BUILD_FAILED in str(exc):
+                    build_failures[built] = results[label]["error"]
         _time_together(ctx, results, replays)
         for label, _ in jobs:
             ctx.log(f"peers {shape} {dtype} {label}: " + _describe(results[label]))
@@ -509,6 +530,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                         "pool interleaved (Clock.interleaved)"),
                 raw_skipped={k: v for k, v in raw_reasons.items() if v},
                 rows_skipped={k: v for k, v in row_reasons.items() if v})
+    build_failures: dict[tuple[str, str], str] = {}
     # shape-major: a run cut by the time budget still has both dtypes of its first shapes
     for shape in shapes:
         for dtype in DTYPES:
@@ -520,7 +542,7 @@ def run(ctx: RunContext, data: dict[str, Any]) -> None:
                 data["rows"].append(measure_shape(
                     ctx, shape, dtype, raw_reasons,
                     list(ROWS + (ENGINE_FP8_Q_ROWS if dtype == "fp8_e4m3" else ())),
-                    row_reasons))
+                    row_reasons, build_failures))
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory: keep the others
                 data["rows"].append({"B": shape[0], "L": shape[1], "H": shape[2],
                                      "dtype": dtype, "error": error_text(exc)})

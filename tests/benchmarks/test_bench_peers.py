@@ -166,3 +166,38 @@ def test_a_raw_peers_replay_holds_its_call_until_it_is_timed(monkeypatch):
     gc.collect()
     assert calls[0]() is None  # the replay was what held it
 
+
+
+def test_a_raw_kernel_whose_jit_build_failed_is_not_built_again_at_a_later_shape(
+        monkeypatch, tmp_path: Path):
+    from benchmarks._harness import RunContext
+
+    calls: dict[str, int] = {}
+
+    def failing(base: str, message: str) -> Any:
+        def make(*args: Any, **opts: Any) -> Any:
+            calls[base] = calls.get(base, 0) + 1
+            raise RuntimeError(message)
+        return make
+
+    monkeypatch.setitem(decode_peers.RAW_CALLS, decode_peers.FA3_P1,
+                        failing(decode_peers.FA3_P1, "Ninja build failed. Ninja output: x"))
+    monkeypatch.setitem(decode_peers.RAW_CALLS, decode_peers.FLASHMLA_RAW,
+                        failing(decode_peers.FLASHMLA_RAW, "CUDA out of memory"))
+    ctx = RunContext(tmp_path, dry_run=True)
+    reasons = dict.fromkeys(decode_peers.RAW_PAGES, "")
+    reasons[decode_peers.FA3_P64] = "not here"
+    failures: dict[tuple[str, str], str] = {}
+    rows = [decode_peers.measure_shape(ctx, shape, "bf16", reasons, [], {}, failures)
+            for shape in ((1, 16, 2), (2, 16, 2))]
+    # fa3 p1 and its overhead rows share one module: built once, at the first shape
+    fa3_rows = [k for k, (base, _, only) in decode_peers.OVERHEAD.items()
+                if base == decode_peers.FA3_P1 and only in (None, "bf16")]
+    assert calls[decode_peers.FA3_P1] == 1
+    assert failures == {(decode_peers.FA3_P1, "bf16"): rows[0]["results"]["raw fa3 p1"]["error"]}
+    for label in [decode_peers.FA3_P1, *fa3_rows]:
+        err = rows[1]["results"][label]["error"]
+        assert "Ninja build failed" in err and "earlier shape" in err, label
+    # any other error is tried again at every shape
+    assert calls[decode_peers.FLASHMLA_RAW] == 2
+    assert "earlier shape" not in rows[1]["results"][decode_peers.FLASHMLA_RAW]["error"]
