@@ -67,3 +67,15 @@ def test_each_layer_of_a_step_gets_its_own_query_scale(tmp_path):
     assert {f"{CORRECT}/{cid}" for cid in claims} == set(verified), out
     for cid, message in refuted.items():
         assert "(layer 1)" in message or "layer 1:" in message, (cid, message)
+
+
+def test_an_fp8_query_of_an_idle_batch_replays(tmp_path):
+    """padded_rows replays an idle batch (no request, an idle data-parallel rank): its q
+    has no row, and rounding it must not raise (amax of no element refuted this claim of
+    every fp8-q backend on an H100, 2026-12-07: flashmla's too)."""
+    claim = f"{CORRECT}/capture/decode/full/padded_rows/mla/{FP8Q}"
+    code, out, data = conformance(
+        tmp_path, "--device", "cpu", "--exhaustive", "--plugin", "planted.fp8_q_scale",
+        "--backend", CORRECT, "-k", "decode/full/padded_rows and fp8_e4m3-fp8_e4m3 and h2")
+    assert code == 0 and data is not None, out
+    assert set(by_status(data, "verified")) == {claim}, out

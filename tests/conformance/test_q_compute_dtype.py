@@ -74,6 +74,14 @@ def test_an_exact_power_of_two_ratio_keeps_its_scale():
     assert torch.equal(round_q(q, DType.FP8_E4M3), q.float())
 
 
+@pytest.mark.parametrize("scale_per", ["batch", "row"])
+def test_round_q_of_an_idle_batch_is_empty(scale_per: str):
+    """The padded_rows claim's idle replay (no request) has no query row: the oracle rounds
+    nothing (amax of no element raised, refuting every fp8-q padded_rows claim)."""
+    got = round_q(torch.empty(0, 16, 576, dtype=torch.bfloat16), DType.FP8_E4M3, scale_per)
+    assert got.shape == (0, 16, 576) and got.dtype == torch.float32
+
+
 def test_round_q_per_row_gives_each_token_head_row_its_own_scale():
     """q_compute_scale "row" (a kernel rounding q on chip, e.g. triton's fp8 score dots):
     each (token, head) row is rounded as a one-row batch would be, so a row far below

@@ -67,6 +67,19 @@ def test_a_live_non_finite_row_rounds_as_before(value: float):
 
 
 
+@pytest.mark.parametrize("live_dtype", [torch.bool, torch.int32])
+def test_no_rows_an_idle_ranks_batch_rounds_to_nothing_with_the_smallest_scale(live_dtype):
+    # seen on an H100 (2026-12-07): the padded_rows claim's idle replay (bs = 0) of an fp8-q
+    # decode raised from amax() of no element, as would an engine's eager idle forward
+    q = torch.empty(0, 16, 576, dtype=torch.bfloat16)
+    q8, descale = quantize_q_fp8(q, torch.empty(0, dtype=live_dtype))
+    assert q8.shape == q.shape and q8.dtype == torch.float8_e4m3fn
+    assert descale.shape == (1,) and descale.item() == torch.finfo(torch.float32).tiny
+    # as max|q| = 0 over live rows gives
+    zeros = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    assert torch.equal(descale, quantize_q_fp8(zeros, torch.ones(1, dtype=torch.bool))[1])
+
+
 def test_twelve_device_ops_three_over_q():
     q, live = torch.randn(4, 1, 16, 576, dtype=torch.bfloat16), torch.ones(4, 1, dtype=torch.bool)
     with RecordOps() as seen:

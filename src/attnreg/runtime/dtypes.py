@@ -125,7 +125,10 @@ def _quantize_q_fp8_torch(q: torch.Tensor, live_rows: torch.Tensor
     row_amax = torch.linalg.vector_norm(q, float("inf"), dim=(-2, -1), dtype=torch.float32)
     # torch.where, not a product: a stale padded row holding inf or NaN must not leak in
     live = live_rows if live_rows.dtype == torch.bool else live_rows != 0
-    amax = torch.where(live, row_amax, 0.0).amax()
+    # no rows (an idle rank's batch) set no scale: the smallest, as for max|q| = 0 (amax of
+    # an empty tensor raises); numel is the shape's, so no host read inside a capture
+    masked = torch.where(live, row_amax, 0.0)
+    amax = masked.amax() if masked.numel() else masked.new_zeros(())
     ratio = torch.clamp(amax / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
     # a live inf / NaN: scale 1 (what frexp's exponent 0 gave before), q's cast says the rest
     ratio = torch.nan_to_num(ratio, nan=1.0, posinf=1.0)

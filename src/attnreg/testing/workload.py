@@ -231,6 +231,8 @@ def round_q(q: torch.Tensor, dtype: DType | None, scale_per: str = "batch") -> t
     if scale_per not in ("batch", "row"):
         raise ValueError(f"round_q: scale_per must be 'batch' or 'row', not {scale_per!r}")
     qf = q.float()
+    if qf.numel() == 0:  # an idle batch: nothing to round (amax of no element raises)
+        return qf
     # float32 arithmetic, as on the device: the same scale bit for bit
     amax = qf.abs().amax() if scale_per == "batch" else qf.abs().amax(-1, keepdim=True)
     ratio = torch.clamp(amax / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
