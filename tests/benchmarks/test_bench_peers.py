@@ -167,7 +167,6 @@ def test_a_raw_peers_replay_holds_its_call_until_it_is_timed(monkeypatch):
     assert calls[0]() is None  # the replay was what held it
 
 
-
 def test_a_raw_kernel_whose_jit_build_failed_is_not_built_again_at_a_later_shape(
         monkeypatch, tmp_path: Path):
     from benchmarks._harness import RunContext
