@@ -461,7 +461,9 @@ def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase
         for c in list(out):
             if c.q_dtype in k.q_dtypes and c.kv_dtype in k.kv_dtypes:
                 counts = claimed_head_counts(k, device, heads)
-                if counts:
+                # several earlier configurations of the pair (a range split twice) give
+                # the entry one configuration, not one each
+                if counts and replace(c, num_heads=counts[0]) not in out:
                     out.append(replace(c, num_heads=counts[0]))
     return out
 
