@@ -55,6 +55,14 @@ def variants(H: int):
     else:
         out.append(("fp8 fp8 scores", "fp8", fp8._replace(fp8_scores=True,
                                                            fp8_two_loads=False)))
+        # tokens-major score dots (S^T = K @ q^T: the fp8 tile is the A operand as stored)
+        # and V converted in registers to a 16-bit shared tile
+        t = fp8._replace(fp8_scores=True, fp8_scores_t=True, fp8_two_loads=False)
+        out.append(("fp8 scores^T n64 s2 c1", "fp8", t._replace(block_n=64, num_stages=2,
+                                                                 ctas_per_sm=1)))
+        out.append(("fp8 scores^T n64 s2 c2", "fp8", t._replace(block_n=64, num_stages=2)))
+        out.append(("fp8 scores^T n32 s3", "fp8", t._replace(block_n=32, num_stages=3)))
+        out.append(("fp8 scores^T n32 s2", "fp8", t._replace(block_n=32, num_stages=2)))
     return out
 
 
@@ -94,9 +102,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--min-heads", type=int, default=1, help="only shapes with >= H heads")
+    ap.add_argument("--max-heads", type=int, default=1 << 30, help="only shapes with <= H heads")
     args = ap.parse_args(argv)
     global SHAPES
-    SHAPES = [s for s in SHAPES if s[2] >= args.min_heads]
+    SHAPES = [s for s in SHAPES if args.min_heads <= s[2] <= args.max_heads]
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec

@@ -7,16 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnreg.backends.declarations.triton_sizing import decode_rounds_q
 from attnreg.graph_policy.capture import capturing
 from attnreg.registry import ForwardMethod, GraphMode, UnsupportedError, get_registry
 from attnreg.runtime import MLAConfig, decode_batch
 from attnreg.testing.kv_canary import Canary
+from attnreg.testing.workload import round_q
 
 from ._scenarios import FP8_SCALE, make_scenario
 
 H = 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PLATFORM = None if DEVICE == "cuda" else "cpu"
+
+
+def declared_q(q: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """The q triton's decode computes with: over an fp8 cache at these heads, rounded to
+    fp8 per head row (declared ``q_compute_dtype`` fp8, ``q_compute_scale`` "row")."""
+    return round_q(q, "fp8_e4m3", "row") if decode_rounds_q(H, kv_dtype) else q
 
 
 def backends(cfg: MLAConfig, **options: object):
@@ -40,7 +48,7 @@ def test_decode_matches_reference(page_size: int, kv_dtype: str, splits: int | N
     tri, ref = backends(cfg, force_kv_splits=splits)
     sc = make_scenario(cfg, [0, 9, 70], [1, 1, 1], decode=True, seed=1)
     got = tri.forward_decode(sc.q, sc.latent_new, sc.rope_new, sc.pool, sc.batch)
-    want = ref.forward_decode(sc.q, None, None, sc.pool, sc.batch)
+    want = ref.forward_decode(declared_q(sc.q, kv_dtype), None, None, sc.pool, sc.batch)
     assert_close(got, want)
 
 
@@ -109,7 +117,7 @@ def test_decode_graph_metadata_replays_other_lengths_and_contents() -> None:
         written += sc.batch.out_cache_loc.tolist()
         for pages_b, p in zip(sc.batch.page_table.tolist(), prefix):
             written += pool.slots(pages_b, range(p))
-        want = ref.forward_decode(sc.q, None, None, pool, sc.batch)
+        want = ref.forward_decode(declared_q(sc.q, "fp8_e4m3"), None, None, pool, sc.batch)
         assert_close(out[:b], want)
         assert torch.count_nonzero(out[b:].float()) == 0, f"step {step}: padded rows not 0"
         assert canary.corrupted_slots(written) == [], f"step {step}: stray KV writes"

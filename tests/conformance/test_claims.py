@@ -329,9 +329,9 @@ def test_a_cpu_run_claims_16_and_the_largest_declared_head_count_on_one_small_ba
              and c.combo.sm_scale is None]
     for method, phase in {(c.combo.method, c.combo.phase) for c in plain}:
         mine = [c for c in plain if (c.combo.method, c.combo.phase) == (method, phase)]
-        # decode: the fp8 pool's 1..32 entry claims its largest (32), its 33..128 entry
-        # its smallest (33) on cpu
-        want = {2, 16, 32, 33, 128} if phase is Phase.DECODE else {2, 16, 128}
+        # decode: the fp8 pool's 1..16 entry claims 2 and 16, its 17..32 and 33..128
+        # entries their smallest (17, 33) on cpu
+        want = {2, 16, 17, 33, 128} if phase is Phase.DECODE else {2, 16, 128}
         assert {c.combo.num_heads for c in mine} == want, (method, phase)
         for c in mine:
             if c.combo.num_heads == 2:

@@ -28,7 +28,12 @@ from attnreg.backends._triton_kernels import (
 from attnreg.backends._triton_kernels import extend as extend_mod
 from attnreg.backends._triton_kernels.decode import DecodeConfig, _mla_decode_impl, decode_config
 from attnreg.backends._triton_kernels.extend import ExtendConfig
-from attnreg.backends.declarations.triton_sizing import FP8_SCORES_MIN_HEADS, decode_rounds_q
+from attnreg.backends.declarations.triton_sizing import (
+    FP8_SCORES_MIN_HEADS,
+    FP8_SCORES_T_MAX_HEADS,
+    decode_rounds_q,
+    fp8_decode_head_ranges,
+)
 from attnreg.registry import DType
 from attnreg.testing.workload import round_q
 
@@ -225,6 +230,7 @@ _DECODE_VARIANTS = [
     ("h64_isolate", DecodeConfig(64, 16, 8, 2, isolate_qk=True)),
     ("h64_isolate_gather", DecodeConfig(64, 16, 8, 2, isolate_qk=True, page_tiles=False)),
     ("h64_fp8_scores", DecodeConfig(64, 16, 8, 2, isolate_qk=True, fp8_scores=True)),
+    ("h16_fp8_scores_t", DecodeConfig(16, 16, 4, 2, fp8_scores=True, fp8_scores_t=True)),
 ]
 
 
@@ -266,14 +272,19 @@ def test_decode_kernel_variants(cfg, kv, ps):
 def test_decode_configs_by_head_count_and_cache_dtype():
     """The shipped defaults (issue 20 sweeps): what each head class and cache dtype gets."""
     assert decode_config(16, torch.bfloat16) == DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
-    assert decode_config(16, FP8) == DecodeConfig(16, 32, 4, 3, ctas_per_sm=2,
-                                                  fp8_two_loads=True)
+    assert decode_config(16, FP8) == DecodeConfig(16, 64, 4, 2, ctas_per_sm=2,
+                                                  fp8_scores=True, fp8_scores_t=True)
     assert decode_config(128, torch.bfloat16).page_tiles
     assert decode_config(128, FP8).page_tiles and decode_config(128, FP8).fp8_scores
     assert decode_config(128, "fp8_e4m3") == decode_config(128, FP8)
-    # fp8 score dots (q rounded: declared from FP8_SCORES_MIN_HEADS up) exactly there
+    # fp8 score dots (q rounded: declared up to FP8_SCORES_T_MAX_HEADS and from
+    # FP8_SCORES_MIN_HEADS up) exactly there, and the declaration's ranges say the same
+    ranges = fp8_decode_head_ranges()
     for heads in range(1, 129):
-        assert decode_rounds_q(heads, FP8) == (heads >= FP8_SCORES_MIN_HEADS)
+        assert decode_rounds_q(heads, FP8) == (heads <= FP8_SCORES_T_MAX_HEADS
+                                               or heads >= FP8_SCORES_MIN_HEADS)
+        assert [r for lo, hi, r in ranges if lo <= heads <= hi] == \
+            [decode_rounds_q(heads, FP8)]
         assert not decode_rounds_q(heads, torch.bfloat16)
     for heads in (8, 16, 32, 64, 128):  # one split sizing per head class, whatever the dtype
         bf, f8 = decode_config(heads, torch.bfloat16), decode_config(heads, FP8)

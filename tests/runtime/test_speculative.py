@@ -205,12 +205,12 @@ def test_capture_refuses_more_draft_tokens_than_the_graphs_declare() -> None:
         backend.init_forward_metadata_capture(2, 18, forward_mode="target_verify")
 
 
-@pytest.mark.parametrize("heads,kv,rounds", [(64, "fp8_e4m3", True), (16, "fp8_e4m3", False),
-                                             (64, "bf16", False)])
+@pytest.mark.parametrize("heads,kv,rounds", [(64, "fp8_e4m3", True), (16, "fp8_e4m3", True),
+                                             (32, "fp8_e4m3", False), (64, "bf16", False)])
 def test_triton_verify_and_draft_extend_round_q_where_its_decode_does(monkeypatch, heads, kv,
                                                                      rounds) -> None:
-    """Over an fp8 cache from FP8_SCORES_MIN_HEADS heads up, triton's decode kernel takes
-    fp8 score dots on q rounded per head row (declared for the decode phase); its verify
+    """Over an fp8 cache up to FP8_SCORES_T_MAX_HEADS and from FP8_SCORES_MIN_HEADS heads
+    up, triton's decode kernel takes fp8 score dots on q rounded per head row (declared for the decode phase); its verify
     and draft-extend steps (the extend kernel) are asked to round q the same way, and a
     prefill step is not."""
     import attnreg.backends.triton_mla as triton_mla

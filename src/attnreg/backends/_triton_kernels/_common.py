@@ -190,6 +190,25 @@ def round_q_rows_fp8(q_row, offs_lat, offs_pe, mask_h, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def fp8_to_fp16_in_registers(x, EMULATE: tl.constexpr):
+    """fp8 e4m3 ``x`` as fp16 (exact), converted where it is held: four values per packed
+    conversion pair.  The compiler moves a plain ``x.to(tl.float16)`` that feeds a dot after
+    the operand's shared-memory read, which for an operand whose K is not the contiguous
+    dimension reads one byte per instruction; inline asm is not moved.  EMULATE (the CPU
+    interpreter, which runs no asm): the plain conversion."""
+    if EMULATE:
+        return x.to(tl.float16)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def kv_tile_fp8(KV, row, offs_lat, offs_pe, mask_n):
     """One tile of an fp8 cache for fp8 x fp8 score dots: ``(k_lat [lat, N], k_pe [64, N],
     v [N, lat])``, the K parts fp8 as stored, ``v`` converted to fp16 (exact) for a 16-bit

@@ -66,6 +66,7 @@ from ._common import (
     check_lse,
     check_tensor,
     dot_upcast,
+    fp8_to_fp16_in_registers,
     interpreting,
     kv_dtypes_for,
     kv_tile,
@@ -153,7 +154,7 @@ def _mla_decode_kernel(
     D_V: tl.constexpr, D_PE: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr,
     UPCAST: tl.constexpr, ISOLATE_QK: tl.constexpr, FP8_TWO_LOADS: tl.constexpr,
-    FP8_SCORES: tl.constexpr, STORE_LSE: tl.constexpr,
+    FP8_SCORES: tl.constexpr, STORE_LSE: tl.constexpr, SCORES_T: tl.constexpr,
 ):
     hb = tl.program_id(0)
     sid = tl.program_id(1)
@@ -196,7 +197,12 @@ def _mla_decode_kernel(
         # one power-of-two scale per head row, undone on the scores with the softmax
         # scale.  Declared (q_compute_dtype fp8, q_compute_scale "row").
         q_lat, q_pe, q_scale = round_q_rows_fp8(q_row, offs_d, offs_pe, mask_h, UPCAST)
-        score_scale = (scale * q_scale)[:, None]
+        if SCORES_T:
+            q_lat = tl.trans(q_lat)
+            q_pe = tl.trans(q_pe)
+            score_scale = (scale * q_scale)[None, :]
+        else:
+            score_scale = (scale * q_scale)[:, None]
     else:
         q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(DT)
         q_pe = tl.load(q_row + offs_pe[None, :], mask=mask_h[:, None], other=0.0).to(DT)
@@ -214,12 +220,28 @@ def _mla_decode_kernel(
         kv_base, row = tile_rows(KV, pt_row, n0, mask_n, stride_kvp, stride_kvr, PAGE_SIZE,
                                  BLOCK_N, True, ONE_PAGE)
         # One load of the latent tile: K for the scores, V for the output.
-        if FP8_SCORES:
+        if SCORES_T:
+            kv_row = kv_base + row[:, None]
+            kv = tl.load(kv_row + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
+            st = _dot(kpe, q_pe, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), UPCAST)
+            st = _dot(kv, q_lat, st, UPCAST) * score_scale
+            st = tl.where(mask_n[:, None], st, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(st, 0))
+            alpha = tl.exp2(m_i - m_new)
+            pt = tl.exp2(st - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(pt, 0)
+            acc = acc * alpha[:, None]
+            acc = _dot(tl.trans(pt.to(PDT)), fp8_to_fp16_in_registers(kv, UPCAST), acc, UPCAST)
+            m_i = m_new
+        elif FP8_SCORES:
             k_lat, k_pe, v = kv_tile_fp8(kv_base, row, offs_d, offs_pe, mask_n)
         else:
             k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True,
                                      KV_FP8, FP8_TWO_LOADS)
-        if ISOLATE_QK:
+        if SCORES_T:
+            pass  # the tile's whole step is above
+        elif ISOLATE_QK:
             # Triton lays out a dot whose result feeds another dot ("chained": S feeds
             # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
             # warpgroups would then compute the same S.  A dot inside the region of an
@@ -463,7 +485,8 @@ class _DecodePlan:
                         D_LATENT, D_ROPE, self.split, is_fp8, self.scale_ptr,
                         dot_upcast(q.dtype) or (fp8_scores and interpreting()),
                         cfg.isolate_qk, is_fp8 and cfg.fp8_two_loads and not fp8_scores,
-                        fp8_scores, store_lse and not self.split),
+                        fp8_scores, store_lse and not self.split,
+                        fp8_scores and cfg.fp8_scores_t),
             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             dtypes=(q.dtype, kv_cache.dtype, page_table.dtype, torch.int32, out.dtype,
                     torch.float32 if self.split else out.dtype,

@@ -39,7 +39,7 @@ from ._common import (
     SPECULATIVE_DECODE_MODES,
     SPECULATIVE_EAGER_MODES,
 )
-from .triton_sizing import FP8_SCORES_MIN_HEADS, decode_capture_bytes, extend_capture_bytes
+from .triton_sizing import decode_capture_bytes, extend_capture_bytes, fp8_decode_head_ranges
 
 MIN_SM = 80
 PAGE_SIZES = (1, 16, 32, 64)
@@ -77,9 +77,10 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         # The kernels convert an fp8 cache to the query dtype in registers, but a
         # 16-bit cache must already be in the query dtype (bf16/bf16 or fp16/fp16;
         # they refuse bf16 queries over an fp16 cache): one entry per query dtype.
-        # Decode over an fp8 cache computes differently from FP8_SCORES_MIN_HEADS heads
-        # up (the 64-head tiles take fp8 x fp8 score dots on q rounded per head row, and
-        # verify / draft-extend steps round q the same way), so its range is split there.
+        # Decode over an fp8 cache computes differently by head count (up to 16 heads
+        # tokens-major and from 33 up in 64-head tiles it takes fp8 x fp8 score dots on q
+        # rounded per head row, and verify / draft-extend steps round q the same way;
+        # 17-32 heads keep 16-bit dots), so its range is split there.
         kernels = tuple(
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS,
                               frozenset({dt}), frozenset(kv), page_sizes=PAGE_SIZES,
@@ -89,10 +90,10 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
             for dt in (DType.BF16, DType.FP16)
             for kv, lo, hi, note, rounds in (
                 ({dt}, 1, 128, "", None),
-                ({DType.FP8_E4M3}, 1, FP8_SCORES_MIN_HEADS - 1, "; fp8 cache: 16-bit dots",
-                 None),
-                ({DType.FP8_E4M3}, FP8_SCORES_MIN_HEADS, 128,
-                 "; fp8 cache: fp8 score dots, q rounded per head row", DType.FP8_E4M3))
+                *(({DType.FP8_E4M3}, lo, hi,
+                   "; fp8 cache: fp8 score dots, q rounded per head row" if rounds
+                   else "; fp8 cache: 16-bit dots", DType.FP8_E4M3 if rounds else None)
+                  for lo, hi, rounds in fp8_decode_head_ranges()))
         ) + tuple(
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS,
                               frozenset({dt}), frozenset({dt, DType.FP8_E4M3}),

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_NUM_SMS",
     "EXTEND_MIN_CHUNK_TOKENS",
     "FP8_SCORES_MIN_HEADS",
+    "FP8_SCORES_T_MAX_HEADS",
     "LATENT",
     "MAX_SPLITS",
     "MIN_CHUNK_TOKENS",
@@ -29,6 +30,7 @@ __all__ = [
     "decode_graph_rows",
     "decode_partial_rows",
     "decode_rounds_q",
+    "fp8_decode_head_ranges",
     "default_extend_splits",
     "default_max_splits",
     "extend_capture_bytes",
@@ -57,6 +59,10 @@ MIN_CHUNK_TOKENS = 256
 #: dots on q rounded to fp8 per head row (``DecodeConfig.fp8_scores``: the 64-head tiles);
 #: the ``triton`` declaration's ``q_compute_dtype`` / ``q_compute_scale`` hold from here.
 FP8_SCORES_MIN_HEADS = 33
+#: Most query heads at which the decode kernel, over an fp8 cache, takes its score dots
+#: tokens-major (``DecodeConfig.fp8_scores_t``: S^T = K @ q^T, fp8 x fp8 on q rounded to fp8
+#: per head row): from here to FP8_SCORES_MIN_HEADS - 1 it keeps 16-bit dots and exact q.
+FP8_SCORES_T_MAX_HEADS = 16
 #: Shortest KV chunk an extend split gets from the heuristic: each split adds a 64-row x
 #: 512 fp32 partial output to write and merge, which a few hundred tokens of attention repay.
 EXTEND_MIN_CHUNK_TOKENS = 256
@@ -92,6 +98,10 @@ class DecodeConfig(NamedTuple):
     # power-of-two scale per head row (declared: q_compute_dtype fp8, scale "row"); P @ V
     # in fp16 (see the kernel and kv_tile_fp8 in _triton_kernels/_common.py)
     fp8_scores: bool = False
+    # with fp8_scores: the score dots tokens-major, S^T = K @ q^T, so the fp8 tile is the
+    # dot's A operand as stored (K-contiguous) and q^T its B operand (rows of a 16-head
+    # block are too few for a wgmma M); P^T is transposed back for a 16-bit P @ V
+    fp8_scores_t: bool = False
 
 
 def _is_fp8(kv_dtype: object) -> bool:
@@ -148,14 +158,24 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       sizes the launch right for both.
     """
     fp8 = _is_fp8(kv_dtype)
-    if num_heads <= 16:
+    if num_heads <= FP8_SCORES_T_MAX_HEADS:
         if fp8:
-            return DecodeConfig(16, 32, 4, 3, ctas_per_sm=2, fp8_two_loads=True)
+            return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2, fp8_scores=True,
+                                fp8_scores_t=True)
         return DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
     if num_heads < FP8_SCORES_MIN_HEADS:
         return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
     return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=64, page_tiles=True,
                         fp8_scores=fp8)
+
+
+def fp8_decode_head_ranges() -> tuple[tuple[int, int, bool], ...]:
+    """``(min_heads, max_heads, rounds_q)`` of the decode kernel over an fp8 cache, 1 to
+    128 heads: where it computes with q rounded to fp8 per head row (the declaration's
+    entries, one per range; :func:`decode_rounds_q` agrees at every head count)."""
+    return ((1, FP8_SCORES_T_MAX_HEADS, True),
+            (FP8_SCORES_T_MAX_HEADS + 1, FP8_SCORES_MIN_HEADS - 1, False),
+            (FP8_SCORES_MIN_HEADS, 128, True))
 
 
 def decode_rounds_q(num_heads: int, kv_dtype: object) -> bool:
