@@ -25,10 +25,12 @@ Design (why it is shaped like this)
   outputs with their log-sum-exp.  Nothing is read back to the host and, given a
   workspace, nothing is allocated: replays with other ``seq_lens`` stay correct.
 * fp32 accumulation, exp2-based online softmax (``sm_scale * log2(e)`` folded into one
-  multiply), ``kv_scale`` folded into the score scale and the output.  An fp8 e4m3 cache
-  is converted to 16-bit dot operands on chip (see ``kv_tile``) up to 32 heads; from 33
-  (``FP8_SCORES``) the score dots are fp8 x fp8 on q rounded per head row (declared:
-  ``q_compute_dtype`` fp8, ``q_compute_scale`` "row"), P @ V 16-bit (``kv_tile_fp8``).
+  multiply), ``kv_scale`` folded into the score scale and the output.  Over an fp8 e4m3
+  cache the score dots are fp8 x fp8 on q rounded per head row (declared:
+  ``q_compute_dtype`` fp8, ``q_compute_scale`` "row") up to 16 heads tokens-major
+  (``SCORES_T``: S^T = K @ q^T, the tile as stored is the A operand of a 64-row wgmma;
+  V converted in registers) and from 33 (``FP8_SCORES``) in 64-head tiles, P @ V 16-bit
+  (``kv_tile_fp8``); 17-32 heads convert the tile to 16-bit dot operands (``kv_tile``).
 
 Measured (one H200, bf16, page_size 1, CUDA-graph replay, cold L2; see
 benchmarks/triton_decode_tuning.py): 537 us at B=128, L=4096, H=128 (~270 TFLOP/s of

@@ -124,10 +124,13 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       170.9 vs 183.8 (B=128, L=4096), 102.6 vs 105.9 (B=32, L=8192); at B=1, L=32768
       33.3 vs 31.9 (a loss), where 128-token tiles with 8 warps would take 30.1 but lose
       at page 64 (34.7 vs 30.9) and at the larger batches (193.7, 109.0).
-      fp8 cache, 16 heads: fp16 dots on 32-token tiles, each dot on its own load of the
-      tile (``fp8_two_loads``): sweep 2 223.1 / 126.0 / 34.7 at the three shapes above,
-      sweep 1 411.5 / 220.3 / 61.8 for bf16 dots with the conversion left to the compiler
-      (255 registers, 136 bytes spilled).  Still 1.2-1.3x slower than the bf16 cache.
+      fp8 cache, 16 heads: tokens-major fp8 score dots (``fp8_scores_t``: a 64-row fp8
+      wgmma on the tile as stored, q rounded per head row, V converted in registers),
+      64-token tiles, two stages (issue 31, ``scripts/probe_triton_fp8_mma.py
+      --max-heads 16`` on an H100, 2026-12-07, page 1 / 64): 188.8 / 152.0, 112.4 / 90.7,
+      33.4 / 28.5 us at the three shapes above, against 225.5 / 203.0, 127.8 / 115.8,
+      36.2 / 33.9 for the 16-bit dots on two loads of each tile (``fp8_two_loads``, the
+      default before) and 223.6 / 219.9, 130.3 / 126.7, 36.6 / 33.3 for the bf16 cache.
     * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
       accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
       both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
