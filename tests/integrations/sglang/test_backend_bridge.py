@@ -20,12 +20,13 @@ from .conftest import SKIP_REASON
 
 pytest.importorskip("sglang", reason=SKIP_REASON)
 
+from attnreg.backends.declarations.triton_sizing import decode_rounds_q
 from attnreg.graph_policy.capture import capturing
 from attnreg.integrations.sglang.backend import AttnregAttentionBackend
 from attnreg.integrations.sglang.kv_cache import wrap_mla_pool
 from attnreg.integrations.sglang.registration import register_attention_backends
 from attnreg.registry import DType, GraphMode, UnsupportedError
-from attnreg.testing.workload import compare, oracle_mha, oracle_mla
+from attnreg.testing.workload import compare, oracle_mha, oracle_mla, round_q
 
 from ._bridge_env import HEADS, LATENT, SCALE, Step, TinyServer, verify_input
 
@@ -66,11 +67,15 @@ def run(bridge: AttnregAttentionBackend, server: TinyServer, step: Step) -> list
             for i in range(server.num_layers)]
 
 
-def check(outs: list[torch.Tensor], server: TinyServer, step: Step) -> None:
+def check(outs: list[torch.Tensor], server: TinyServer, step: Step, *,
+          rounds_q: bool = False) -> None:
+    """``rounds_q``: the backend computes with q rounded to fp8 per head row (declared;
+    triton's decode-phase steps over an fp8 cache at these heads), so the oracle too."""
     tokens = step.spec.num_tokens
     for i, out in enumerate(outs):
         assert out.shape == (tokens, HEADS * LATENT)
-        expected, _ = oracle_mla(step.q[i], step.rows[i], step.spec, LATENT, SCALE)
+        q = round_q(step.q[i], "fp8_e4m3", "row") if rounds_q else step.q[i]
+        expected, _ = oracle_mla(q, step.rows[i], step.spec, LATENT, SCALE)
         problem = compare(out.view(tokens, HEADS, LATENT), expected, DType.BF16, step.spec)
         assert problem is None, f"layer {i}: {problem}"
         # the new rows landed in sglang's own buffer of that layer (the view is zero-copy)
@@ -126,7 +131,8 @@ def test_reference_backend_in_sglang(case: str, kv_dtype: torch.dtype, page_size
 def test_triton_backend_in_sglang(case: str, kv_dtype: torch.dtype) -> None:
     server = TinyServer(page_size=16, kv_dtype=kv_dtype, seed=1, device=TRITON_DEVICE)
     step, _ = new_step(server, case)
-    check(run(make_bridge(server, "triton"), server, step), server, step)
+    rounds = case != "extend_with_prefix" and decode_rounds_q(HEADS, kv_dtype)
+    check(run(make_bridge(server, "triton"), server, step), server, step, rounds_q=rounds)
 
 
 def test_a_request_prefills_decodes_and_verifies_through_one_bridge() -> None:

@@ -111,6 +111,7 @@ class TinyEngine:
     def __init__(self, name: str, *, draft: int = 0, num_blocks: int = 16,
                  kv: str = "auto", k_scale: float = 1.0, seed: int = 0) -> None:
         register_backends([name])
+        self.backend_name = name
         self.backend_cls = AttentionBackendEnum[vllm_name(name)].get_class()
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
