@@ -1,4 +1,4 @@
-"""Probe: the Triton decode kernel with an fp8 cache, fp8 x fp8 score dots against 16-bit dots.
+"""Probe: Triton decode configs over fp8 and bf16 caches, variants against the defaults.
 
 Usage (a CUDA GPU)::
 
@@ -6,16 +6,16 @@ Usage (a CUDA GPU)::
 
 For every P1 shape (benchmarks/triton_decode_tuning.py's SHAPES) at page sizes 1 and 64
 it times, by CUDA-graph replay with the L2 flushed (``triton.testing.do_bench``, median):
-the bf16 cache and the fp8 cache with their default configs (``decode_config``), and the
-fp8 cache with ``DecodeConfig.fp8_scores`` the other way round (on at 16 heads; off at
-64+, i.e. the fp16 dots on one-page tiles; with per-token gathers too, the default
-before issue 31).  ``fp8_scores`` rounds q to fp8 in the kernel with one power-of-two
-scale per head row; each output is checked against a float32 reference with q rounded
-the same way (``err``, max abs over two sequences) before it is timed.  Kernels are
-compiled in parallel worker processes first.
+the bf16 cache and the fp8 cache with their default configs (``decode_config``) and the
+variants of :func:`variants` (stage counts that give the KV tile a second shared buffer,
+and eight warps at 16 heads).  Where a config has ``fp8_scores`` the kernel rounds q to
+fp8 with one power-of-two scale per head row; each output is checked against a float32
+reference with q rounded the same way (``err``, max abs over two sequences) before it is
+timed.  Kernels are compiled in parallel worker processes first.
 
-At 72b60ec this probe also timed an fp8 P @ V (V as loaded, or from a transposed second
-load) and q split into two fp8 parts; benchmarks/results/probes/ holds those runs.
+Earlier revisions timed other variants: at 72b60ec an fp8 P @ V (V as loaded, or from a
+transposed second load) and q split into two fp8 parts, at 9ff9a6d the score dots
+heads-major and tokens-major at 16 heads; benchmarks/results/probes/ holds those runs.
 """
 
 from __future__ import annotations
@@ -40,29 +40,33 @@ PAGES = (1, 64)
 
 
 def variants(H: int):
-    """(label, kv dtype name, DecodeConfig) of every variant at H heads."""
+    """(label, kv dtype name, DecodeConfig) of every variant at H heads.
+
+    The question of this revision: how many shared buffers the KV tile gets.  Triton 3.6
+    gives a tile that is read into registers (V's conversion, the 16-bit dots' operands)
+    one buffer below five stages, so the next tile's copy waits for the last read of this
+    one and the load overlaps compute only across programs; at five stages it gets two
+    (`ttg.local_alloc` counts from an offline sm90 compile).  Two buffers of an fp8 tile
+    fit beside the rest at one program per SM (152-189 KB).
+    """
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec
 
     bf16 = dec.decode_config(H, torch.bfloat16)
     fp8 = dec.decode_config(H, torch.float8_e4m3fn)
-    out = [("bf16 default", "bf16", bf16), ("fp8 default", "fp8", fp8)]
-    if fp8.fp8_scores:
-        out.append(("fp8 16-bit dots", "fp8", fp8._replace(fp8_scores=False)))
-        out.append(("fp8 16-bit dots gather", "fp8", fp8._replace(fp8_scores=False,
-                                                                   page_tiles=False)))
+    out = [("bf16 default", "bf16", bf16), ("fp8 default", "fp8", fp8),
+           ("fp8 s5 c1", "fp8", fp8._replace(num_stages=5, ctas_per_sm=1))]
+    if H <= 16:
+        out.append(("bf16 s5 c1", "bf16", bf16._replace(num_stages=5, ctas_per_sm=1)))
+        # 8 warps: both warpgroups compute the (small) score tile, P @ V and V's
+        # conversion split over twice the threads (201-222 registers, no spill)
+        out.append(("fp8 w8 s5 c1", "fp8", fp8._replace(num_warps=8, num_stages=5,
+                                                         ctas_per_sm=1)))
     else:
-        out.append(("fp8 fp8 scores", "fp8", fp8._replace(fp8_scores=True,
-                                                           fp8_two_loads=False)))
-        # tokens-major score dots (S^T = K @ q^T: the fp8 tile is the A operand as stored)
-        # and V converted in registers to a 16-bit shared tile
-        t = fp8._replace(fp8_scores=True, fp8_scores_t=True, fp8_two_loads=False)
-        out.append(("fp8 scores^T n64 s2 c1", "fp8", t._replace(block_n=64, num_stages=2,
-                                                                 ctas_per_sm=1)))
-        out.append(("fp8 scores^T n64 s2 c2", "fp8", t._replace(block_n=64, num_stages=2)))
-        out.append(("fp8 scores^T n32 s3", "fp8", t._replace(block_n=32, num_stages=3)))
-        out.append(("fp8 scores^T n32 s2", "fp8", t._replace(block_n=32, num_stages=2)))
+        # a 16-bit tile's two 64-token buffers already fill shared memory (229 KB): three
+        # 32-token ones at five stages (188 KB) give it the second tile in flight
+        out.append(("bf16 n32 s5", "bf16", bf16._replace(block_n=32, num_stages=5)))
     return out
 
 

@@ -275,6 +275,11 @@ def test_decode_configs_by_head_count_and_cache_dtype():
     assert decode_config(16, FP8) == DecodeConfig(16, 64, 4, 2, ctas_per_sm=2,
                                                   fp8_scores=True, fp8_scores_t=True)
     assert decode_config(128, torch.bfloat16).page_tiles
+    # an fp8 tile gets its second shared buffer at five stages, a 16-bit one at three
+    assert decode_config(64, FP8) == DecodeConfig(64, 64, 8, 5, isolate_qk=True, min_chunk=64,
+                                                  page_tiles=True, fp8_scores=True)
+    assert decode_config(64, torch.bfloat16) == decode_config(64, FP8)._replace(
+        num_stages=3, fp8_scores=False)
     assert decode_config(128, FP8).page_tiles and decode_config(128, FP8).fp8_scores
     assert decode_config(128, "fp8_e4m3") == decode_config(128, FP8)
     # fp8 score dots (q rounded: declared up to FP8_SCORES_T_MAX_HEADS and from

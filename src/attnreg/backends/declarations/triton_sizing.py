@@ -156,6 +156,16 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       55.4 vs 62.0 / 63.8; B=8, L=1024, H=128 31.0 / 31.0 vs 31.1 / 31.6.  One-page
       tiles gain with it at page 64 (517.9 vs 545.0 per-token).  At 16 heads fp8 score
       dots are slower (318.3 vs 220.1 us at B=128, L=4096), so the fp16 dots stay.
+      fp8 cache, 64+ heads, five stages (issue 31, the same probe on an H100,
+      2026-12-07, page 1 / 64): Triton 3.6 gives a tile that is also read into registers
+      (here V, converted for P @ V) one shared buffer below five stages, so the next
+      tile's copy is issued after this one's last read and waited for at the top of the
+      next iteration: with one program per SM nothing overlaps it.  At five stages the
+      tile gets two buffers and the copy runs two tiles ahead (189 KB of shared memory,
+      no spill; offline sm90 compile): B=128, L=4096, H=128 469.4 / 463.3 us against
+      515.6 / 507.9 at three; B=64, L=2048, H=64 80.9 / 80.6 vs 90.9 / 89.5; B=1,
+      L=32768, H=128 52.5 / 52.3 vs 57.2 / 56.4; B=8, L=1024, H=128 32.5 / 31.4 vs
+      32.6 / 32.2.  A 16-bit tile already has two 64 KB buffers at three stages (229 KB).
     * Every config of one head class has the same ``block_h``, ``ctas_per_sm`` and
       ``min_chunk``, so :func:`default_max_splits`, which does not know the cache dtype,
       sizes the launch right for both.
@@ -168,8 +178,10 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
         return DecodeConfig(16, 64, 4, 3, ctas_per_sm=2)
     if num_heads < FP8_SCORES_MIN_HEADS:
         return DecodeConfig(32, 64, 8, 2, ctas_per_sm=2)
-    return DecodeConfig(64, 64, 8, 3, isolate_qk=True, min_chunk=64, page_tiles=True,
-                        fp8_scores=fp8)
+    # five stages over an fp8 cache: the first count at which Triton 3.6 gives the tile two
+    # shared buffers (the docstring's last paragraph); a 16-bit tile has two at three
+    return DecodeConfig(64, 64, 8, 5 if fp8 else 3, isolate_qk=True, min_chunk=64,
+                        page_tiles=True, fp8_scores=fp8)
 
 
 def fp8_decode_head_ranges() -> tuple[tuple[int, int, bool], ...]:
