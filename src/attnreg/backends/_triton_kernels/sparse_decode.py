@@ -118,10 +118,17 @@ def _mla_sparse_kernel(
 
 def _config(num_heads: int) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages): the dense decode's head blocks (16 / 32
-    / 64 heads, the wgmma M tile at 64), 32-entry index tiles (a gather per entry; not
-    tuned on a device)."""
+    / 64 heads, the wgmma M tile at 64), 32-entry index tiles (a gather per entry).
+
+    Five stages: the first count at which Triton 3.6 gives the gathered tile two shared
+    buffers at 16 heads (three at 64: 94 / 185 KB; offline sm90 compile), so the next
+    tile's gather no longer waits for this tile's last read.  H100, top-k 2048, graph
+    replay, page 1 (``scripts/probe_triton_sparse_stages.py``, 2026-12-07): 153.8 / 143.2
+    us against 172.1 / 182.8 at two stages (32 / 128 rows, 16 heads), 193.6 vs 257.6
+    (32 rows, 64 heads), 383.1 vs 496.6 (128 rows, 128 heads); page 64 12-26% faster too.
+    """
     block_h = min(64, max(16, next_pow2(num_heads)))
-    return block_h, 32, 4 if block_h <= 16 else 8, 2
+    return block_h, 32, 4 if block_h <= 16 else 8, 5
 
 
 def _validate(q, kv_cache, indices, out, lse) -> None:
