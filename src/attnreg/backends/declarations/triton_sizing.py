@@ -161,7 +161,7 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       (here V, converted for P @ V) one shared buffer below five stages, so the next
       tile's copy is issued after this one's last read and waited for at the top of the
       next iteration: with one program per SM nothing overlaps it.  At five stages the
-      tile gets two buffers and the copy runs two tiles ahead (189 KB of shared memory,
+      tile gets two buffers, the next one loading while this one is computed (189 KB,
       no spill; offline sm90 compile): B=128, L=4096, H=128 469.4 / 463.3 us against
       515.6 / 507.9 at three; B=64, L=2048, H=64 80.9 / 80.6 vs 90.9 / 89.5; B=1,
       L=32768, H=128 52.5 / 52.3 vs 57.2 / 56.4; B=8, L=1024, H=128 32.5 / 31.4 vs
