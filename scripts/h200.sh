@@ -23,6 +23,8 @@
 #          multi-layer claims, at once; then the plugin's and the runtime's GPU tests.
 # wide     scripts/probe_triton_wide_heads.py (Triton decode at 64-128 heads: warp
 #          specialization, one program for 128 heads).
+# stages   the pipeline-stage probes (the KV tile's second shared buffer): the triton
+#          extend over bf16 / fp8 caches, the decode variants, the sparse decode.
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # padding  scripts/probe_padding_launch.py (the padding fill after the kernel, as a
 #          programmatic dependent launch, beside it; the rows kernels write for empty
@@ -36,7 +38,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|padding|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|sparsebench|padding|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -149,6 +151,13 @@ case $step in
       --out "$OUT/wide-heads.json" >"$OUT/wide.log" 2>&1
     echo "rc=$?" >>"$OUT/wide.log"
     ;;
+  stages)
+    for probe in triton_extend_stages triton_fp8_mma triton_sparse_stages; do
+      timeout $(left $(limit 540)) python3 "scripts/probe_$probe.py" --out "$OUT/$probe.json" \
+        >"$OUT/$probe.log" 2>&1
+      echo "rc=$?" >>"$OUT/$probe.log"
+    done
+    ;;
   sparsebench)
     timeout $(left $(limit 400)) python3 -m benchmarks --only sparse --out "$OUT/sparse" \
       --no-render --no-jit-cache >"$OUT/sparsebench.log" 2>&1
@@ -170,7 +179,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|sparsebench|padding|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|sparsebench|padding|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"
