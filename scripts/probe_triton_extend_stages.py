@@ -36,19 +36,15 @@ CHECK_ROWS = 4
 
 def reference(q, cache, prefix: int, extend: int, sm_scale: float, rows: int):
     """float32 causal attention of the last ``rows`` query rows over cache rows 0..L-1."""
+    import torch
+
     kv = cache.reshape(-1, cache.shape[-1])[:prefix + extend].float()
     qr = q[extend - rows:].float()                                    # [rows, H, 576]
-    scores = qr.permute(1, 0, 2) @ kv.T                               # [H, rows, L]
-    pos = prefix + extend - rows + torch_arange(rows, q.device)        # each row's position
-    keys = torch_arange(prefix + extend, q.device)
-    scores = scores * sm_scale
+    scores = (qr.permute(1, 0, 2) @ kv.T) * sm_scale                  # [H, rows, L]
+    pos = prefix + extend - rows + torch.arange(rows, device=q.device)  # each row's position
+    keys = torch.arange(prefix + extend, device=q.device)
     scores = scores.masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
     return (scores.softmax(-1) @ kv[:, :512]).permute(1, 0, 2)       # [rows, H, 512]
-
-
-def torch_arange(n: int, device):
-    import torch
-    return torch.arange(n, device=device)
 
 
 def main(argv=None) -> int:

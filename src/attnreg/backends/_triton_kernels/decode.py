@@ -138,6 +138,29 @@ def _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N: tl.constexpr):
     return tl.maximum(chunk, min_chunk)
 
 
+@triton.jit
+def _tokens_major_step(kv_base, row, offs_d, offs_pe, mask_n, q_lat, q_pe, score_scale,
+                       m_i, l_i, acc, PDT: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One KV tile of the tokens-major fp8 decode (``SCORES_T``): ``S^T = K @ q^T`` with
+    the fp8 tile as stored as the A operand (q^T, rounded to fp8 per head row, the B
+    operand), the online softmax along the tokens, and ``P @ V`` in 16 bits with V
+    converted in registers.  Returns the updated ``(m_i, l_i, acc)``."""
+    kv_row = kv_base + row[:, None]
+    kv = tl.load(kv_row + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
+    st = _dot(kpe, q_pe, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), UPCAST)
+    st = _dot(kv, q_lat, st, UPCAST) * score_scale
+    st = tl.where(mask_n[:, None], st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    alpha = tl.exp2(m_i - m_new)
+    pt = tl.exp2(st - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pt, 0)
+    acc = acc * alpha[:, None]
+    acc = _dot(tl.trans(pt.to(PDT)), fp8_to_fp16_in_registers(kv, UPCAST), acc, UPCAST)
+    return m_new, l_i, acc
+
+
 # num_splits / min_chunk are not specialised (Triton would otherwise compile a variant for
 # values divisible by 16 and another for 1): one binary serves every split count.
 @triton.jit(do_not_specialize=["num_splits", "min_chunk"])
@@ -223,72 +246,61 @@ def _mla_decode_kernel(
                                  BLOCK_N, True, ONE_PAGE)
         # One load of the latent tile: K for the scores, V for the output.
         if SCORES_T:
-            kv_row = kv_base + row[:, None]
-            kv = tl.load(kv_row + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            kpe = tl.load(kv_row + offs_pe[None, :], mask=mask_n[:, None], other=0.0)
-            st = _dot(kpe, q_pe, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), UPCAST)
-            st = _dot(kv, q_lat, st, UPCAST) * score_scale
-            st = tl.where(mask_n[:, None], st, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(st, 0))
-            alpha = tl.exp2(m_i - m_new)
-            pt = tl.exp2(st - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(pt, 0)
-            acc = acc * alpha[:, None]
-            acc = _dot(tl.trans(pt.to(PDT)), fp8_to_fp16_in_registers(kv, UPCAST), acc, UPCAST)
-            m_i = m_new
-        elif FP8_SCORES:
-            k_lat, k_pe, v = kv_tile_fp8(kv_base, row, offs_d, offs_pe, mask_n)
+            m_i, l_i, acc = _tokens_major_step(kv_base, row, offs_d, offs_pe, mask_n, q_lat,
+                                               q_pe, score_scale, m_i, l_i, acc, PDT,
+                                               UPCAST, BLOCK_N, BLOCK_H)
         else:
-            k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True,
-                                     KV_FP8, FP8_TWO_LOADS)
-        if SCORES_T:
-            pass  # the tile's whole step is above
-        elif ISOLATE_QK:
-            # Triton lays out a dot whose result feeds another dot ("chained": S feeds
-            # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
-            # warpgroups would then compute the same S.  A dot inside the region of an
-            # always-true runtime `if` is not seen as chained (the compiler's forward
-            # slice of its result stops at the region's yield), so it gets the [4, 2]
-            # layout: the two warpgroups split the tokens, half the QK tensor-core work.
-            # The rope dot gets its own region (it feeds the latent dot, which would make
-            # it chained); the conditions differ so that the two ifs are not merged.  The
-            # softmax sits in the second region so that only the bf16 P crosses to the
-            # P @ V operand layout.  (A one-trip loop would hide the dots as well but
-            # stops the software pipelining of the KV loads.)  Putting both score dots in
-            # one region with a separate add was tried: the compiler then moves fp32
-            # layout conversions into the region and needs 270 KB of shared memory.
-            qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-            if end > n0:
-                qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
-            # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
-            # operand layout (a constant else-value would take its own shared memory).
-            alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-            m_new = m_i
-            l_new = l_i
-            if n0 < end:
-                qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * score_scale
+            if FP8_SCORES:
+                k_lat, k_pe, v = kv_tile_fp8(kv_base, row, offs_d, offs_pe, mask_n)
+            else:
+                k_lat, k_pe, v = kv_tile(kv_base, row, offs_d, offs_pe, mask_n, DT, True,
+                                         KV_FP8, FP8_TWO_LOADS)
+            if ISOLATE_QK:
+                # Triton lays out a dot whose result feeds another dot ("chained": S feeds
+                # P @ V) with every warp along M.  At M = 64 heads and 8 warps both
+                # warpgroups would then compute the same S.  A dot inside the region of an
+                # always-true runtime `if` is not seen as chained (the compiler's forward
+                # slice of its result stops at the region's yield), so it gets the [4, 2]
+                # layout: the two warpgroups split the tokens, half the QK tensor-core work.
+                # The rope dot gets its own region (it feeds the latent dot, which would make
+                # it chained); the conditions differ so that the two ifs are not merged.  The
+                # softmax sits in the second region so that only the bf16 P crosses to the
+                # P @ V operand layout.  (A one-trip loop would hide the dots as well but
+                # stops the software pipelining of the KV loads.)  Putting both score dots in
+                # one region with a separate add was tried: the compiler then moves fp32
+                # layout conversions into the region and needs 270 KB of shared memory.
+                qk_pe = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+                if end > n0:
+                    qk_pe = _dot(q_pe, k_pe, qk_pe, UPCAST)
+                # p16 is loop-carried: the else-value is last tile's P, already in the P @ V
+                # operand layout (a constant else-value would take its own shared memory).
+                alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+                m_new = m_i
+                l_new = l_i
+                if n0 < end:
+                    qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * score_scale
+                    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(qk, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(qk - m_new[:, None])
+                    l_new = l_i * alpha + tl.sum(p, 1)
+                    p16 = p.to(PDT)
+                acc = acc * alpha[:, None]
+                acc = _dot(p16, v, acc, UPCAST)
+                m_i = m_new
+                l_i = l_new
+            else:
+                qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
+                qk = _dot(q_lat, k_lat, qk, UPCAST) * score_scale
                 qk = tl.where(mask_n[None, :], qk, float("-inf"))
+                # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(qk - m_new[:, None])
-                l_new = l_i * alpha + tl.sum(p, 1)
-                p16 = p.to(PDT)
-            acc = acc * alpha[:, None]
-            acc = _dot(p16, v, acc, UPCAST)
-            m_i = m_new
-            l_i = l_new
-        else:
-            qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
-            qk = _dot(q_lat, k_lat, qk, UPCAST) * score_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = _dot(p.to(PDT), v, acc, UPCAST)
-            m_i = m_new
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                acc = _dot(p.to(PDT), v, acc, UPCAST)
+                m_i = m_new
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
