@@ -139,6 +139,18 @@ def _split_chunk(seq_len, num_splits, min_chunk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(qk, mask_n, m_i, l_i):
+    """The online-softmax update of one heads-major score tile ``qk [heads, tokens]`` (log2
+    domain): masked tokens dropped, ``(m_new, alpha, p, l_new)``.  Every tile holds >= 1
+    valid token (chunks start below seq_len), so ``m_new`` is finite."""
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _tokens_major_step(kv_base, row, offs_d, offs_pe, mask_n, q_lat, q_pe, score_scale,
                        m_i, l_i, acc, PDT: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -279,11 +291,7 @@ def _mla_decode_kernel(
                 l_new = l_i
                 if n0 < end:
                     qk = _dot(q_lat, k_lat, qk_pe, UPCAST) * score_scale
-                    qk = tl.where(mask_n[None, :], qk, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(qk, 1))
-                    alpha = tl.exp2(m_i - m_new)
-                    p = tl.exp2(qk - m_new[:, None])
-                    l_new = l_i * alpha + tl.sum(p, 1)
+                    m_new, alpha, p, l_new = _softmax_step(qk, mask_n, m_i, l_i)
                     p16 = p.to(PDT)
                 acc = acc * alpha[:, None]
                 acc = _dot(p16, v, acc, UPCAST)
@@ -292,12 +300,7 @@ def _mla_decode_kernel(
             else:
                 qk = _dot(q_pe, k_pe, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
                 qk = _dot(q_lat, k_lat, qk, UPCAST) * score_scale
-                qk = tl.where(mask_n[None, :], qk, float("-inf"))
-                # Every tile holds >= 1 valid token (chunks start below seq_len): m_new finite.
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
+                m_new, alpha, p, l_i = _softmax_step(qk, mask_n, m_i, l_i)
                 acc = acc * alpha[:, None]
                 acc = _dot(p.to(PDT), v, acc, UPCAST)
                 m_i = m_new
