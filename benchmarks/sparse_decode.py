@@ -80,7 +80,6 @@ SPARSE_VS_DENSE_MIN = 1.0
 #: rounds q to FP8 (a few 1e-2); the sparse FP8 kernel reads rows as the pool stores them;
 #: a kernel that ignores its indices or reads the wrong rows lands near 1.
 MAX_REL_ERR = {"bf16": 2e-2, "fp8_e4m3": 1e-1, "fp8_ds_mla": 5e-2}
-REF_ROWS = 4
 #: the plugin's CPU stand-in for flash_mla (a dry run without CUDA uses it)
 STAND_IN = ROOT / "plugins" / "attnreg-flashmla" / "tests" / "fake_flash_mla.py"
 
@@ -174,12 +173,12 @@ def topk_indices(ctx: RunContext, batch: Any, seq_len: int, top_k: int, seed: in
 
 
 def reference_sparse(ctx: RunContext, q: Any, pool: Any, indices: Any, scale: float,
-                     rows: int = REF_ROWS) -> Any:
-    """float32 attention of the first ``rows`` queries over their indexed rows as the pool
-    stores them (dequantised): ``[rows, H, 512]``."""
+                     rows: int | None = None) -> Any:
+    """float32 attention of every query (or the first ``rows``) over its indexed rows as
+    the pool stores them (dequantised): ``[B, H, 512]``."""
     torch = ctx.torch
     outs = []
-    for b in range(min(rows, q.shape[0])):
+    for b in range(q.shape[0] if rows is None else min(rows, q.shape[0])):
         idx = indices[b][indices[b] != -1]
         kv = pool.read_slots(idx)
         scores = (q[b].float() @ kv.T) * scale
@@ -418,7 +417,7 @@ class _Shape:
         from .decode_peers import _flashmla
 
         ctx, (B, L, H), q = self.ctx, self.shape, self.q
-        ref = reference_decode(ctx, q, pool, batch.page_table, [L] * B, scale, REF_ROWS)
+        ref = reference_decode(ctx, q, pool, batch.page_table, [L] * B, scale)
         dense = self.row["dense"][dtype]
         for v in DENSE_ROWS:
             why = _refusal(ctx, self.platform, v, dtype, H)
