@@ -25,6 +25,8 @@
 #          specialization, one program for 128 heads).
 # stages   the pipeline-stage probes (the KV tile's second shared buffer): the triton
 #          extend over bf16 / fp8 caches, the decode variants, the sparse decode.
+# gap      scripts/probe_triton_backend_gap.py (the triton backend's captured decode beside
+#          its kernel called directly, on the probes' and on the peers run's inputs).
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # padding  scripts/probe_padding_launch.py (the padding fill after the kernel, as a
 #          programmatic dependent launch, beside it; the rows kernels write for empty
@@ -38,7 +40,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|sparsebench|padding|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|sparsebench|padding|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -158,6 +160,11 @@ case $step in
       echo "rc=$?" >>"$OUT/$probe.log"
     done
     ;;
+  gap)
+    timeout $(left $(limit 300)) python3 scripts/probe_triton_backend_gap.py \
+      --out "$OUT/backend_gap.json" >"$OUT/backend_gap.log" 2>&1
+    echo "rc=$?" >>"$OUT/backend_gap.log"
+    ;;
   sparsebench)
     timeout $(left $(limit 400)) python3 -m benchmarks --only sparse --out "$OUT/sparse" \
       --no-render --no-jit-cache >"$OUT/sparsebench.log" 2>&1
@@ -179,7 +186,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|sparsebench|padding|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|sparsebench|padding|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"
