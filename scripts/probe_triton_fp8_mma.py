@@ -4,14 +4,16 @@ Usage (a CUDA GPU)::
 
     PYTHONPATH=src python3 scripts/probe_triton_fp8_mma.py --out fp8_scores.json
 
-For every P1 shape (benchmarks/triton_decode_tuning.py's SHAPES) at page sizes 1 and 64
+For every P1 shape (benchmarks/triton_decode_tuning.py's SHAPES; with ``--tp-shapes`` also
+three 32-head ones, 128 heads over tensor-parallel 4) at page sizes 1 and 64
 it times, by CUDA-graph replay with the L2 flushed (``triton.testing.do_bench``, median):
 the bf16 cache and the fp8 cache with their default configs (``decode_config``) and the
 variants of :func:`variants` (stage counts that give the KV tile a second shared buffer,
 and eight warps at 16 heads).  Where a config has ``fp8_scores`` the kernel rounds q to
 fp8 with one power-of-two scale per head row; each output is checked against a float32
 reference with q rounded the same way (``err``, max abs over every sequence; the output is
-filled with NaN first, so a row no program wrote counts as wrong) before it is timed.  Kernels are compiled in parallel worker processes first.
+filled with NaN first, so a row no program wrote counts as wrong) before it is timed.
+Kernels are compiled in parallel worker processes first.
 
 Earlier revisions timed other variants: at 72b60ec an fp8 P @ V (V as loaded, or from a
 transposed second load) and q split into two fp8 parts, at 9ff9a6d the score dots
@@ -38,6 +40,8 @@ from benchmarks.triton_decode_tuning import (  # noqa: E402
 )
 
 PAGES = (1, 64)
+#: 32 heads (128 over tensor-parallel 4, a common deployment; no P1 shape): ``--tp-shapes``
+TP_SHAPES = [(128, 4096, 32), (32, 8192, 32), (1, 32768, 32)]
 
 
 def variants(H: int):
@@ -53,6 +57,7 @@ def variants(H: int):
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec
+    from attnreg.backends.declarations.triton_sizing import FP8_SCORES_MIN_HEADS
 
     bf16 = dec.decode_config(H, torch.bfloat16)
     fp8 = dec.decode_config(H, torch.float8_e4m3fn)
@@ -64,10 +69,14 @@ def variants(H: int):
         # conversion split over twice the threads (201-222 registers, no spill)
         out.append(("fp8 w8 s5 c1", "fp8", fp8._replace(num_warps=8, num_stages=5,
                                                          ctas_per_sm=1)))
-    else:
+    elif H >= FP8_SCORES_MIN_HEADS:
         # a 16-bit tile's two 64-token buffers already fill shared memory (229 KB): three
         # 32-token ones at five stages (188 KB) give it the second tile in flight
         out.append(("bf16 n32 s5", "bf16", bf16._replace(block_n=32, num_stages=5)))
+    else:
+        # 17-32 heads: one buffer per tile at the default two stages (115 KB, two programs
+        # per SM), two at five (189 KB, one program per SM)
+        out.append(("bf16 s5 c1", "bf16", bf16._replace(num_stages=5, ctas_per_sm=1)))
     return out
 
 
@@ -108,9 +117,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--min-heads", type=int, default=1, help="only shapes with >= H heads")
     ap.add_argument("--max-heads", type=int, default=1 << 30, help="only shapes with <= H heads")
+    ap.add_argument("--tp-shapes", action="store_true", help="also the 32-head shapes")
     args = ap.parse_args(argv)
     global SHAPES
-    SHAPES = [s for s in SHAPES if args.min_heads <= s[2] <= args.max_heads]
+    SHAPES = [s for s in SHAPES + (TP_SHAPES if args.tp_shapes else [])
+              if args.min_heads <= s[2] <= args.max_heads]
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec
