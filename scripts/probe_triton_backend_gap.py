@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         for ps in pages:
             for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
                 base = dict(B=B, L=L, H=H, page=ps, kv=kv_name)
-                splits = dec.default_max_splits(B, H, L, num_sms)
+                splits = dec.default_max_splits(B, H, L, num_sms, kv_dtype, ps)
                 ws = dec.mla_decode_workspace(B, H, splits, dev) if splits > 1 else None
 
                 # the tuning probes' inputs, the kernel called directly

@@ -7,7 +7,8 @@ Usage (a CUDA GPU)::
 For every P1 shape (benchmarks/triton_decode_tuning.py's SHAPES; with ``--tp-shapes`` also
 three 32-head ones, 128 heads over tensor-parallel 4) at page sizes 1 and 64
 it times, by CUDA-graph replay with the L2 flushed (``triton.testing.do_bench``, median):
-the bf16 cache and the fp8 cache with their default configs (``decode_config``) and the
+the bf16 cache and the fp8 cache with their page-1 default configs (``decode_config``; at
+page 64 the 16-head fp8 default is the ``fp8 s5 c1`` row, its page-1 one the "default") and the
 variants of :func:`variants` (stage counts that give the KV tile a second shared buffer,
 and eight warps at 16 heads).  Where a config has ``fp8_scores`` the kernel rounds q to
 fp8 with one power-of-two scale per head row; each output is checked against a float32

@@ -291,10 +291,27 @@ def test_decode_configs_by_head_count_and_cache_dtype():
         assert [r for lo, hi, r in ranges if lo <= heads <= hi] == \
             [decode_rounds_q(heads, FP8)]
         assert not decode_rounds_q(heads, torch.bfloat16)
-    for heads in (8, 16, 32, 64, 128):  # one split sizing per head class, whatever the dtype
-        bf, f8 = decode_config(heads, torch.bfloat16), decode_config(heads, FP8)
-        assert (bf.block_h, bf.ctas_per_sm, bf.min_chunk) == \
-            (f8.block_h, f8.ctas_per_sm, f8.min_chunk)
+    # pages of whole 64-token tiles: the 16-head fp8 tile gets five stages (a second
+    # shared buffer) at one program per SM; page 1 and the 16-bit cache keep theirs
+    assert decode_config(16, FP8, 64) == DecodeConfig(16, 64, 4, 5, ctas_per_sm=1,
+                                                      fp8_scores=True, fp8_scores_t=True)
+    assert decode_config(16, FP8, 128) == decode_config(16, FP8, 64)
+    assert decode_config(16, FP8, 32) == decode_config(16, FP8)
+    assert decode_config(16, torch.bfloat16, 64) == decode_config(16, torch.bfloat16)
+    assert decode_config(128, FP8, 64) == decode_config(128, FP8)
+    for heads in (8, 16, 32, 64, 128):  # one split sizing per head class ...
+        bf = decode_config(heads, torch.bfloat16)
+        for f8 in (decode_config(heads, FP8), decode_config(heads, FP8, 64)):
+            assert (bf.block_h, bf.min_chunk) == (f8.block_h, f8.min_chunk)
+            # ... whose 16-bit split count bounds every config's (estimates without a dtype)
+            assert bf.ctas_per_sm >= f8.ctas_per_sm
+        for B, L in ((1, 32768), (32, 8192), (128, 4096)):
+            most = default_max_splits(B, heads, L, 132)
+            assert most == default_max_splits(B, heads, L, 132, torch.bfloat16, 64)
+            assert most >= default_max_splits(B, heads, L, 132, FP8, 64)
+    # the split count follows the config that runs: fewer where one program fills an SM
+    assert default_max_splits(128, 16, 4096, 132, FP8, 64) == 1
+    assert default_max_splits(128, 16, 4096, 132, FP8, 1) == 2
 
 
 @pytest.mark.parametrize("page_size", [16, 1])

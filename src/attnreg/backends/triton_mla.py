@@ -141,7 +141,8 @@ class TritonMLABackend(AttentionBackend[TritonPlan, TritonGraphBuffers]):
         # Not cached: an engine's longest sequence grows every decode step, so a cache
         # keyed on it would miss every step and grow without bound.
         return self.split_options.apply(default_max_splits(
-            batch_size, self.config.num_heads, max_seq_len, self.num_sms))
+            batch_size, self.config.num_heads, max_seq_len, self.num_sms,
+            self.config.kv_dtype, self.config.page_size))
 
     def _extend_splits_for(self, batch_size: int, num_tokens: int, max_seq_len: int) -> int:
         return self.split_options.apply(default_extend_splits(

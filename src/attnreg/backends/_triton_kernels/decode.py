@@ -628,7 +628,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
         may change between graph replays).
     max_splits : int
         Static number of KV splits the launch grid is built for (see
-        :func:`default_max_splits`).  Each sequence uses
+        :func:`default_max_splits`, given the cache's dtype and page size).  Each sequence uses
         ``cdiv(L, max(256, roundup(cdiv(L, max_splits), BLOCK_N)))`` of them, decided on
         the device.
     workspace : MLADecodeWorkspace, optional
@@ -659,7 +659,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, out, *, sm_scale, kv_scale=1.0
         _validate(q, kv_cache, page_table, seq_lens, out, max_splits, workspace,
                   force_num_splits, kv_scale)
         check_lse(lse, q.shape[0], q.shape[1], q.device)
-        cfg = decode_config(q.shape[1], kv_cache.dtype)
+        cfg = decode_config(q.shape[1], kv_cache.dtype, kv_cache.shape[1])
         if force_num_splits is not None:
             num_splits, min_chunk = force_num_splits, cfg.block_n
         else:

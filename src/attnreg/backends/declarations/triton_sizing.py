@@ -19,6 +19,7 @@ __all__ = [
     "EXTEND_MIN_CHUNK_TOKENS",
     "FP8_SCORES_MIN_HEADS",
     "FP8_SCORES_T_MAX_HEADS",
+    "FP8_WHOLE_PAGE_TILES",
     "LATENT",
     "MAX_SPLITS",
     "MIN_CHUNK_TOKENS",
@@ -63,6 +64,9 @@ FP8_SCORES_MIN_HEADS = 33
 #: tokens-major (``DecodeConfig.fp8_scores_t``: S^T = K @ q^T, fp8 x fp8 on q rounded to fp8
 #: per head row): from here to FP8_SCORES_MIN_HEADS - 1 it keeps 16-bit dots and exact q.
 FP8_SCORES_T_MAX_HEADS = 16
+#: Shortest page (tokens) at which the 16-head decode over an fp8 cache reads each 64-token
+#: tile from one page and runs five stages at one program per SM (``decode_config``).
+FP8_WHOLE_PAGE_TILES = 64
 #: Shortest KV chunk an extend split gets from the heuristic: each split adds a 64-row x
 #: 512 fp32 partial output to write and merge, which a few hundred tokens of attention repay.
 EXTEND_MIN_CHUNK_TOKENS = 256
@@ -110,8 +114,9 @@ def _is_fp8(kv_dtype: object) -> bool:
     return name.endswith(("float8_e4m3fn", "fp8_e4m3"))
 
 
-def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
-    """Launch configuration for ``num_heads`` query heads and a ``kv_dtype`` cache.
+def decode_config(num_heads: int, kv_dtype: object = None, page_size: int = 1) -> DecodeConfig:
+    """Launch configuration for ``num_heads`` query heads and a ``kv_dtype`` cache of
+    ``page_size``-token pages.
 
     Tuned on one H200 (issue 20, sweeps 1 and 2 of 2026-12-01, kernel time with the L2
     flushed, us; page size 1 unless said; docs/benchmarks-triton-tuning.md has the tables).
@@ -131,6 +136,12 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       33.4 / 28.5 us at the three shapes above, against 225.5 / 203.0, 127.8 / 115.8,
       36.2 / 33.9 for the 16-bit dots on two loads of each tile (``fp8_two_loads``, the
       default before) and 223.6 / 219.9, 130.3 / 126.7, 36.6 / 33.3 for the bf16 cache.
+      From pages of :data:`FP8_WHOLE_PAGE_TILES` tokens up (a tile is one page): five
+      stages and one program per SM, which gives the tile a second shared buffer (issue
+      31, the same probe's ``fp8 s5 c1`` on an H100, 2026-12-07, page 64): 147.8, 85.4,
+      24.8 us against 152.2, 91.7, 28.7 at two stages and two programs per SM.  At page
+      1 (a page-table read per token) the same config loses: 220.4, 130.4, 34.3 against
+      190.1, 113.2, 33.6.
     * H >= 64: head blocks of 64 (the wgmma M tile), 8 warps: the 64 x 512 fp32
       accumulator is 128 registers/thread.  ``isolate_qk`` keeps the two warpgroups from
       both computing the full score tile; BLOCK_N = 64 halves the shared-memory reads of
@@ -166,12 +177,16 @@ def decode_config(num_heads: int, kv_dtype: object = None) -> DecodeConfig:
       515.6 / 507.9 at three; B=64, L=2048, H=64 80.9 / 80.6 vs 90.9 / 89.5; B=1,
       L=32768, H=128 52.5 / 52.3 vs 57.2 / 56.4; B=8, L=1024, H=128 32.5 / 31.4 vs
       32.6 / 32.2.  A 16-bit tile already has two 64 KB buffers at three stages (229 KB).
-    * Every config of one head class has the same ``block_h``, ``ctas_per_sm`` and
-      ``min_chunk``, so :func:`default_max_splits`, which does not know the cache dtype,
-      sizes the launch right for both.
+    * Every config of one head class has the same ``block_h`` and ``min_chunk``; the
+      16-bit config's ``ctas_per_sm`` is the class's largest, so the split count of
+      :func:`default_max_splits` without a cache dtype and page size bounds every config's
+      (the workspace estimates that know neither stay upper bounds).
     """
     fp8 = _is_fp8(kv_dtype)
     if num_heads <= FP8_SCORES_T_MAX_HEADS:
+        if fp8 and page_size >= FP8_WHOLE_PAGE_TILES:
+            return DecodeConfig(16, 64, 4, 5, ctas_per_sm=1, fp8_scores=True,
+                                fp8_scores_t=True)
         if fp8:
             return DecodeConfig(16, 64, 4, 2, ctas_per_sm=2, fp8_scores=True,
                                 fp8_scores_t=True)
@@ -209,7 +224,8 @@ def splits_for_config(cfg: DecodeConfig, batch_size: int, num_heads: int, max_se
     return int(splits)
 
 
-def default_max_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+def default_max_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sms: int,
+                       kv_dtype: object = None, page_size: int = 1) -> int:
     """Number of KV splits to build a decode launch (and its workspace) for.
 
     Heuristic: a launch without splits has ``batch_size * ceil(num_heads / BLOCK_H)``
@@ -227,9 +243,13 @@ def default_max_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sm
         Longest KV length the launch must serve (the capture-time bound for graphs).
     num_sms : int
         Multiprocessor count (``torch.cuda.get_device_properties(d).multi_processor_count``).
+    kv_dtype, page_size
+        The cache the launch reads (its config depends on both: :func:`decode_config`).
+        Left out, the 16-bit cache's config, whose split count is the largest of its
+        head class: an upper bound for a workspace sized before the cache is known.
     """
-    return splits_for_config(decode_config(num_heads), batch_size, num_heads, max_seq_len,
-                             num_sms)
+    return splits_for_config(decode_config(num_heads, kv_dtype, page_size), batch_size,
+                             num_heads, max_seq_len, num_sms)
 
 
 def extend_tile(num_heads: int) -> tuple[int, int]:
@@ -294,7 +314,7 @@ def decode_partial_rows(shape: CaptureShape, options: SplitOptions = _DEFAULT_OP
     """
     sms = _sms(shape)
     return max(bs * options.apply(default_max_splits(bs, shape.num_heads, shape.max_seq_len,
-                                                     sms))
+                                                     sms, shape.kv_dtype, shape.page_size))
                for bs in range(1, shape.max_batch_size + 1))
 
 
