@@ -168,10 +168,13 @@ def test_decode_fp8(page_size):
                     force_num_splits=2)
 
 
-def test_decode_fp8_tensor_scale_fp16_q():
-    run_decode_case([33], 4, 16, FP8, q_dtype=torch.float16,
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_fp8_tensor_scale_fp16_q(splits):
+    # the kernel reads a scale tensor twice (the scores at the top, the output after the
+    # loop): a scale of 0.5 read wrong at either place is off by far more than the tolerance
+    run_decode_case([33, 70], 4, 16, FP8, q_dtype=torch.float16,
                     kv_scale=torch.tensor([0.5], dtype=torch.float32, device=DEV),
-                    max_splits=1)
+                    max_splits=splits, force_num_splits=splits)
 
 
 def test_decode_page64_fp16():

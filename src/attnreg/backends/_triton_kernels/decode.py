@@ -307,6 +307,11 @@ def _mla_decode_kernel(
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
+    if KV_SCALE_PTR:
+        # read again rather than kept from the top: a value live through the loop takes a
+        # register the 16-head fp8 kernel (at its 255) does not have, 8 more bytes of stack
+        # in an offline sm90 compile and 207 vs 190 us at (128, 4096, 16), page 1 (H100)
+        kvs = tl.load(KVS).to(tl.float32)
     o = acc * (kvs / l_safe)[:, None]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
