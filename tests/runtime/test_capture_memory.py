@@ -162,3 +162,26 @@ def test_the_capture_shape_carries_the_query_dtype(q_dtype) -> None:
     assert shape.q_dtype is DType.parse(q_dtype) and shape.kv_dtype is DType.FP8_E4M3
     assert CaptureShape(max_batch_size=1, max_num_tokens=1, max_seq_len=1,
                         num_heads=1).q_dtype is DType.BF16  # the plugin API 1.1 form
+
+
+@pytest.mark.parametrize("kv_dtype, page_size", [("fp8_e4m3", 64), ("fp8_e4m3", 1),
+                                                 ("bf16", 64)])
+def test_triton_decode_declares_the_workspace_of_the_config_its_pool_runs(
+        reg, kv_dtype, page_size) -> None:
+    """16 heads over an fp8 pool of 64-token pages run one program per SM (half the
+    splits): the declared decode workspace follows the pool's dtype and page size, and is
+    what the backend allocates."""
+    tri = reg.create("triton", MLAConfig(num_heads=16, page_size=page_size,
+                                         kv_dtype=kv_dtype), platform="cpu", num_sms=132)
+    tri.init_cuda_graph_state(8, 8, max_seq_len=8192,
+                              graph_modes={Phase.DECODE: MODES[Phase.DECODE]})
+    shape = tri.graph_state.capture_shape
+    assert (str(shape.kv_dtype.value), shape.page_size) == (kv_dtype, page_size)
+    allocated = tri.graph_buffer_bytes()
+    assert allocated == _estimate(tri, Phase.DECODE)
+    bf16_p1 = triton_sizing.decode_capture_bytes(replace(shape, kv_dtype=DType.BF16,
+                                                         page_size=1))
+    if (kv_dtype, page_size) == ("fp8_e4m3", 64):
+        assert allocated < bf16_p1          # fewer splits: a smaller workspace
+    else:
+        assert allocated == bf16_p1
