@@ -27,6 +27,8 @@
 #          extend over bf16 / fp8 caches, the decode variants, the sparse decode.
 # gap      scripts/probe_triton_backend_gap.py (the triton backend's captured decode beside
 #          its kernel called directly, on the probes' and on the peers run's inputs).
+# bisect   scripts/probe_triton_backend_gap.py --bisect (the session's own mla_decode
+#          arguments called directly, one replaced by a fresh copy at a time; kernel lists).
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # padding  scripts/probe_padding_launch.py (the padding fill after the kernel, as a
 #          programmatic dependent launch, beside it; the rows kernels write for empty
@@ -40,7 +42,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|sparsebench|padding|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|bisect|sparsebench|padding|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -165,6 +167,11 @@ case $step in
       --out "$OUT/backend_gap.json" >"$OUT/backend_gap.log" 2>&1
     echo "rc=$?" >>"$OUT/backend_gap.log"
     ;;
+  bisect)
+    timeout $(left $(limit 300)) python3 scripts/probe_triton_backend_gap.py --bisect \
+      --out "$OUT/backend_gap_bisect.json" >"$OUT/backend_gap_bisect.log" 2>&1
+    echo "rc=$?" >>"$OUT/backend_gap_bisect.log"
+    ;;
   sparsebench)
     timeout $(left $(limit 400)) python3 -m benchmarks --only sparse --out "$OUT/sparse" \
       --no-render --no-jit-cache >"$OUT/sparsebench.log" 2>&1
@@ -186,7 +193,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|sparsebench|padding|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|bisect|sparsebench|padding|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"

@@ -22,6 +22,22 @@ median, us):
 
 Each output is checked against a float32 reference over every sequence first
 (``err``: the worst sequence's relative error).
+
+``--bisect`` instead takes the session's own launch apart (the 16-head shapes at page 1,
+where the session was 5% over its kernel on 2026-12-07): it records the arguments the
+backend's captured forward passes to ``mla_decode`` (the session's static q, output,
+page-table and length views, its workspace, the pool's scale tensor), then times
+
+* ``backend, session``: the session's graph, as above;
+* ``kernel, session args``: a graph of ``mla_decode`` called directly on exactly those
+  arguments;
+* ``kernel, session args, own X``: the same with one argument replaced by a fresh
+  contiguous copy (X: table, seq_lens, q, out, workspace, scale), and with all of them;
+
+and lists the kernels each graph's replays run (``torch.profiler``: calls per replay,
+mean us).  If the direct call on the session's arguments takes the session's time, the
+arguments cost it (the one that brings it back down says which); if it takes the
+kernel's, the session's graph runs something else.
 """
 
 from __future__ import annotations
@@ -37,6 +53,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 SHAPES = ((128, 4096, 16), (32, 8192, 16), (64, 2048, 64))
+BISECT_SHAPES = ((128, 4096, 16), (32, 8192, 16))
+OWN = ("table", "seq_lens", "q", "out", "workspace", "scale")
 SMALL = ((3, 40, 16),)
 PAGES = (1, 64)
 SMALL_PAGES = (1, 16)
@@ -47,7 +65,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a check of the script)")
+    ap.add_argument("--bisect", action="store_true",
+                    help="take the session's launch apart (16 heads, page 1; see above)")
     args = ap.parse_args(argv)
+    if args.bisect:
+        return bisect(args)
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec
@@ -128,6 +150,130 @@ def main(argv=None) -> int:
                 del ses, be, pool
                 if cuda:
                     torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    return 0
+
+
+def kernel_list(torch, replay, replays: int = 20) -> list[list]:
+    """``[name, calls per replay, mean us]`` of the kernels ``replays`` replays run."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    calls: dict[str, int] = defaultdict(int)
+    total: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            calls[ev.name] += 1
+            total[ev.name] += ev.device_time
+    return [[n[:100], calls[n] / replays, round(total[n] / calls[n], 2)] for n in calls]
+
+
+def bisect(args) -> int:
+    """``--bisect``: the session's recorded ``mla_decode`` arguments, called directly."""
+    import torch
+
+    import attnreg.backends.triton_mla as triton_mla
+    from attnreg.backends._triton_kernels import decode as dec
+    from attnreg.profiling import random_pool
+    from attnreg.registry import ForwardMode, get_registry
+    from attnreg.runtime import GraphSession, MLAConfig, StepInputs, decode_batch
+    from benchmarks._backends import worst_row_rel_error
+    from benchmarks.triton_decode_tuning import bench, graph_of, reference
+
+    dev, cuda = args.device, args.device == "cuda"
+    shapes = SMALL if args.small else BISECT_SHAPES
+    page = SMALL_PAGES[0]
+    meta = dict(device=torch.cuda.get_device_name(0) if cuda else dev, torch=torch.__version__,
+                date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                command="PYTHONPATH=src python3 scripts/probe_triton_backend_gap.py --bisect "
+                        "--out backend_gap_bisect.json" + (" --small" if args.small else ""))
+    rows: list[dict] = []
+    recorded: list[tuple[tuple, dict]] = []
+    real = triton_mla.mla_decode
+
+    def recording(*a, **kw):
+        recorded.append((a, kw))
+        return real(*a, **kw)
+
+    def own(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()  # a fresh allocation: contiguous, the allocator's alignment
+        if isinstance(value, tuple):  # the workspace
+            return type(value)(*(v.clone() for v in value))
+        return value
+
+    for (B, L, H) in shapes:
+        for kv_name in ("bf16", "fp8_e4m3"):
+            cfg = MLAConfig(num_heads=H, page_size=page, kv_dtype=kv_name, device=dev,
+                            max_context_len=L)
+            pool = random_pool(torch, cfg, B * L, seed=B + L + H)
+            batch = decode_batch(pool, [L] * B, shuffle=B + L)
+            layer = pool.layer(0)
+            q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=dev)
+            ref = reference(q, layer.buffer, batch.page_table, batch.seq_lens,
+                            cfg.softmax_scale, kv_scale=layer.kv_scale)
+            be = get_registry().create("triton", cfg)
+            ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B],
+                               writes_kv=False, device_graphs=None if cuda else False,
+                               kernel_outputs=True)
+            recorded.clear()
+            triton_mla.mla_decode = recording
+            try:
+                ses.capture()
+            finally:
+                triton_mla.mla_decode = real
+            sout = ses.replay(batch, StepInputs([q]), bucket=B)[0]
+            graph = ses.graph((ForwardMode.DECODE, B))
+            a, kw = recorded[-1]
+            base = dict(B=B, L=L, H=H, page=page, kv=kv_name, splits=kw["max_splits"],
+                        args={n: (list(t.shape), list(t.stride()), t.data_ptr() % 256)
+                              for n, t in zip(("q", "cache", "table", "seq_lens", "out"), a)})
+
+            def time_one(path, call, out, captured=False):
+                rec = dict(base, path=path)
+                try:
+                    if captured:
+                        call()
+                    else:
+                        out.fill_(float("nan"))
+                        call()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    rec["err"] = worst_row_rel_error(torch, out[:B], ref)
+                    if cuda:
+                        replay = call if captured else graph_of(call).replay
+                        rec["us"] = bench(replay)
+                        rec["kernels"] = kernel_list(torch, replay)
+                except Exception as e:  # noqa: BLE001 (a probe records every failure)
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(rec)
+                print(f"B={B:4d} L={L:6d} H={H:4d} p{page} {kv_name:8s} {path:36s} "
+                      + (f"{rec.get('us', float('nan')):8.1f} us err {rec['err']:.1e}"
+                         if "err" in rec else rec["error"]), flush=True)
+
+            time_one("backend, session", graph.replay, sout, captured=True)
+            names = ("q", "cache", "table", "seq_lens", "out")
+            for which in (None, *OWN, "all"):
+                pos, kws = dict(zip(names, a)), dict(kw)
+                if which in ("table", "seq_lens", "q", "out", "all"):
+                    for n in (("table", "seq_lens", "q", "out") if which == "all" else (which,)):
+                        pos[n] = own(pos[n])
+                if which in ("workspace", "all") and kws.get("workspace") is not None:
+                    kws["workspace"] = own(kws["workspace"])
+                if which in ("scale", "all"):
+                    kws["kv_scale"] = own(kws["kv_scale"])
+                call_args = tuple(pos[n] for n in names)
+                time_one("kernel, session args" + (f", own {which}" if which else ""),
+                         lambda ca=call_args, k=kws: dec.mla_decode(*ca, **k), call_args[4])
+            del ses, be, pool
+            if cuda:
+                torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     return 0
 
