@@ -93,3 +93,50 @@ def test_missing_library_is_an_install_hint_not_a_crash(reg):
     if a.available:  # flashinfer happens to be importable here
         pytest.skip("flashinfer is installed in this environment")
     assert "install attnreg[flashinfer]" in a.reason
+
+
+@pytest.mark.parametrize("platform", ["cuda:sm90", "cuda:sm100"])
+def test_triton_decode_entries_split_exactly_where_its_launch_config_changes(reg, platform):
+    """The conformance suite claims each decode entry of the declaration at its own
+    configurations (captured too), so an entry must not hide a launch configuration
+    (``triton_sizing.decode_config``) that computes differently.  At every declared page
+    size, head count 1..128 and (q, kv) pair one entry serves the request; over an fp8
+    cache entries and configs correspond one to one (two points of one entry run one
+    config: 1-16 heads below 64-token pages, 1-16 from them (whole-page tiles, five
+    stages), 17-32, 33-128); for every cache two page sizes of one head count share an
+    entry exactly when they share a config (a 16-bit cache's config ignores the page).
+    A 16-bit cache keeps one entry over its head classes: same dots, q exact."""
+    from attnreg.backends.declarations.triton import PAGE_SIZES
+    from attnreg.backends.declarations.triton_sizing import decode_config
+    from attnreg.registry import DType
+
+    kernels = reg.declaration("triton", platform).kernels_for(ForwardMethod.MLA, Phase.DECODE)
+    for q in (DType.BF16, DType.FP16):
+        for kv in (q, DType.FP8_E4M3):
+            served: dict[tuple[int, int], int] = {}
+            for heads in range(1, 129):
+                for page in PAGE_SIZES:
+                    at = [i for i, k in enumerate(kernels) if q in k.q_dtypes
+                          and kv in k.kv_dtypes and page in k.page_sizes
+                          and k.accepts_heads(heads)]
+                    assert len(at) == 1, (q, kv, heads, page, at)
+                    served[heads, page] = at[0]
+                    # q rounded to fp8 exactly where the config takes fp8 score dots
+                    assert (kernels[at[0]].q_compute_dtype is DType.FP8_E4M3) == \
+                        decode_config(heads, kv, page).fp8_scores
+            configs: dict[int, set[object]] = {}
+            for (heads, page), i in served.items():
+                configs.setdefault(i, set()).add(decode_config(heads, kv, page))
+            if kv is DType.FP8_E4M3:
+                assert all(len(c) == 1 for c in configs.values()), configs
+                assert len({next(iter(c)) for c in configs.values()}) == len(configs)
+                assert len(configs) == 4
+            else:
+                assert len(configs) == 1  # one entry, 1..128 heads, every page size
+            for heads in range(1, 129):
+                for p1 in PAGE_SIZES:
+                    for p2 in PAGE_SIZES:
+                        same_entry = served[heads, p1] == served[heads, p2]
+                        same_config = decode_config(heads, kv, p1) == \
+                            decode_config(heads, kv, p2)
+                        assert same_entry == same_config, (q, kv, heads, p1, p2)

@@ -39,11 +39,46 @@ from ._common import (
     SPECULATIVE_DECODE_MODES,
     SPECULATIVE_EAGER_MODES,
 )
-from .triton_sizing import decode_capture_bytes, extend_capture_bytes, fp8_decode_head_ranges
+from .triton_sizing import (
+    FP8_SCORES_T_MAX_HEADS,
+    FP8_WHOLE_PAGE_TILES,
+    decode_capture_bytes,
+    decode_config,
+    extend_capture_bytes,
+    fp8_decode_head_ranges,
+)
 
 MIN_SM = 80
 PAGE_SIZES = (1, 16, 32, 64)
 DECODE_KERNEL = "triton mla_decode (split-KV; verify / draft extend: mla_extend)"
+#: Page sizes at which the decode kernel over an fp8 cache, up to FP8_SCORES_T_MAX_HEADS
+#: heads, runs its per-token-page config, and those (a page of whole tiles) at which it
+#: runs the whole-page one (``triton_sizing.decode_config``).
+FP8_PARTIAL_PAGE_SIZES = tuple(p for p in PAGE_SIZES if p < FP8_WHOLE_PAGE_TILES)
+FP8_WHOLE_PAGE_SIZES = tuple(p for p in PAGE_SIZES if p >= FP8_WHOLE_PAGE_TILES)
+
+
+def _fp8_decode_entries() -> tuple[tuple[int, int, tuple[int, ...], str, bool], ...]:
+    """``(min_heads, max_heads, page_sizes, kernel note, rounds_q)`` of the decode entries
+    over an fp8 cache: one per range of :func:`fp8_decode_head_ranges`, the range up to
+    FP8_SCORES_T_MAX_HEADS heads split by page size too.  There the kernel computes
+    differently from FP8_WHOLE_PAGE_TILES-token pages up (a tile is one page: another
+    tile and stage config, one program per SM, so fewer KV splits and a smaller capture
+    workspace), so the conformance suite claims that config, captured, at its own page
+    size, as an engine with such pages captures it."""
+    out: list[tuple[int, int, tuple[int, ...], str, bool]] = []
+    for lo, hi, rounds in fp8_decode_head_ranges():
+        note = ("; fp8 cache: fp8 score dots, q rounded per head row" if rounds
+                else "; fp8 cache: 16-bit dots")
+        if hi != FP8_SCORES_T_MAX_HEADS:
+            out.append((lo, hi, PAGE_SIZES, note, rounds))
+            continue
+        whole = decode_config(hi, DType.FP8_E4M3, FP8_WHOLE_PAGE_TILES)
+        out.append((lo, hi, FP8_PARTIAL_PAGE_SIZES, note, rounds))
+        out.append((lo, hi, FP8_WHOLE_PAGE_SIZES,
+                    f"{note}; pages >= {FP8_WHOLE_PAGE_TILES}: whole-page "
+                    f"{whole.block_n}-token tiles, {whole.num_stages} stages", rounds))
+    return tuple(out)
 
 #: FULL decode: one flat fp32 workspace of partial outputs and LSEs serving every
 #: captured batch size.
@@ -80,20 +115,21 @@ def capabilities(ctx: DeclarationContext) -> Capabilities:
         # Decode over an fp8 cache computes differently by head count (up to 16 heads
         # tokens-major and from 33 up in 64-head tiles it takes fp8 x fp8 score dots on q
         # rounded per head row, and verify / draft-extend steps round q the same way;
-        # 17-32 heads keep 16-bit dots), so its range is split there.
+        # 17-32 heads keep 16-bit dots), so its range is split there; and up to 16 heads
+        # by page size (from 64-token pages: whole-page tiles, five stages, one program
+        # per SM, so fewer splits and a smaller capture workspace; _fp8_decode_entries).
         kernels = tuple(
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.DECODE}), MLA_DIMS,
-                              frozenset({dt}), frozenset(kv), page_sizes=PAGE_SIZES,
+                              frozenset({dt}), frozenset(kv), page_sizes=pages,
                               min_heads=lo, max_heads=hi, kernel=DECODE_KERNEL + note,
                               split_kv=SplitKV.DYNAMIC, lse=True, q_compute_dtype=rounds,
                               q_compute_scale="row" if rounds else "batch")
             for dt in (DType.BF16, DType.FP16)
-            for kv, lo, hi, note, rounds in (
-                ({dt}, 1, 128, "", None),
-                *(({DType.FP8_E4M3}, lo, hi,
-                   "; fp8 cache: fp8 score dots, q rounded per head row" if rounds
-                   else "; fp8 cache: 16-bit dots", DType.FP8_E4M3 if rounds else None)
-                  for lo, hi, rounds in fp8_decode_head_ranges()))
+            for kv, lo, hi, pages, note, rounds in (
+                ({dt}, 1, 128, PAGE_SIZES, "", None),
+                *(({DType.FP8_E4M3}, lo, hi, pages, note,
+                   DType.FP8_E4M3 if rounds else None)
+                  for lo, hi, pages, note, rounds in _fp8_decode_entries()))
         ) + tuple(
             KernelConstraints(ForwardMethod.MLA, frozenset({Phase.PREFILL}), MLA_DIMS,
                               frozenset({dt}), frozenset({dt, DType.FP8_E4M3}),
