@@ -369,3 +369,64 @@ def test_multi_layer_claims_run_a_head_count_the_fp8_kernel_declares():
         multi = [c for c in expand_claims(caps, device) if c.check is Check.MULTI_LAYER]
         assert multi and all(c.combo.kv_dtype is DType.FP8_E4M3 for c in multi)
         assert all(c.combo.num_heads in (16, 32) for c in multi), [c.id for c in multi]
+
+
+# -- a kernel entry split by page size: its own configuration is claimed under capture ---
+
+_WHOLE_PAGE_CAPTURE_CHECKS = {Check.REPLAY, Check.CAPTURE_MEMORY, Check.PADDED_ROWS,
+                              FP8_LARGE_Q}
+
+
+@pytest.mark.parametrize("device,exhaustive,heads", [
+    ("cuda", False, {16}), ("cpu", True, {2}), ("cpu", False, set()),
+])
+def test_capture_claims_cover_triton_s_whole_page_fp8_config(device, exhaustive, heads):
+    """Up to 16 heads over an fp8 pool, triton's decode runs another config from 64-token
+    pages (whole-page tiles, five stages, one program per SM: fewer splits, a smaller
+    workspace), declared as its own entry: every decode-phase FULL graph (plain, target
+    verify, draft extend) is claimed at page 64 with each fp8 pair, on cuda and with
+    --exhaustive (a cpu run captures the base configuration only)."""
+    platform = "cuda:sm90" if device == "cuda" else "cpu"
+    caps = get_registry().declaration("triton", platform)
+    whole = [k for k in caps.kernels_for(ForwardMethod.MLA, Phase.DECODE)
+             if k.page_sizes == (64,)]
+    assert len(whole) == 2 and all("pages >= 64" in k.kernel for k in whole)
+    claims = expand_claims(caps, device, exhaustive=exhaustive)
+    at = [c for c in claims if c.kind is ClaimKind.CAPTURE and c.combo.page_size == 64
+          and c.combo.kv_dtype is DType.FP8_E4M3]
+    got = {(c.check, c.forward_mode, c.combo.q_dtype, c.combo.num_heads) for c in at}
+    want = {(check, mode, q, h) for check in _WHOLE_PAGE_CAPTURE_CHECKS
+            for mode in (None, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+            for q in (DType.BF16, DType.FP16) for h in heads}
+    assert got == want
+    for c in at:  # each one served by the whole-page entry
+        assert any(k.accepts_heads(c.combo.num_heads) and c.combo.q_dtype in k.q_dtypes
+                   for k in whole), c.id
+
+
+def test_dtype_variants_add_an_entry_split_by_page_size_at_its_own_base_page():
+    from attnreg.testing.claims import base_combo, dtype_variants
+
+    caps = get_registry().declaration("triton", "cuda:sm90")
+    bf16 = caps.kernels[0]  # bf16 / bf16 decode, 1..128 heads, pages (1, 16, 32, 64)
+
+    def variants(*kernels):
+        split = replace(caps, kernels=kernels)
+        base = base_combo(split, ForwardMethod.MLA, Phase.DECODE, "cuda")
+        return base, dtype_variants(split, base, ForwardMethod.MLA, Phase.DECODE, "cuda",
+                                    None)
+
+    # split by page size only: the second entry at its own (only) page, the base's heads
+    base, out = variants(replace(bf16, page_sizes=(1, 16, 32)), replace(bf16, page_sizes=(64,)))
+    assert (base.page_size, base.num_heads) == (16, 16)
+    assert out == [base, replace(base, page_size=64)]
+    # an entry that takes the base's page and heads is covered: nothing added
+    base, out = variants(replace(bf16, page_sizes=(1, 16)), replace(bf16, page_sizes=(64, 16)))
+    assert out == [base]
+    # an entry taking neither the base's heads nor its page: its base heads and its base
+    # page (the preferred 16 first where it has it)
+    base, out = variants(replace(bf16, max_heads=32),
+                         replace(bf16, min_heads=33, page_sizes=(64, 16)),
+                         replace(bf16, min_heads=33, page_sizes=(1,)))
+    assert out == [base, replace(base, num_heads=128), replace(base, num_heads=128,
+                                                                page_size=1)]

@@ -444,9 +444,12 @@ def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase
                    device: str, heads: Sequence[int] | None) -> list[Combo]:
     """``base`` and one configuration per other declared (q, kv) dtype pair of ``method``
     in ``phase``, each one its kernel accepts (see :func:`declared_variant`); and one
-    per kernel entry that serves a listed pair only at head counts none of those take
-    (a kernel whose head range is split where it computes differently, e.g. triton's
-    fp8 score dots from 33 heads up), at its own base head count."""
+    per kernel entry that serves a listed pair only at configurations none of those
+    take, i.e. no listed configuration of its dtypes has a head count *and* a page size
+    it accepts (a kernel whose declaration is split where it computes differently:
+    triton's fp8 score dots from 33 heads up, by head count; its whole-page 16-head fp8
+    config from 64-token pages, by page size), at its own base head count and its own
+    base page size (the preferred page first where it has it)."""
     out = [base]
     for q, kv in pairs_for(caps, method, phase):
         if (q, kv) != (base.q_dtype, base.kv_dtype):
@@ -455,16 +458,21 @@ def dtype_variants(caps: Capabilities, base: Combo, method: ForwardMethod, phase
             if variant is not None:
                 out.append(variant)
     for k in caps.kernels_for(method, phase):
-        if any(k.accepts_heads(c.num_heads) for c in out
+        if any(k.accepts_heads(c.num_heads)
+               and (not k.page_sizes or c.page_size in k.page_sizes) for c in out
                if c.q_dtype in k.q_dtypes and c.kv_dtype in k.kv_dtypes):
             continue
+        counts = claimed_head_counts(k, device, heads)
+        # a kernel reading no paged cache takes the configuration's page as it is
+        page = _page_sizes(k, caps, phase)[0] if k.page_sizes else None
         for c in list(out):
-            if c.q_dtype in k.q_dtypes and c.kv_dtype in k.kv_dtypes:
-                counts = claimed_head_counts(k, device, heads)
+            if counts and c.q_dtype in k.q_dtypes and c.kv_dtype in k.kv_dtypes:
                 # several earlier configurations of the pair (a range split twice) give
                 # the entry one configuration, not one each
-                if counts and replace(c, num_heads=counts[0]) not in out:
-                    out.append(replace(c, num_heads=counts[0]))
+                own = replace(c, num_heads=counts[0],
+                              page_size=c.page_size if page is None else page)
+                if own not in out:
+                    out.append(own)
     return out
 
 
