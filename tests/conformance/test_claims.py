@@ -209,8 +209,9 @@ def test_exhaustive_is_the_full_product_and_a_superset():
     assert cover < full
     # decode MLA (the plain matches_reference ids: backend/eager/phase/method/dtypes/
     # page/heads/dims) x 4 page sizes x 1 dims: the 16-bit pools (2 pairs) at 16 and 128
-    # heads, the fp8 pool's two head ranges (2 pairs each): 1..32 at 16 and 32, 33..128
-    # (fp8 score dots, q rounded) at 128
+    # heads; the fp8 pool (2 pairs) at 16 (1..16 heads: two entries, pages below 64 and
+    # from 64, together the 4 sizes), at 32 (17..32) and at 128 (33..128, fp8 score dots
+    # on q rounded)
     decode = [i for i in full if i.startswith("triton/eager/decode/") and i.count("/") == 7]
     assert len(decode) == 4 * (2 * 2 + 2 * 2 + 2 * 1)
 
