@@ -42,6 +42,13 @@ INDEX_FIELDS: tuple[str, ...] = ("seq_lens", "prefix_lens", "extend_lens", "qo_i
 
 #: The byte of an int32 holding its lowest 8 bits (0 on little-endian machines).
 _LOW_BYTE = 0 if sys.byteorder == "little" else 3
+#: Entries (int32) the page table's start in a flat index buffer is a multiple of: 256
+#: bytes, the CUDA allocator's alignment, as a page table allocated on its own has it.
+#: A kernel reading one entry per token (page size 1) pays for a table that is not
+#: 16-byte aligned: the triton decode over an fp8 cache at 16 heads took 185.4 instead of
+#: 176.1 us with the table 8 bytes past a 16-byte boundary (H100, B=128, L=4096;
+#: ``scripts/probe_triton_backend_gap.py --bisect``).
+PAGE_TABLE_ALIGN_ENTRIES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +149,8 @@ class IndexLayout:
     The order is ``seq_lens, prefix_lens, extend_lens`` (``max_bs`` each),
     ``qo_indptr, kv_indptr`` (``max_bs + 1`` each), ``out_cache_loc``
     (``max_num_tokens``), the padding rows (``max_num_tokens``: 1 where a query
-    row is padding, ``r >= t``; :meth:`padding_mask`), then ``page_table``
-    (``max_bs x max_pages``).  A
+    row is padding, ``r >= t``; :meth:`padding_mask`), zeros up to a 256-byte
+    boundary, then ``page_table`` (``max_bs x max_pages``).  A
     batch of ``b`` sequences and ``t`` tokens packed in it (:meth:`pack`) is
     padded as :meth:`BatchIndices.copy_padded_` pads to any ``bs <= max_bs``:
     lengths 0, indptrs repeating their last entry, the padding page, the
@@ -171,10 +178,17 @@ class IndexLayout:
         return self.pad_page * self.page_size
 
     @property
-    def head_size(self) -> int:
-        """Entries before the page table: the lengths, the indptrs, the slots and the
-        padding rows."""
+    def head_entries(self) -> int:
+        """Entries the lengths, the indptrs, the slots and the padding rows take."""
         return 5 * self.max_bs + 2 + 2 * self.max_num_tokens
+
+    @property
+    def head_size(self) -> int:
+        """Entries before the page table: :attr:`head_entries`, then zeros up to a
+        multiple of ``PAGE_TABLE_ALIGN_ENTRIES`` (the table starts 256-byte aligned in a
+        buffer that is)."""
+        align = PAGE_TABLE_ALIGN_ENTRIES
+        return -(-self.head_entries // align) * align
 
     def padding_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """The int32 padding-row flags of ``flat`` (1 where a query row is padding), a view."""
@@ -259,6 +273,7 @@ class IndexLayout:
         head.extend(itertools.repeat(self.pad_slot, n - t))
         head.extend(itertools.repeat(0, t))  # the padding rows: the real ones 0, the rest 1
         head.extend(itertools.repeat(1, n - t))
+        head.extend(itertools.repeat(0, self.head_size - self.head_entries))
         if into is None:
             flat = torch.empty(self.size, dtype=torch.int32, device=device)
         else:
