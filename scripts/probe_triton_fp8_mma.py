@@ -45,6 +45,24 @@ PAGES = (1, 64)
 TP_SHAPES = [(128, 4096, 32), (32, 8192, 32), (1, 32768, 32)]
 
 
+def page1_stage_variants(H: int):
+    """``--page1-stages``: the 16-head fp8 kernel at page 1 by pipeline depth.  Its two
+    stages make each next tile's page-table reads synchronous loads in the loop (the
+    16-bit kernel's three make them cp.async), which a table 8 bytes off a 16-byte
+    boundary slowed by 5% (the bisect of ``probe_triton_backend_gap.py``); a third stage
+    adds shared memory past two programs per SM (115,712 bytes at two)."""
+    import torch
+
+    from attnreg.backends._triton_kernels import decode as dec
+
+    bf16 = dec.decode_config(H, torch.bfloat16)
+    fp8 = dec.decode_config(H, torch.float8_e4m3fn)
+    return [("bf16 default", "bf16", bf16), ("fp8 default", "fp8", fp8),
+            ("fp8 s3 c2", "fp8", fp8._replace(num_stages=3)),
+            ("fp8 s3 c1", "fp8", fp8._replace(num_stages=3, ctas_per_sm=1)),
+            ("fp8 s4 c1", "fp8", fp8._replace(num_stages=4, ctas_per_sm=1))]
+
+
 def variants(H: int):
     """(label, kv dtype name, DecodeConfig) of every variant at H heads.
 
@@ -119,8 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--min-heads", type=int, default=1, help="only shapes with >= H heads")
     ap.add_argument("--max-heads", type=int, default=1 << 30, help="only shapes with <= H heads")
     ap.add_argument("--tp-shapes", action="store_true", help="also the 32-head shapes")
+    ap.add_argument("--page1-stages", action="store_true",
+                    help="16-head shapes, page 1, the fp8 kernel by pipeline depth")
     args = ap.parse_args(argv)
     global SHAPES
+    variants_of, pages = (page1_stage_variants, (1,)) if args.page1_stages else (variants, PAGES)
+    if args.page1_stages:
+        args.max_heads = min(args.max_heads, 16)
     SHAPES = [s for s in SHAPES + (TP_SHAPES if args.tp_shapes else [])
               if args.min_heads <= s[2] <= args.max_heads]
     import torch
@@ -135,16 +158,16 @@ def main(argv=None) -> int:
                         + " ".join(sys.argv[1:]))
     jobs = set()
     for (_B, _L, H) in SHAPES:
-        for _lab, kvn, cfg in variants(H):
-            for ps in PAGES:
+        for _lab, kvn, cfg in variants_of(H):
+            for ps in pages:
                 for split in (True, False):
                     jobs.add((16 if H <= 16 else 128, kvn, tuple(cfg), ps, split))
     compiled = compile_report(_compile, jobs, args.workers)
     meta["kernels"] = [[list(j), st] for j, st in sorted(compiled.items())]
     rows = []
     for (B, L, H) in SHAPES:
-        for ps in PAGES:
-            for lab, kvn, cfg in variants(H):
+        for ps in pages:
+            for lab, kvn, cfg in variants_of(H):
                 rec = dict(B=B, L=L, H=H, page=ps, variant=lab, cfg=list(cfg))
                 try:
                     q, cache, table, sl, out = make_inputs(B, L, H, page_size=ps,
