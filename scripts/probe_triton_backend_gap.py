@@ -51,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 SHAPES = ((128, 4096, 16), (32, 8192, 16), (64, 2048, 64))
 BISECT_SHAPES = ((128, 4096, 16), (32, 8192, 16))
@@ -154,29 +155,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def kernel_list(torch, replay, replays: int = 20) -> list[list]:
-    """``[name, calls per replay, mean us]`` of the kernels ``replays`` replays run."""
-    from collections import defaultdict
-
-    from torch.profiler import ProfilerActivity, profile
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
-    calls: dict[str, int] = defaultdict(int)
-    total: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            calls[ev.name] += 1
-            total[ev.name] += ev.device_time
-    return [[n[:100], calls[n] / replays, round(total[n] / calls[n], 2)] for n in calls]
-
-
 def bisect(args) -> int:
     """``--bisect``: the session's recorded ``mla_decode`` arguments, called directly."""
     import torch
+    from profile_peers_kernels import kernels  # this folder's kernel lister
 
     import attnreg.backends.triton_mla as triton_mla
     from attnreg.backends._triton_kernels import decode as dec
@@ -249,7 +231,7 @@ def bisect(args) -> int:
                     if cuda:
                         replay = call if captured else graph_of(call).replay
                         rec["us"] = bench(replay)
-                        rec["kernels"] = kernel_list(torch, replay)
+                        rec["kernels"] = [list(k) for k in kernels(replay, torch)]
                 except Exception as e:  # noqa: BLE001 (a probe records every failure)
                     rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(rec)
