@@ -197,6 +197,7 @@ def bisect(args) -> int:
             pool = random_pool(torch, cfg, B * L, seed=B + L + H)
             batch = decode_batch(pool, [L] * B, shuffle=B + L)
             layer = pool.layer(0)
+            torch.manual_seed(B + L + H)  # the same q every run (its err compares)
             q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=dev)
             ref = reference(q, layer.buffer, batch.page_table, batch.seq_lens,
                             cfg.softmax_scale, kv_scale=layer.kv_scale)
