@@ -49,8 +49,9 @@ def page1_stage_variants(H: int):
     """``--page1-stages``: the 16-head fp8 kernel at page 1 by pipeline depth.  Its two
     stages make each next tile's page-table reads synchronous loads in the loop (the
     16-bit kernel's three make them cp.async), which a table 8 bytes off a 16-byte
-    boundary slowed by 5% (the bisect of ``probe_triton_backend_gap.py``); a third stage
-    adds shared memory past two programs per SM (115,712 bytes at two)."""
+    boundary slowed by 5% (the bisect of ``probe_triton_backend_gap.py``).  Two stages
+    take 115,712 bytes of shared memory, about all that two programs per SM leave each,
+    so a third may cost the second program: timed with splits for two and for one."""
     import torch
 
     from attnreg.backends._triton_kernels import decode as dec
