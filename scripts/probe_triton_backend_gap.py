@@ -55,10 +55,36 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 SHAPES = ((128, 4096, 16), (32, 8192, 16), (64, 2048, 64))
 BISECT_SHAPES = ((128, 4096, 16), (32, 8192, 16))
+#: ``mla_decode``'s positional arguments, and what the bisect calls its keywords
+POSITIONAL = ("q", "cache", "table", "seq_lens", "out")
+KEYWORD = {"kv_scale": "scale"}
+#: the arguments ``--bisect`` replaces, one at a time
 OWN = ("table", "seq_lens", "q", "out", "workspace", "scale")
 SMALL = ((3, 40, 16),)
 PAGES = (1, 64)
 SMALL_PAGES = (1, 16)
+
+
+def run_meta(torch, dev: str, flags: str) -> dict:
+    """The run's header: device, torch, date and the command that reproduces it."""
+    return dict(device=torch.cuda.get_device_name(0) if dev == "cuda" else dev,
+                torch=torch.__version__,
+                date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                command="PYTHONPATH=src python3 scripts/probe_triton_backend_gap.py " + flags)
+
+
+def captured_session(cfg, pool, bucket: int, cuda: bool):
+    """The registry's ``triton`` backend and a one-bucket decode ``GraphSession`` of it,
+    captured as the peers run captures it."""
+    from attnreg.registry import get_registry
+    from attnreg.runtime import GraphSession
+
+    be = get_registry().create("triton", cfg)
+    ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[bucket],
+                       writes_kv=False, device_graphs=None if cuda else False,
+                       kernel_outputs=True)
+    ses.capture()
+    return be, ses
 
 
 def main(argv=None) -> int:
@@ -75,18 +101,15 @@ def main(argv=None) -> int:
 
     from attnreg.backends._triton_kernels import decode as dec
     from attnreg.profiling import random_pool
-    from attnreg.registry import ForwardMode, get_registry
-    from attnreg.runtime import GraphSession, MLAConfig, StepInputs, decode_batch
+    from attnreg.registry import ForwardMode
+    from attnreg.runtime import MLAConfig, StepInputs, decode_batch
     from benchmarks._backends import worst_row_rel_error
     from benchmarks.triton_decode_tuning import bench, graph_of, make_inputs, reference
 
     dev, cuda = args.device, args.device == "cuda"
     shapes, pages = (SMALL, SMALL_PAGES) if args.small else (SHAPES, PAGES)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132
-    meta = dict(device=torch.cuda.get_device_name(0) if cuda else dev, torch=torch.__version__,
-                date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                command="PYTHONPATH=src python3 scripts/probe_triton_backend_gap.py "
-                        "--out backend_gap.json" + (" --small" if args.small else ""))
+    meta = run_meta(torch, dev, "--out backend_gap.json" + (" --small" if args.small else ""))
     rows = []
 
     def record(rec, out, ref, call, *, captured=False):
@@ -140,11 +163,7 @@ def main(argv=None) -> int:
                                       max_splits=splits, workspace=ws))
 
                 # the backend as the peers run captures it
-                be = get_registry().create("triton", cfg)
-                ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B],
-                                   writes_kv=False, device_graphs=None if cuda else False,
-                                   kernel_outputs=True)
-                ses.capture()
+                be, ses = captured_session(cfg, pool, B, cuda)
                 sout = ses.replay(batch, StepInputs([q]), bucket=B)[0]
                 graph = ses.graph((ForwardMode.DECODE, B))
                 record(dict(base, path="backend, session"), sout, ref, graph.replay, captured=True)
@@ -163,18 +182,16 @@ def bisect(args) -> int:
     import attnreg.backends.triton_mla as triton_mla
     from attnreg.backends._triton_kernels import decode as dec
     from attnreg.profiling import random_pool
-    from attnreg.registry import ForwardMode, get_registry
-    from attnreg.runtime import GraphSession, MLAConfig, StepInputs, decode_batch
+    from attnreg.registry import ForwardMode
+    from attnreg.runtime import MLAConfig, StepInputs, decode_batch
     from benchmarks._backends import worst_row_rel_error
     from benchmarks.triton_decode_tuning import bench, graph_of, reference
 
     dev, cuda = args.device, args.device == "cuda"
     shapes = SMALL if args.small else BISECT_SHAPES
     page = SMALL_PAGES[0]
-    meta = dict(device=torch.cuda.get_device_name(0) if cuda else dev, torch=torch.__version__,
-                date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                command="PYTHONPATH=src python3 scripts/probe_triton_backend_gap.py --bisect "
-                        "--out backend_gap_bisect.json" + (" --small" if args.small else ""))
+    meta = run_meta(torch, dev, "--bisect --out backend_gap_bisect.json"
+                    + (" --small" if args.small else ""))
     rows: list[dict] = []
     recorded: list[tuple[tuple, dict]] = []
     real = triton_mla.mla_decode
@@ -188,7 +205,7 @@ def bisect(args) -> int:
             return value.clone()  # a fresh allocation: contiguous, the allocator's alignment
         if isinstance(value, tuple):  # the workspace
             return type(value)(*(v.clone() for v in value))
-        return value
+        return value  # no workspace, a float scale
 
     for (B, L, H) in shapes:
         for kv_name in ("bf16", "fp8_e4m3"):
@@ -201,14 +218,10 @@ def bisect(args) -> int:
             q = torch.randn(B, H, 576, dtype=torch.bfloat16, device=dev)
             ref = reference(q, layer.buffer, batch.page_table, batch.seq_lens,
                             cfg.softmax_scale, kv_scale=layer.kv_scale)
-            be = get_registry().create("triton", cfg)
-            ses = GraphSession(be, pool, phase="decode", mode="full", buckets=[B],
-                               writes_kv=False, device_graphs=None if cuda else False,
-                               kernel_outputs=True)
             recorded.clear()
             triton_mla.mla_decode = recording
             try:
-                ses.capture()
+                be, ses = captured_session(cfg, pool, B, cuda)
             finally:
                 triton_mla.mla_decode = real
             sout = ses.replay(batch, StepInputs([q]), bucket=B)[0]
@@ -216,7 +229,7 @@ def bisect(args) -> int:
             a, kw = recorded[-1]
             base = dict(B=B, L=L, H=H, page=page, kv=kv_name, splits=kw["max_splits"],
                         args={n: (list(t.shape), list(t.stride()), t.data_ptr() % 256)
-                              for n, t in zip(("q", "cache", "table", "seq_lens", "out"), a)})
+                              for n, t in zip(POSITIONAL, a)})
 
             def time_one(path, call, out, captured=False):
                 rec = dict(base, path=path)
@@ -241,19 +254,16 @@ def bisect(args) -> int:
                          if "err" in rec else rec["error"]), flush=True)
 
             time_one("backend, session", graph.replay, sout, captured=True)
-            names = ("q", "cache", "table", "seq_lens", "out")
+            # every argument by name (OWN's): the positional ones, then the keywords
+            named = dict(zip(POSITIONAL, a)) | {KEYWORD.get(k, k): v for k, v in kw.items()}
             for which in (None, *OWN, "all"):
-                pos, kws = dict(zip(names, a)), dict(kw)
-                if which in ("table", "seq_lens", "q", "out", "all"):
-                    for n in (("table", "seq_lens", "q", "out") if which == "all" else (which,)):
-                        pos[n] = own(pos[n])
-                if which in ("workspace", "all") and kws.get("workspace") is not None:
-                    kws["workspace"] = own(kws["workspace"])
-                if which in ("scale", "all"):
-                    kws["kv_scale"] = own(kws["kv_scale"])
-                call_args = tuple(pos[n] for n in names)
+                args_now = dict(named)
+                for n in OWN if which == "all" else (which,) if which else ():
+                    args_now[n] = own(args_now[n])
+                pos = [args_now[n] for n in POSITIONAL]
+                kws = {k: args_now[KEYWORD.get(k, k)] for k in kw}
                 time_one("kernel, session args" + (f", own {which}" if which else ""),
-                         lambda ca=call_args, k=kws: dec.mla_decode(*ca, **k), call_args[4])
+                         lambda p=pos, k=kws: dec.mla_decode(*p, **k), pos[4])
             del ses, be, pool
             if cuda:
                 torch.cuda.empty_cache()
