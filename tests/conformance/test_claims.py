@@ -375,7 +375,7 @@ def test_multi_layer_claims_run_a_head_count_the_fp8_kernel_declares():
 # -- a kernel entry split by page size: its own configuration is claimed under capture ---
 
 _WHOLE_PAGE_CAPTURE_CHECKS = {Check.REPLAY, Check.CAPTURE_MEMORY, Check.PADDED_ROWS,
-                              FP8_LARGE_Q}
+                              Check.SPLIT_KV, FP8_LARGE_Q}
 
 
 @pytest.mark.parametrize("device,exhaustive,heads", [

@@ -309,6 +309,33 @@ def test_gpu_defects_are_refuted_under_real_capture(tmp_path, backend):
         assert needle in refuted[cid], f"{cid}: {refuted[cid]}"
 
 
+# (d) the same frozen plan on the wide-page split path only (pages >= 64, a plan that
+# splits): of the decode graphs' split-KV and replay claims, exactly the split-KV ones at
+# page 64 see it (the bf16 page variant and the fp8 whole-page entry, which capture few
+# sequences); the replay claims at page 64 capture 256 sequences, one split, and hold
+WIDE_PAGES_REFUTED = {
+    f"capture/decode/full/split_kv/mla/{pair}/p64/h16/576x512"
+    for pair in ("bf16-bf16", "bf16-fp8_e4m3", "fp16-fp8_e4m3")}
+
+
+@pytest.mark.gpu
+def test_a_split_plan_frozen_on_the_wide_page_path_is_refuted_by_its_split_kv_claims(tmp_path):
+    backend = "planted_frozen_splits_wide_pages"
+    code, out, data = conformance(tmp_path, "--device", "cuda", "--plugin",
+                                  "planted.frozen_splits", "--backend", backend,
+                                  "-k", "decode/full and (split_kv or replay/)")
+    assert code == 1, out
+    refuted = {cid.removeprefix(backend + "/"): msg
+               for cid, msg in by_status(data, "refuted").items()}
+    assert set(refuted) == WIDE_PAGES_REFUTED, (sorted(refuted), out[-3000:])
+    for cid, msg in refuted.items():
+        assert "output differs from the float64 oracle" in msg, f"{cid}: {msg}"
+    verified = by_status(data, "verified")
+    for held in ("replay/mla/bf16-bf16/p64/h16", "replay/mla/bf16-fp8_e4m3/p64/h16",
+                 "split_kv/mla/bf16-bf16/p16/h16"):
+        assert f"{backend}/capture/decode/full/{held}/576x512" in verified, sorted(verified)
+
+
 # (g) FALLBACK declarations against what served the forward (note_served_by), and
 # backends with their own eager break inside attention (cpu: the break is a no-op)
 FALLBACK_REFUTED = {

@@ -821,7 +821,14 @@ _SPLIT_KINDS = {
 
 @register_check
 class SplitKVCheck(_GraphCheck):
-    """Split-KV survives capture as declared: short capture, long replays."""
+    """Split-KV survives capture as declared: short capture, long replays (on cuda per
+    declared dtype pair, and at the smallest and largest other declared page size).
+
+    The variants matter because a kernel's split count and its workspace follow its
+    config, and the config may change with the dtype or the page size (triton's 16-head
+    fp8 decode takes half the splits over 64-token pages): a graph captured with one
+    config's splits over another's workspace, or a page-size path that drops a split's
+    partials, passes at the base configuration and corrupts the other."""
 
     check = Check.SPLIT_KV
     runs_on_cpu = False
@@ -838,8 +845,9 @@ class SplitKVCheck(_GraphCheck):
             else replay[0]
         return [self.capture_claim(
             x, site, f"{site.where}, split-KV is {split} ({_SPLIT_KINDS[split]}): a graph "
-            "captured on short sequences replays long ones correctly",
-            batches=(short,) + longs)]
+            f"captured on short sequences replays long ones correctly ({combo.describe()})",
+            combo=combo, batches=(short,) + longs)
+            for combo in (*self.kv_variants(x, site), *self.page_variants(x, site))]
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_graph(claim, GraphOptions())

@@ -13,6 +13,8 @@ The conformance suite must refute each one, with a message pointing at the cause
   recorded, during real stream capture;
 * ``planted_frozen_splits`` (d): decode split plan (chunk size) frozen at capture from the
   capture batch, never re-planned at replay (sglang #26019);
+  ``planted_frozen_splits_wide_pages`` (d, GPU): the same, only on the split path of pages
+  of 64 tokens or more (caught only by the split-KV claims' page and dtype variants);
 * ``planted_int64_lengths`` (e): declares int32 index tensors but skips the dtype check,
   and its decode reads an int64 ``seq_lens`` buffer as int32;
 * ``planted_pin_mismatch`` (f): declares MLA pinned under BREAKABLE but runs the MHA
