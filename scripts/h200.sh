@@ -25,10 +25,14 @@
 #          specialization, one program for 128 heads).
 # stages   the pipeline-stage probes (the KV tile's second shared buffer): the triton
 #          extend over bf16 / fp8 caches, the decode variants, the sparse decode.
+# stages1  scripts/probe_triton_fp8_mma.py --page1-stages (the 16-head fp8 kernel at page 1
+#          with 2, 3 and 4 pipeline stages, splits for two programs per SM and for one).
+# tp32     scripts/probe_triton_fp8_mma.py --tp-shapes at 32 heads only.
 # gap      scripts/probe_triton_backend_gap.py (the triton backend's captured decode beside
 #          its kernel called directly, on the probes' and on the peers run's inputs).
 # bisect   scripts/probe_triton_backend_gap.py --bisect (the session's own mla_decode
 #          arguments called directly, one replaced by a fresh copy at a time; kernel lists).
+# planted  the `gpu` tests of tests/conformance/test_planted.py (defects under real capture).
 # sparsebench the sparse-vs-dense decode benchmark (the `sparse` section).
 # padding  scripts/probe_padding_launch.py (the padding fill after the kernel, as a
 #          programmatic dependent launch, beside it; the rows kernels write for empty
@@ -42,7 +46,7 @@
 # $OUT/results-<step>.tgz (a device call brings back only a few files, the first by name).
 set -u
 call_start=$(date +%s)
-[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|bisect|sparsebench|padding|claims)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: h200.sh STEP... (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|stages1|tp32|gap|bisect|planted|sparsebench|padding|claims)" >&2; exit 2; }
 steps="$*"
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -162,6 +166,12 @@ case $step in
       echo "rc=$?" >>"$OUT/$probe.log"
     done
     ;;
+  stages1|tp32)
+    [ $step = stages1 ] && flags="--page1-stages" || flags="--tp-shapes --min-heads 32 --max-heads 32"
+    timeout $(left $(limit 400)) python3 scripts/probe_triton_fp8_mma.py $flags \
+      --out "$OUT/fp8_mma_$step.json" >"$OUT/fp8_mma_$step.log" 2>&1
+    echo "rc=$?" >>"$OUT/fp8_mma_$step.log"
+    ;;
   gap)
     timeout $(left $(limit 300)) python3 scripts/probe_triton_backend_gap.py \
       --out "$OUT/backend_gap.json" >"$OUT/backend_gap.log" 2>&1
@@ -171,6 +181,9 @@ case $step in
     timeout $(left $(limit 300)) python3 scripts/probe_triton_backend_gap.py --bisect \
       --out "$OUT/backend_gap_bisect.json" >"$OUT/backend_gap_bisect.log" 2>&1
     echo "rc=$?" >>"$OUT/backend_gap_bisect.log"
+    ;;
+  planted)
+    gpu_tests planted-gpu $(limit 400) tests/conformance/test_planted.py
     ;;
   sparsebench)
     timeout $(left $(limit 400)) python3 -m benchmarks --only sparse --out "$OUT/sparse" \
@@ -193,7 +206,7 @@ case $step in
     conf "claims" $(limit 400) --plugin attnreg_flashmla.plugin -k "${K:-fp8_large_q}" "${args[@]}" &
     ;;
   *)
-    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|gap|bisect|sparsebench|padding|claims)" >&2; exit 2
+    echo "h200.sh: unknown step $step (conf|gpu|bench|peers|sparse|integrity|fp8q|kout|wide|stages|stages1|tp32|gap|bisect|planted|sparsebench|padding|claims)" >&2; exit 2
     ;;
 esac
 echo "step $step: $(( $(date +%s) - start )) s"
