@@ -56,6 +56,7 @@ from .claims import (
     Expansion,
     RefusalSite,
     head_dims_config,
+    kernel_q_rounding,
 )
 
 if TYPE_CHECKING:
@@ -284,6 +285,55 @@ class Lse(ConformanceCheck):
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_eager(claim, with_lse=True)
+
+
+@register_check
+class QRounding(ConformanceCheck):
+    """The kernel computes with q as its declaration says (``KernelConstraints.
+    q_compute_dtype``): rounded to fp8 where declared, as given where not.
+
+    Rounding q to fp8 e4m3 moves an absorbed MLA output by ~8e-3 on average, inside
+    every tolerance a claim holds outputs to (0.02 for bf16, 0.08 for fp8 pools), so a
+    kernel that rounds q without declaring it (or declares a rounding it does not do)
+    passes ``matches_reference``.  Here the output is held against two oracles of the
+    same inputs, q rounded as declared and q the other way (as given, or rounded to fp8
+    with one scale per row), and must be nearer, by mean absolute error, the declared
+    one: the kernel's own rounding is independent of q's, so it cannot make the wrong
+    oracle the nearer one.  It tells a rounding from none, not one scale per batch from
+    one per row (N(0, 1) rows give the same power-of-two scale either way).
+
+    One claim per (q, kv) dtype configuration of absorbed MLA in each phase (not an
+    engine's fp8 q: that q is exact as given), on the phase's quick batch on cpu.
+    """
+
+    check = Check.Q_ROUNDING
+    kinds = (ClaimKind.EAGER,)
+
+    def declaration_claims(self, x: Expansion) -> list[Claim]:
+        claims: list[Claim] = []
+        for phase in (Phase.DECODE, Phase.PREFILL):
+            if ForwardMethod.MLA not in x.caps.methods(phase):
+                continue
+            base = x.base_combo(ForwardMethod.MLA, phase)
+            if base is None:
+                continue
+            specs = quick_specs(phase) if x.on_cpu else eager_specs(phase)
+            for combo in x.dtype_variants(base, ForwardMethod.MLA, phase):
+                if combo.q_dtype is DType.FP8_E4M3:
+                    continue
+                rounding = kernel_q_rounding(x.caps, combo)
+                declared = (f"q rounded to {rounding['q_compute_dtype']} (one scale per "
+                            f"{rounding['q_compute_scale']})" if rounding["q_compute_dtype"]
+                            else "q as given")
+                claims.append(self.claim(
+                    x, ClaimKind.EAGER, combo,
+                    f"{combo.describe()} computes with {declared}, as declared: its output "
+                    f"on {', '.join(specs)} is nearer the oracle of that q than of q "
+                    "rounded the other way", batches=specs))
+        return claims
+
+    def run(self, harness: Harness, claim: Claim) -> None:
+        harness.check_q_rounding(claim)
 
 
 # -- refusals ---------------------------------------------------------------------------

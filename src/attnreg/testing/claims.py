@@ -108,6 +108,7 @@ class Check(StrEnum):
     # eager
     MATCHES_REFERENCE = "matches_reference"
     LSE = "lse"
+    Q_ROUNDING = "q_rounding"
     # eager and capture: several layers of one pool sharing one plan per step
     MULTI_LAYER = "multi_layer"
     # refusals

@@ -17,6 +17,7 @@ import torch
 from attnreg.graph_policy.capture import capturing, recording_served
 from attnreg.registry import (
     BackendRegistry,
+    DType,
     ForwardMethod,
     ForwardMode,
     GraphMode,
@@ -231,6 +232,51 @@ class Harness:
             problems += inputs.problems(f"{spec.describe()}, eager")
         if problems:
             raise ClaimRefuted("; ".join(problems))
+
+    def check_q_rounding(self, claim: Claim) -> None:
+        """An eager claim: the output is nearer (mean absolute error over every batch of
+        the claim) the oracle of q rounded as the kernel declares than the oracle of q
+        rounded the other way (see ``QRounding``), and within the tolerance of the
+        declared one.  A wrong rounding is named as such before any tolerance miss."""
+        combo = _combo(claim)
+        config = make_config(combo, self.device)
+        specs = self.claim_specs(claim)
+        backend = self.create(claim, config)
+        pool = make_pool(config, specs)
+        declared = kernel_q_rounding(backend.capabilities, combo)
+        dtype, per = declared["q_compute_dtype"], declared["q_compute_scale"]
+        other: tuple[DType | None, str] = (None, "batch") if dtype is not None \
+            else (DType.FP8_E4M3, "row")
+        err_declared = err_other = 0.0
+        elements = 0
+        misses: list[str] = []
+        for i, spec in enumerate(specs):
+            work = self.workload(config, pool, spec, combo.method, seed=300 + i, **declared)
+            with explained(f"{spec.describe()}, eager"):
+                out = self.eager_forward(backend, work, pool)
+                self.sync()
+            msg = compare(out, work.expected, work.tolerance_dtype(combo.q_dtype), spec)
+            if msg:
+                misses.append(msg)
+            assert work.oracle_for is not None, "absorbed MLA workloads carry their oracle"
+            got = out.detach().float().cpu()
+            if got.shape != work.expected.shape or not bool(torch.isfinite(got).all()):
+                continue  # no rounding to tell apart: the tolerance miss says what is wrong
+            err_declared += float((got - work.expected).abs().sum())
+            err_other += float((got - work.oracle_for(*other)).abs().sum())
+            elements += got.numel()
+        if elements and not err_declared < err_other:
+            said = f"q rounded to {dtype} (one scale per {per})" if dtype else "q as given"
+            found = f"q rounded to {other[0]}" if other[0] else "q as given"
+            fix = (f"declare KernelConstraints.q_compute_dtype={other[0]} (and its "
+                   "q_compute_scale), or compute with q as given") if other[0] else \
+                "declare no q_compute_dtype, or round q as declared"
+            raise ClaimRefuted(
+                f"the output is nearer the oracle of {found} (mean |err| "
+                f"{err_other / elements:.2e}) than of {said}, as declared "
+                f"({err_declared / elements:.2e}), over {elements} output elements: {fix}")
+        if misses:
+            raise ClaimRefuted("; ".join(misses))
 
     def _check_multi_layer_eager(self, claim: Claim, backend: AttentionBackend,
                                  config: MLAConfig, specs: Sequence[BatchSpec],

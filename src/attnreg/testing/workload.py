@@ -188,6 +188,10 @@ class Workload:
     q_compute_scale: str = "batch"
     #: an fp8 ``q``'s float32 ``[1]`` dequantisation scale (``forward_*(q_scale=)``)
     q_scale: torch.Tensor | None = None
+    #: absorbed MLA: the oracle's output for ``q`` rounded another way,
+    #: ``oracle_for(q_compute_dtype, q_compute_scale)`` (``round_q``'s arguments; what
+    #: the ``q_rounding`` claims hold a kernel's output against); None otherwise
+    oracle_for: Callable[[DType | None, str], torch.Tensor] | None = None
 
     def tolerance_dtype(self, q_dtype: DType) -> DType:
         """The dtype whose :data:`TOLERANCES` entry the output is held to: the kernel's
@@ -354,6 +358,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     k = v = None
     decompress = None
     q_scale = None
+    oracle_for = None
     if method is ForwardMethod.MLA:
         q = _randn(gen, rows, heads, pool.row_dim)
         if q_gains:
@@ -372,6 +377,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
             q = q.to(qdt).to(dev)
             oracle_q = round_q(q, q_compute_dtype, q_compute_scale)
         expected, lse = oracle_mla(oracle_q, stored, spec, lora, config.softmax_scale)
+        if qdt != torch.float8_e4m3fn:
+            oracle_for = _oracle_for(q, stored, spec, lora, config.softmax_scale)
     elif method is ForwardMethod.MHA_CHUNKED_KV:
         qk, dv = config.mha_head_dims
         q = _randn(gen, rows, heads, qk).to(qdt).to(dev)
@@ -393,7 +400,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                     new_slots=slots[~cached].tolist(), expected_lse=lse, layer_id=layer_id,
                     pages=[list(p) for p in pages], decompress=decompress,
                     chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype,
-                    q_compute_scale=q_compute_scale, q_scale=q_scale)
+                    q_compute_scale=q_compute_scale, q_scale=q_scale, oracle_for=oracle_for)
     ledger = ledger_of(pool)
     if ledger is not None:
         # the prefixes just written are the pool's new baseline; the slots are this
@@ -401,6 +408,15 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
         ledger.own([work])
         ledger.snapshot()
     return work
+
+
+def _oracle_for(q: torch.Tensor, stored: torch.Tensor, spec: BatchSpec, latent: int,
+                scale: float) -> Callable[[DType | None, str], torch.Tensor]:
+    """The absorbed MLA oracle over the same rows for ``q`` rounded as asked."""
+    def oracle(q_compute_dtype: DType | None, q_compute_scale: str = "batch") -> torch.Tensor:
+        return oracle_mla(round_q(q, q_compute_dtype, q_compute_scale), stored, spec,
+                          latent, scale)[0]
+    return oracle
 
 
 def make_layer_workloads(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec,
