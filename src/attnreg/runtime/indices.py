@@ -177,10 +177,26 @@ class IndexLayout:
         """The flat slot padding tokens write to (the padding page's first)."""
         return self.pad_page * self.page_size
 
+    @functools.cached_property
+    def _spans(self) -> dict[str, tuple[int, int]]:
+        """Each field before the page table, by name, with its ``[start, stop)`` in the flat
+        buffer, in the buffer's order: the one place that order and those sizes are
+        written (:meth:`views`, :meth:`padding_rows` and :attr:`head_entries` read it)."""
+        m, n = self.max_bs, self.max_num_tokens
+        sizes = (("seq_lens", m), ("prefix_lens", m), ("extend_lens", m),
+                 ("qo_indptr", m + 1), ("kv_indptr", m + 1), ("out_cache_loc", n),
+                 ("padding_rows", n))
+        spans: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes:
+            spans[name] = (start, start + size)
+            start += size
+        return spans
+
     @property
     def head_entries(self) -> int:
         """Entries the lengths, the indptrs, the slots and the padding rows take."""
-        return 5 * self.max_bs + 2 + 2 * self.max_num_tokens
+        return next(reversed(self._spans.values()))[1]
 
     @property
     def head_size(self) -> int:
@@ -192,8 +208,8 @@ class IndexLayout:
 
     def padding_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """The int32 padding-row flags of ``flat`` (1 where a query row is padding), a view."""
-        start = 5 * self.max_bs + 2 + self.max_num_tokens
-        return flat[start:start + self.max_num_tokens]
+        start, stop = self._spans["padding_rows"]
+        return flat[start:stop]
 
     def padding_mask(self, flat: torch.Tensor) -> torch.Tensor:
         """:meth:`padding_rows` as a bool view (no copy): each flag's lowest byte, which
@@ -211,12 +227,10 @@ class IndexLayout:
         if flat.shape != (self.size,) or flat.dtype != torch.int32:
             raise ValueError(f"a flat index buffer of this layout is int32 [{self.size}], got "
                              f"{flat.dtype} {tuple(flat.shape)}")
-        m, n = self.max_bs, self.max_num_tokens
-        return BatchIndices(
-            seq_lens=flat[0:m], prefix_lens=flat[m:2 * m], extend_lens=flat[2 * m:3 * m],
-            qo_indptr=flat[3 * m:4 * m + 1], kv_indptr=flat[4 * m + 1:5 * m + 2],
-            out_cache_loc=flat[5 * m + 2:5 * m + 2 + n],
-            page_table=flat[self.head_size:].view(m, self.max_pages))
+        fields = {name: flat[start:stop] for name, (start, stop) in self._spans.items()
+                  if name != "padding_rows"}
+        return BatchIndices(**fields,
+                            page_table=flat[self.head_size:].view(self.max_bs, self.max_pages))
 
     def allocate(self, device: torch.device | str) -> tuple[torch.Tensor, BatchIndices]:
         """A zeroed flat buffer on ``device`` and its capacity views."""
