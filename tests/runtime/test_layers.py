@@ -12,6 +12,7 @@ from attnreg.backends.declarations.triton_sizing import decode_rounds_q
 from attnreg.registry import ForwardMethod, UnsupportedError, get_registry
 from attnreg.runtime import (
     ForwardBatch,
+    GraphRunner,
     MLAConfig,
     MLAKVPool,
     decode_batch,
@@ -65,6 +66,54 @@ def test_set_scale_updates_the_device_tensor_in_place() -> None:
     pool.layer(1).set_scale(0.125)
     assert pool.scales == (1.0, 0.125) and tensor is pool.layer(1).scale_tensor
     assert float(tensor) == 0.125, "a graph that captured the tensor reads the new scale"
+
+
+def test_writes_and_reads_of_an_fp8_layer_use_its_device_scale() -> None:
+    """The pool's own KV write runs inside captured graphs: it must read the scale from
+    ``scale_tensor`` (read at every replay), not the host float (frozen at capture), or a
+    ``set_scale`` after capture leaves the graph's writes at the old scale.  Here the host
+    float is made wrong on purpose: every result must follow the tensor."""
+    pool = MLAKVPool(4, 16, kv_dtype="fp8_e4m3", scale=0.5)
+    layer = pool.layer(0)
+    layer.scale = 99.0  # not what set_scale does: only the host copy, made wrong
+    latent, rope = rows(3, 1)
+    slots = i32([16, 17, 18])
+    layer.write(slots, latent, rope)
+    x = torch.cat([latent, rope], -1).float()
+    stored = (x / 0.5).to(torch.float8_e4m3fn)
+    assert torch.equal(layer.buffer.view(-1, 576)[16:19], stored)
+    assert torch.equal(layer.read_slots(slots), stored.float() * 0.5)
+    assert torch.equal(layer.dequantized().view(-1, 576)[16:19], stored.float() * 0.5)
+    assert torch.equal(layer.quantize_roundtrip(x), stored.float() * 0.5)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.0123, 3.7])
+def test_quantize_roundtrip_is_what_a_write_then_a_read_gives(scale: float) -> None:
+    """Bit for bit at any scale (the suite's oracle and integrity checks rely on it), not
+    only at powers of two."""
+    pool = MLAKVPool(4, 16, kv_dtype="fp8_e4m3", scale=scale)
+    latent, rope = rows(16, 2)
+    slots = i32(list(range(16, 32)))
+    pool.write(slots, latent, rope)
+    want = pool.layer(0).quantize_roundtrip(torch.cat([latent, rope], -1))
+    assert torch.equal(pool.read_slots(slots), want)
+
+
+@pytest.mark.gpu
+def test_a_captured_kv_write_reads_a_scale_set_after_capture() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none detected)")
+    pool = MLAKVPool(4, 16, kv_dtype="fp8_e4m3", scale=0.5, device="cuda")
+    layer = pool.layer(0)
+    latent, rope = (t.cuda() for t in rows(4, 3))
+    slots = i32([16, 17, 18, 19]).cuda()
+    graph = GraphRunner("cuda").capture(lambda: layer.write(slots, latent, rope))
+    layer.set_scale(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    x = torch.cat([latent, rope], -1).float()
+    assert torch.equal(layer.read_slots(slots), layer.quantize_roundtrip(x)), \
+        "the replayed write quantised with the scale of capture time"
 
 
 def test_unknown_layers_are_refused_with_the_range() -> None:

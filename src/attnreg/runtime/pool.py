@@ -258,7 +258,10 @@ class MLAKVLayer(_PagedGeometry):
             self._rows()[slots] = pack_fp8_ds_mla(rows, self.kv_lora_rank)
             return
         if self.is_fp8:
-            rows = (rows.float() * (1.0 / self.scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            # the device scale, not the host float: inside a captured graph a host value is
+            # frozen at capture, and a later set_scale would leave the graph's writes
+            # quantised with the old scale while every kernel reads the new one
+            rows = _to_stored(rows, self.scale_tensor)
         self.buffer.view(self.num_slots, self.row_dim)[slots] = rows.to(self.buffer.dtype)
 
     def _rows(self) -> torch.Tensor:
@@ -276,7 +279,7 @@ class MLAKVLayer(_PagedGeometry):
             rows = unpack_fp8_ds_mla(self._rows()[slots.long()], self.kv_lora_rank)
         else:
             rows = self.buffer.view(self.num_slots, self.row_dim)[slots.long()].float()
-            rows = rows * self.scale if self.is_fp8 else rows
+            rows = rows * self.scale_tensor if self.is_fp8 else rows
         return rows if dtype == torch.float32 else rows.to(dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -285,7 +288,7 @@ class MLAKVLayer(_PagedGeometry):
             return unpack_fp8_ds_mla(self._rows(), self.kv_lora_rank).view(
                 self.num_pages, self.page_size, self.row_dim)
         full = self.buffer.float()
-        return full * self.scale if self.is_fp8 else full
+        return full * self.scale_tensor if self.is_fp8 else full
 
     def fill(self, value: float) -> None:
         """Make every row hold ``value`` in each of its 576 positions as stored: the raw
@@ -304,8 +307,9 @@ class MLAKVLayer(_PagedGeometry):
             return unpack_fp8_ds_mla(pack_fp8_ds_mla(flat, self.kv_lora_rank),
                                      self.kv_lora_rank).view(x.shape)
         if self.is_fp8:
-            q = (x.float() / self.scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            return q.to(self.buffer.dtype).float() * self.scale
+            # the write's arithmetic on x's device, with the same float32 scale
+            scale = self.scale_tensor.to(x.device)
+            return _to_stored(x, scale).to(self.buffer.dtype).float() * scale
         return x.to(self.buffer.dtype).float()
 
     def __repr__(self) -> str:
@@ -313,6 +317,12 @@ class MLAKVLayer(_PagedGeometry):
         fmt = f", kv_format={self.kv_format}" if self.kv_format is not None else ""
         return (f"MLAKVLayer(layer_id={self.layer_id}, num_pages={self.num_pages}, "
                 f"page_size={self.page_size}, kv_dtype={self.kv_dtype}{fmt}{scale})")
+
+
+def _to_stored(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``rows / scale`` clamped to the e4m3 range: what an fp8 layer stores, before
+    the cast (``scale`` a 1-element float32 tensor on ``rows``' device)."""
+    return (rows.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
 
 
 def _whole_numbers(values: Sequence[int], what: str, *, minimum: int | None = None
