@@ -98,7 +98,7 @@ def test_native_capture_modes_expand_into_replay_churn_sync_and_split_claims():
     assert full == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                     Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
                     Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q,
-                    Check.SPARSE_REPLAY}
+                    Check.SPARSE_REPLAY, Check.KV_SCALE_CHANGE}
     # its sparse decode is declared on cuda (the H200 ran its claims) and on cpu
     cpu_full = {c.check for c in _claims("triton", "cpu", "cpu")
                 if c.graph_mode is GraphMode.FULL and not c.speculative}
@@ -262,7 +262,8 @@ def test_full_decode_graphs_claim_each_declared_speculative_mode_at_its_draft_to
         capture = {c.check for c in spec if c.kind is ClaimKind.CAPTURE}
         assert capture == {Check.CAPTURE_PATH, Check.REPLAY, Check.ALLOCATOR_CHURN,
                            Check.NO_SYNC_ALLOC, Check.SPLIT_KV, Check.PADDED_ROWS,
-                           Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q}
+                           Check.CAPTURE_MEMORY, Check.MULTI_LAYER, FP8_LARGE_Q,
+                           Check.KV_SCALE_CHANGE}
         assert all(c.query_len == 8 and c.graph_mode in (GraphMode.FULL, GraphMode.DISABLED)
                    for c in spec)
         assert any(c.kind is ClaimKind.EAGER for c in spec)
@@ -396,9 +397,11 @@ def test_capture_claims_cover_triton_s_whole_page_fp8_config(device, exhaustive,
     at = [c for c in claims if c.kind is ClaimKind.CAPTURE and c.combo.page_size == 64
           and c.combo.kv_dtype is DType.FP8_E4M3]
     got = {(c.check, c.forward_mode, c.combo.q_dtype, c.combo.num_heads) for c in at}
-    want = {(check, mode, q, h) for check in _WHOLE_PAGE_CAPTURE_CHECKS
-            for mode in (None, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+    modes = (None, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+    want = {(check, mode, q, h) for check in _WHOLE_PAGE_CAPTURE_CHECKS for mode in modes
             for q in (DType.BF16, DType.FP16) for h in heads}
+    # the scale change at the site's q dtype only
+    want |= {(Check.KV_SCALE_CHANGE, mode, DType.BF16, h) for mode in modes for h in heads}
     assert got == want
     for c in at:  # each one served by the whole-page entry
         assert any(k.accepts_heads(c.combo.num_heads) and c.combo.q_dtype in k.q_dtypes

@@ -85,6 +85,8 @@ class GraphOptions:
     churn: bool = False
     #: only the capture-mode code path (no device graph), even on cuda
     path_only: bool = False
+    #: an FP8 pool's layers change scale (``set_scale``) between capture and the replays
+    rescale: bool = False
 
 
 class ConformanceCheck:
@@ -287,6 +289,19 @@ class Lse(ConformanceCheck):
         harness.check_eager(claim, with_lse=True)
 
 
+def mla_phase_bases(x: Expansion) -> list[tuple[Phase, Combo, tuple[str, ...]]]:
+    """Each phase whose absorbed MLA ``x`` declares, with its base configuration and the
+    batches an eager claim over that phase's MLA runs (its quick batch on cpu)."""
+    out = []
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        if ForwardMethod.MLA not in x.caps.methods(phase):
+            continue
+        base = x.base_combo(ForwardMethod.MLA, phase)
+        if base is not None:
+            out.append((phase, base, quick_specs(phase) if x.on_cpu else eager_specs(phase)))
+    return out
+
+
 @register_check
 class QRounding(ConformanceCheck):
     """The kernel computes with q as its declaration says (``KernelConstraints.
@@ -311,13 +326,7 @@ class QRounding(ConformanceCheck):
 
     def declaration_claims(self, x: Expansion) -> list[Claim]:
         claims: list[Claim] = []
-        for phase in (Phase.DECODE, Phase.PREFILL):
-            if ForwardMethod.MLA not in x.caps.methods(phase):
-                continue
-            base = x.base_combo(ForwardMethod.MLA, phase)
-            if base is None:
-                continue
-            specs = quick_specs(phase) if x.on_cpu else eager_specs(phase)
+        for phase, base, specs in mla_phase_bases(x):
             for combo in x.dtype_variants(base, ForwardMethod.MLA, phase):
                 if combo.q_dtype is DType.FP8_E4M3:
                     continue
@@ -903,6 +912,38 @@ class SplitKVCheck(_GraphCheck):
         harness.check_graph(claim, GraphOptions())
 
 
+@register_check
+class KVScaleChange(_GraphCheck):
+    """A graph over an FP8 pool reads each layer's scale at replay: captured at one scale,
+    replayed after ``set_scale`` changed every layer's (docs/runtime.md, "FP8 pools").
+
+    A kernel (or a KV write) handed the host float ``layer.kv_scale`` inside a captured
+    region has it frozen into the graph; every claim at a fixed scale holds, and an engine
+    that sets its checkpoint's ``k_scale`` after capture reads and writes the cache at the
+    old one.  One claim per FP8-pool configuration of the site's q dtype, on cuda (a real
+    graph) or with ``--exhaustive`` on cpu (the capture-mode path: it catches a scale kept
+    in the backend's captured plan, not one frozen into a launch)."""
+
+    check = Check.KV_SCALE_CHANGE
+
+    def graph_claims(self, x: Expansion, site: CaptureSite) -> list[Claim]:
+        combos = [c for c in self.kv_variants(x, site)
+                  if c.kv_dtype is DType.FP8_E4M3 and c.q_dtype is site.base.q_dtype]
+        return [self.capture_claim(
+            x, site, f"{site.where}, {site.method} {combo.describe()} captured at one fp8 "
+            f"scale per layer replays {', '.join(site.replay)} correctly after set_scale "
+            f"multiplied every layer's by {KV_RESCALE:g} (its kernels and KV writes read the "
+            "scale at replay)", combo=combo) for combo in combos]
+
+    def run(self, harness: Harness, claim: Claim) -> None:
+        harness.check_graph(claim, GraphOptions(rescale=True))
+
+
+#: What :class:`KVScaleChange` multiplies each layer's fp8 scale by after capture (a power
+#: of two: the new rows' values stay exact and within e4m3's range).
+KV_RESCALE = 4.0
+
+
 # -- queries beyond the fp8 range -------------------------------------------------------
 #: The id of :class:`Fp8LargeQuery`'s claims.
 FP8_LARGE_Q = "fp8_large_q"
@@ -944,13 +985,7 @@ class Fp8LargeQuery(ConformanceCheck):
 
     def declaration_claims(self, x: Expansion) -> list[Claim]:
         claims: list[Claim] = []
-        for phase in (Phase.DECODE, Phase.PREFILL):
-            if ForwardMethod.MLA not in x.caps.methods(phase):
-                continue
-            base = x.base_combo(ForwardMethod.MLA, phase)
-            if base is None:
-                continue
-            specs = quick_specs(phase) if x.on_cpu else eager_specs(phase)
+        for phase, base, specs in mla_phase_bases(x):
             for combo in self._fp8(x, base, phase):
                 claims.append(self.claim(
                     x, ClaimKind.EAGER, combo,

@@ -128,6 +128,7 @@ class Check(StrEnum):
     ALLOCATOR_CHURN = "allocator_churn"
     NO_SYNC_ALLOC = "no_sync_alloc"
     SPLIT_KV = "split_kv"
+    KV_SCALE_CHANGE = "kv_scale_change"
     PADDED_ROWS = "padded_rows"
     CAPTURE_MEMORY = "capture_memory"
     PIECEWISE = "piecewise"

@@ -37,7 +37,7 @@ from attnreg.runtime import (
 
 from .batches import BatchSpec, batch_spec, chunk_tokens
 from .capture_harness import AllocatorChurn, CapturedForward, Served, capture_once
-from .checks import CHECKS, GraphOptions
+from .checks import CHECKS, KV_RESCALE, GraphOptions
 from .claims import Claim, Combo, kernel_q_rounding
 from .errors import ClaimRefuted, HarnessLimitation
 from .integrity import InputGuard, kv_problems
@@ -463,7 +463,7 @@ class Harness:
 
     def _run_capture_path(self, claim: Claim, backend: AttentionBackend, config: MLAConfig,
                           specs: Sequence[BatchSpec], method: ForwardMethod, *,
-                          padded: bool = False) -> Served:
+                          padded: bool = False, rescale: bool = False) -> Served:
         """Drive the capture-mode path without a device graph; refute on any wrong batch.
 
         Returns what the backend reported served each forward (``note_served_by``).
@@ -475,18 +475,23 @@ class Harness:
         captured = self._captured(claim, backend, config, pool, specs, method,
                                   real_graphs=False)
         problems = self._drive(captured, config, pool, specs, method, _combo(claim),
-                               label=f"{mode} capture path (no device graph)", padded=padded)
+                               label=f"{mode} capture path (no device graph)", padded=padded,
+                               rescale=rescale)
         if problems:
             raise ClaimRefuted("; ".join(problems))
         return captured.served
 
     def _drive(self, captured: CapturedForward, config: MLAConfig, pool: MLAKVPool,
                specs: Sequence[BatchSpec], method: ForwardMethod, combo: Combo, *, label: str,
-               churn: AllocatorChurn | None = None, padded: bool = False) -> list[str]:
+               churn: AllocatorChurn | None = None, padded: bool = False,
+               rescale: bool = False) -> list[str]:
         """prepare -> warm up -> capture -> replay every spec; the problems found.
 
         ``padded``: the attention output is filled with NaN before each replay and
-        every row beyond the batch must come out exactly zero.  A capture of
+        every row beyond the batch must come out exactly zero.  ``rescale``: the replays'
+        rows are written, and their oracles computed, with every layer's fp8 scale
+        multiplied by ``KV_RESCALE``, which ``set_scale`` puts in place only after the
+        capture (which ran at the old scales).  A capture of
         several layers gets one workload per layer and batch (one batch, own
         contents per layer) and checks every layer.
         """
@@ -506,7 +511,12 @@ class Harness:
         # harness needs may be allocated after capture, where a block freed during
         # capture could be handed to it and overwritten by a replay.
         capture_works = build(specs[0], 1)
+        capture_scales = pool.scales
+        replay_scales = [s * KV_RESCALE for s in capture_scales] if rescale \
+            else list(capture_scales)
+        _set_scales(pool, replay_scales)
         works = [build(spec, 200 + 10 * i) for i, spec in enumerate(specs)]
+        _set_scales(pool, capture_scales)
         # KV integrity and unchanged inputs around every run of the graph: byte copies
         # of the pool (taken as the workloads were built) and of each step's inputs
         inputs = [InputGuard(step) for step in [capture_works, *works]]
@@ -533,6 +543,7 @@ class Harness:
         problems += inputs[0].problems("warm-up under capture")
         with explained(f"{label}: capturing"):
             captured.capture()
+        _set_scales(pool, replay_scales)  # in place: what the graph reads from here on
         for i, (spec, step) in enumerate(zip(specs, works)):
             between = churn.churn if churn is not None else None
             scale = _HOST_SCALES[i % len(_HOST_SCALES)]
@@ -580,7 +591,7 @@ class Harness:
         layers = options.layers
         if (options.path_only or not self.real_graphs) and layers == 1:
             served = self._run_capture_path(claim, backend, config, specs, method,
-                                            padded=options.padded)
+                                            padded=options.padded, rescale=options.rescale)
             if options.path_only:
                 self._check_native_served(claim, served)
             return
@@ -591,7 +602,7 @@ class Harness:
         churn = AllocatorChurn(pool.device) if options.churn else None
         label = f"{phase} {mode} graph" + (f" of {layers} layers" if layers > 1 else "")
         problems = self._drive(captured, config, pool, specs, method, combo, label=label,
-                               churn=churn, padded=options.padded)
+                               churn=churn, padded=options.padded, rescale=options.rescale)
         if options.sync_check and captured.memory is not None:
             problems += captured.memory.problems()
         if problems:
@@ -912,3 +923,9 @@ def _combo(claim: Claim) -> Combo:
         raise HarnessLimitation(f"claim {claim.id} has no input configuration")
     return claim.combo
 
+
+def _set_scales(pool: MLAKVPool, scales: Sequence[float]) -> None:
+    """Each layer's fp8 scale (``set_scale``, in place); nothing for other pools."""
+    for layer, scale in zip(pool.layers, scales):
+        if layer.is_fp8 and layer.scale != scale:
+            layer.set_scale(scale)

@@ -32,6 +32,8 @@ The conformance suite must refute each one, with a message pointing at the cause
 * ``planted_fp8_q_scale_ignored`` / ``planted_fp8_q_scale_kept`` (n, ``fp8_q_scale``):
   an engine's fp8 query whose ``q_scale`` is dropped, or whose first scale per layer is
   reused for every later step (``planted_fp8_q_scale_correct`` is their control).
+* ``planted_kv_scale_frozen`` (s, ``kv_scale``): a captured forward's fp8 scale kept as
+  the host float of its first graph forward;
 * ``planted_q_rounded_undeclared`` / ``planted_q_rounding_undone`` (q, ``q_rounding``):
   q rounded to fp8 where the declaration says it is used as given, and a rounding
   declared for kernels that do not do it.
