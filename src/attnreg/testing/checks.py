@@ -289,7 +289,7 @@ class Lse(ConformanceCheck):
         harness.check_eager(claim, with_lse=True)
 
 
-def mla_phase_bases(x: Expansion) -> list[tuple[Phase, Combo, tuple[str, ...]]]:
+def _mla_phase_bases(x: Expansion) -> list[tuple[Phase, Combo, tuple[str, ...]]]:
     """Each phase whose absorbed MLA ``x`` declares, with its base configuration and the
     batches an eager claim over that phase's MLA runs (its quick batch on cpu)."""
     out = []
@@ -326,7 +326,7 @@ class QRounding(ConformanceCheck):
 
     def declaration_claims(self, x: Expansion) -> list[Claim]:
         claims: list[Claim] = []
-        for phase, base, specs in mla_phase_bases(x):
+        for phase, base, specs in _mla_phase_bases(x):
             for combo in x.dtype_variants(base, ForwardMethod.MLA, phase):
                 if combo.q_dtype is DType.FP8_E4M3:
                     continue
@@ -912,6 +912,12 @@ class SplitKVCheck(_GraphCheck):
         harness.check_graph(claim, GraphOptions())
 
 
+#: What :class:`KVScaleChange` multiplies each layer's fp8 scale by after capture (a power
+#: of two, so the suite's pools keep power-of-two scales; N(0, 1) rows stay well inside
+#: e4m3's range at every one of them).
+KV_RESCALE = 4.0
+
+
 @register_check
 class KVScaleChange(_GraphCheck):
     """A graph over an FP8 pool reads each layer's scale at replay: captured at one scale,
@@ -937,11 +943,6 @@ class KVScaleChange(_GraphCheck):
 
     def run(self, harness: Harness, claim: Claim) -> None:
         harness.check_graph(claim, GraphOptions(rescale=True))
-
-
-#: What :class:`KVScaleChange` multiplies each layer's fp8 scale by after capture (a power
-#: of two: the new rows' values stay exact and within e4m3's range).
-KV_RESCALE = 4.0
 
 
 # -- queries beyond the fp8 range -------------------------------------------------------
@@ -985,7 +986,7 @@ class Fp8LargeQuery(ConformanceCheck):
 
     def declaration_claims(self, x: Expansion) -> list[Claim]:
         claims: list[Claim] = []
-        for phase, base, specs in mla_phase_bases(x):
+        for phase, base, specs in _mla_phase_bases(x):
             for combo in self._fp8(x, base, phase):
                 claims.append(self.claim(
                     x, ClaimKind.EAGER, combo,

@@ -188,10 +188,9 @@ class Workload:
     q_compute_scale: str = "batch"
     #: an fp8 ``q``'s float32 ``[1]`` dequantisation scale (``forward_*(q_scale=)``)
     q_scale: torch.Tensor | None = None
-    #: absorbed MLA: the oracle's output for ``q`` rounded another way,
-    #: ``oracle_for(q_compute_dtype, q_compute_scale)`` (``round_q``'s arguments; what
-    #: the ``q_rounding`` claims hold a kernel's output against); None otherwise
-    oracle_for: Callable[[DType | None, str], torch.Tensor] | None = None
+    #: absorbed MLA built with ``alt_q_rounding``: the oracle's output for ``q`` rounded
+    #: that other way (what the ``q_rounding`` claims also hold an output against)
+    expected_alt: torch.Tensor | None = None
 
     def tolerance_dtype(self, q_dtype: DType) -> DType:
         """The dtype whose :data:`TOLERANCES` entry the output is held to: the kernel's
@@ -308,7 +307,8 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                   chunk_tokens: int | None = None,
                   q_compute_dtype: DType | None = None,
                   q_compute_scale: str = "batch",
-                  q_gains: Sequence[float] | None = None) -> Workload:
+                  q_gains: Sequence[float] | None = None,
+                  alt_q_rounding: tuple[DType | None, str] | None = None) -> Workload:
     """Write the prefixes of ``spec`` into layer ``layer_id`` of ``pool``, build the batch,
     compute the oracle.
 
@@ -319,7 +319,9 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     ``q_compute_dtype``: the declared kernel computes with q rounded to it, with one
     scale per ``q_compute_scale`` (:func:`round_q`), so the oracle does too.  ``q_gains``: absorbed MLA queries
     only, row ``i`` of q multiplied by ``q_gains[i % len(q_gains)]`` (e.g.
-    :data:`LARGE_Q_GAINS`) before the oracle sees it.
+    :data:`LARGE_Q_GAINS`) before the oracle sees it.  ``alt_q_rounding``: absorbed MLA
+    from a 16-bit q only, ``(q_compute_dtype, q_compute_scale)`` of a second oracle over
+    the same rows (``expected_alt``).
 
     Every sequence is built at once (one write of all prefixes, one rounding, one
     batched oracle): a 256-sequence batch costs about what a handful of sequences
@@ -358,7 +360,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
     k = v = None
     decompress = None
     q_scale = None
-    oracle_for = None
+    expected_alt = None
     if method is ForwardMethod.MLA:
         q = _randn(gen, rows, heads, pool.row_dim)
         if q_gains:
@@ -377,8 +379,9 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
             q = q.to(qdt).to(dev)
             oracle_q = round_q(q, q_compute_dtype, q_compute_scale)
         expected, lse = oracle_mla(oracle_q, stored, spec, lora, config.softmax_scale)
-        if qdt != torch.float8_e4m3fn:
-            oracle_for = _oracle_for(q, stored, spec, lora, config.softmax_scale)
+        if alt_q_rounding is not None and qdt != torch.float8_e4m3fn:
+            expected_alt = oracle_mla(round_q(q, *alt_q_rounding), stored, spec, lora,
+                                      config.softmax_scale)[0]
     elif method is ForwardMethod.MHA_CHUNKED_KV:
         qk, dv = config.mha_head_dims
         q = _randn(gen, rows, heads, qk).to(qdt).to(dev)
@@ -400,7 +403,7 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
                     new_slots=slots[~cached].tolist(), expected_lse=lse, layer_id=layer_id,
                     pages=[list(p) for p in pages], decompress=decompress,
                     chunk_tokens=chunk_tokens, q_compute_dtype=q_compute_dtype,
-                    q_compute_scale=q_compute_scale, q_scale=q_scale, oracle_for=oracle_for)
+                    q_compute_scale=q_compute_scale, q_scale=q_scale, expected_alt=expected_alt)
     ledger = ledger_of(pool)
     if ledger is not None:
         # the prefixes just written are the pool's new baseline; the slots are this
@@ -408,15 +411,6 @@ def make_workload(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec, method: F
         ledger.own([work])
         ledger.snapshot()
     return work
-
-
-def _oracle_for(q: torch.Tensor, stored: torch.Tensor, spec: BatchSpec, latent: int,
-                scale: float) -> Callable[[DType | None, str], torch.Tensor]:
-    """The absorbed MLA oracle over the same rows for ``q`` rounded as asked."""
-    def oracle(q_compute_dtype: DType | None, q_compute_scale: str = "batch") -> torch.Tensor:
-        return oracle_mla(round_q(q, q_compute_dtype, q_compute_scale), stored, spec,
-                          latent, scale)[0]
-    return oracle
 
 
 def make_layer_workloads(config: MLAConfig, pool: MLAKVPool, spec: BatchSpec,
